@@ -1,0 +1,142 @@
+"""Client-facing headers: the infer request, the result and the error reply."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.codec import pack, unpack
+from protocol.constants import (
+    MAX_NAME_LEN,
+    MAX_REQUEST_ID_LEN,
+    PROTOCOL_VERSION,
+    ClientMessageType,
+    ErrorCode,
+)
+from protocol.errors import ProtocolError
+from protocol.tensors import TensorDesc, check_frames, parse_descs
+
+RequestId = int | str | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    """A decoded, validated infer header (tensor frames travel beside it, untouched)."""
+
+    request_id: RequestId
+    model: str
+    inputs: tuple[TensorDesc, ...]
+    deadline_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    """A decoded result header."""
+
+    request_id: RequestId
+    model: str
+    outputs: tuple[TensorDesc, ...]
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def _valid_id(raw: object) -> RequestId | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int) and 0 <= raw < 2**64:
+        return raw
+    if isinstance(raw, (str, bytes)) and 0 < len(raw) <= MAX_REQUEST_ID_LEN:
+        return raw
+    return None
+
+
+def encode_infer(request: InferRequest) -> bytes:
+    """Header bytes of an infer request."""
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "type": ClientMessageType.INFER.value,
+        "id": request.request_id,
+        "model": request.model,
+        "inputs": [d.to_wire() for d in request.inputs],
+    }
+    if request.deadline_ms is not None:
+        header["deadline_ms"] = request.deadline_ms
+    return pack(header)
+
+
+def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_frame_bytes: int) -> InferRequest:
+    """Validate an infer header and its frame lengths; errors carry the request id when it was readable."""
+    raw = unpack(header)
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header must be a msgpack map")
+    request_id = _valid_id(raw.get("id"))
+    try:
+        if raw.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION, f"protocol version {raw.get('v')!r} is not supported; use {PROTOCOL_VERSION}"
+            )
+        if raw.get("type") != ClientMessageType.INFER:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"message type {raw.get('type')!r} is not 'infer'")
+        if request_id is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"id must be a uint64 or a string/bytes of 1..{MAX_REQUEST_ID_LEN}"
+            )
+        model = raw.get("model")
+        if not isinstance(model, str) or not 0 < len(model) <= MAX_NAME_LEN:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"model must be a string of 1..{MAX_NAME_LEN} characters")
+        deadline = raw.get("deadline_ms")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int) or not 0 < deadline < 2**31):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "deadline_ms must be a positive integer of milliseconds")
+        inputs = parse_descs(raw.get("inputs"))
+        check_frames(inputs, frame_lengths, max_frame_bytes)
+    except ProtocolError as exc:
+        exc.request_id = request_id
+        raise
+    return InferRequest(request_id, model, inputs, deadline)
+
+
+def encode_result(request_id: RequestId, model: str, outputs: Sequence[TensorDesc], timing: dict[str, float]) -> bytes:
+    """Header bytes of a successful reply."""
+    return pack(
+        {
+            "v": PROTOCOL_VERSION,
+            "type": ClientMessageType.RESULT.value,
+            "id": request_id,
+            "model": model,
+            "outputs": [d.to_wire() for d in outputs],
+            "timing": timing,
+        }
+    )
+
+
+def encode_error(request_id: RequestId | None, code: ErrorCode, message: str) -> bytes:
+    """Header bytes of an error reply; id is nil when the request's id was unreadable."""
+    return pack(
+        {
+            "v": PROTOCOL_VERSION,
+            "type": ClientMessageType.ERROR.value,
+            "id": request_id,
+            "code": code.value,
+            "message": message,
+        }
+    )
+
+
+def decode_reply(header: bytes | memoryview, frame_lengths: Sequence[int]) -> InferResult | ProtocolError:
+    """Decode a reply header: an InferResult, or the error it carries as a ProtocolError value."""
+    raw = unpack(header)
+    if not isinstance(raw, dict) or raw.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.INTERNAL, "reply header is not a version-1 map")
+    request_id = _valid_id(raw.get("id"))
+    kind = raw.get("type")
+    if kind == ClientMessageType.ERROR:
+        code_raw = raw.get("code")
+        code = ErrorCode(code_raw) if code_raw in ErrorCode.__members__ else ErrorCode.INTERNAL
+        return ProtocolError(code, str(raw.get("message", "")), request_id)
+    if kind != ClientMessageType.RESULT or request_id is None:
+        raise ProtocolError(ErrorCode.INTERNAL, f"reply type {kind!r} is not 'result' or 'error'")
+    outputs = parse_descs(raw.get("outputs"), "outputs")
+    check_frames(outputs, frame_lengths, 2**62)
+    timing_raw = raw.get("timing") or {}
+    timing = {str(k): float(v) for k, v in timing_raw.items() if isinstance(v, (int, float))} if isinstance(timing_raw, dict) else {}
+    return InferResult(request_id, str(raw.get("model", "")), outputs, timing)

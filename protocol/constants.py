@@ -1,0 +1,82 @@
+"""Wire constants shared by clients, the broker and workers (the single source of truth)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+#: Version carried in every header; a peer answers any other value with UNSUPPORTED_VERSION.
+PROTOCOL_VERSION: Final = 1
+
+#: Socket file names inside the runtime directory.
+CLIENT_SOCKET_NAME: Final = "infer.sock"
+CONTROL_SOCKET_NAME: Final = "control.sock"
+WORKER_SOCKET_NAME: Final = "workers.sock"
+
+
+class ClientMessageType(enum.StrEnum):
+    """The `type` field of a client-facing header."""
+
+    INFER = "infer"
+    RESULT = "result"
+    ERROR = "error"
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable error codes; clients may switch on them, so values never change meaning."""
+
+    BAD_REQUEST = "BAD_REQUEST"
+    UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"
+    UNKNOWN_MODEL = "UNKNOWN_MODEL"
+    INVALID_INPUT = "INVALID_INPUT"
+    OVERLOADED = "OVERLOADED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    WORKER_LOST = "WORKER_LOST"
+    INTERNAL = "INTERNAL"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    UNAVAILABLE = "UNAVAILABLE"
+    TIMEOUT = "TIMEOUT"  # raised by the Python client only: no reply within its own timeout
+
+
+class WorkerMessageType(enum.IntEnum):
+    """Message kinds on the supervisor-worker socket (first element of the header array)."""
+
+    READY = 1
+    HEARTBEAT = 2
+    REQUEST = 3
+    REPLY = 4
+    STATS = 5
+    DRAIN = 6
+    STOP = 7
+
+
+class WorkerExitCode(enum.IntEnum):
+    """Exit statuses a worker uses so the supervisor can tell a bad model from a crash."""
+
+    OK = 0
+    BAD_LAUNCH = 3
+    LOAD_FAILED = 4
+    SUPERVISOR_LOST = 5
+
+
+#: dtype name -> itemsize. Little-endian only; bool is one byte (0 or 1).
+DTYPE_ITEMSIZE: Final[dict[str, int]] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+
+#: Hard ceilings of the header decoder; they bound memory whatever a peer sends.
+MAX_HEADER_BYTES: Final = 64 * 1024
+MAX_TENSORS: Final = 64
+MAX_RANK: Final = 8
+MAX_NAME_LEN: Final = 128
+MAX_REQUEST_ID_LEN: Final = 64
+MAX_MESSAGE_LEN: Final = 4096
+DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024

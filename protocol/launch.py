@@ -1,0 +1,55 @@
+"""What the supervisor hands a new worker process: its model, cores and endpoints (JSON, no pickle)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from protocol.tensors import TensorSpec
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a built-in name, a TorchScript file or an ExportedProgram (.pt2)."""
+
+    kind: str  # "builtin" | "torchscript" | "exported"
+    name: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a worker needs before it imports torch."""
+
+    worker_id: str
+    model: str
+    endpoint: str
+    source: ModelSource
+    inputs: tuple[TensorSpec, ...]
+    output_names: tuple[str, ...] | None
+    cpus: tuple[int, ...]
+    threads: int
+    warmup_iterations: int = 3
+    heartbeat_interval_ms: int = 500
+    heartbeat_liveness: int = 10
+    stats_interval_ms: int = 2000
+    max_frame_bytes: int = 256 * 1024 * 1024
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """Serialise for the worker's command line."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchSpec:
+        """Parse what to_json wrote; raises ValueError/TypeError/KeyError on anything else."""
+        raw = json.loads(text)
+        raw["source"] = ModelSource(**raw["source"])
+        raw["inputs"] = tuple(
+            TensorSpec(s["name"], s["dtype"], tuple(s["shape"]), bool(s.get("allow_non_finite", False)))
+            for s in raw["inputs"]
+        )
+        raw["output_names"] = tuple(raw["output_names"]) if raw.get("output_names") is not None else None
+        raw["cpus"] = tuple(raw["cpus"])
+        return cls(**raw)

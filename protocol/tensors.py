@@ -1,0 +1,124 @@
+"""Tensor descriptors and input specs, checked without numpy so the broker stays small."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.constants import DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS, ErrorCode
+from protocol.errors import ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDesc:
+    """Name, dtype and shape of one raw tensor frame."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Byte length the frame must have."""
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack map form of this descriptor."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a model accepts for one input: dtype, shape with None for dynamic dims, finiteness."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+    allow_non_finite: bool = False
+
+    def describe(self) -> str:
+        """Human form used in INVALID_INPUT messages, e.g. `image float32[*,3,224,224]`."""
+        dims = ",".join("*" if d is None else str(d) for d in self.shape)
+        return f"{self.name} {self.dtype}[{dims}]"
+
+    def mismatch(self, desc: TensorDesc) -> str | None:
+        """Why `desc` does not fit this spec, or None when it does."""
+        if desc.dtype != self.dtype:
+            return f"input {self.name!r} has dtype {desc.dtype}, expected {self.describe()}"
+        if len(desc.shape) != len(self.shape) or any(
+            want is not None and want != got for want, got in zip(self.shape, desc.shape)
+        ):
+            return f"input {self.name!r} has shape {list(desc.shape)}, expected {self.describe()}"
+        return None
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def parse_descs(raw: Any, what: str = "inputs") -> tuple[TensorDesc, ...]:
+    """Validate the `inputs`/`outputs` array of a header into descriptors."""
+    if not isinstance(raw, list):
+        raise _bad(f"{what} must be an array")
+    if len(raw) > MAX_TENSORS:
+        raise _bad(f"{what} has {len(raw)} tensors, limit {MAX_TENSORS}")
+    descs: list[TensorDesc] = []
+    names: set[str] = set()
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise _bad(f"{what}[{index}] must be a map")
+        name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            raise _bad(f"{what}[{index}].name must be a string of 1..{MAX_NAME_LEN} characters")
+        if name in names:
+            raise _bad(f"{what}[{index}].name {name!r} appears twice")
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise ProtocolError(
+                ErrorCode.INVALID_INPUT,
+                f"{what}[{index}] ({name!r}) dtype {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}",
+            )
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            raise _bad(f"{what}[{index}].shape must be an array of at most {MAX_RANK} dims")
+        for dim in shape:
+            # bool is an int subclass in Python; a true/false dim is malformed, not 1/0.
+            if not isinstance(dim, int) or isinstance(dim, bool) or not 0 < dim < 2**31:
+                raise ProtocolError(
+                    ErrorCode.INVALID_INPUT, f"{what}[{index}] ({name!r}) shape {shape!r}: dims must be integers >= 1"
+                )
+        names.add(name)
+        descs.append(TensorDesc(name, dtype, tuple(shape)))
+    return tuple(descs)
+
+
+def check_frames(descs: Sequence[TensorDesc], frame_lengths: Sequence[int], max_frame_bytes: int) -> None:
+    """Check one frame per descriptor and that each frame's length is shape x itemsize."""
+    if len(descs) != len(frame_lengths):
+        raise _bad(f"header describes {len(descs)} tensors but {len(frame_lengths)} frames follow")
+    for desc, length in zip(descs, frame_lengths):
+        expected = desc.nbytes
+        if expected > max_frame_bytes:
+            raise ProtocolError(
+                ErrorCode.INVALID_INPUT, f"tensor {desc.name!r} is {expected} bytes, limit {max_frame_bytes}"
+            )
+        if length != expected:
+            raise ProtocolError(
+                ErrorCode.INVALID_INPUT,
+                f"tensor {desc.name!r} frame is {length} bytes, {desc.dtype}{list(desc.shape)} needs {expected}",
+            )
+
+
+def check_against_spec(descs: Sequence[TensorDesc], specs: Sequence[TensorSpec]) -> None:
+    """Check the request's tensors are exactly the model's declared inputs."""
+    by_name = {d.name: d for d in descs}
+    expected = {s.name for s in specs}
+    if set(by_name) != expected:
+        wanted = ", ".join(s.describe() for s in specs)
+        raise ProtocolError(
+            ErrorCode.INVALID_INPUT, f"inputs {sorted(by_name)} do not match the model's inputs: {wanted}"
+        )
+    for spec in specs:
+        problem = spec.mismatch(by_name[spec.name])
+        if problem is not None:
+            raise ProtocolError(ErrorCode.INVALID_INPUT, problem)

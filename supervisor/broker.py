@@ -1,0 +1,403 @@
+"""The request broker: client ROUTER in front, worker ROUTER behind, bounded queues between.
+
+The broker never blocks: every send is NOBLOCK, so a client that stops reading or a worker
+that vanished costs a counted drop (or a re-dispatch), never a stalled loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+
+from protocol import worker_messages as wm
+from protocol.client_messages import RequestId, decode_infer, encode_error, encode_result
+from protocol.constants import CLIENT_SOCKET_NAME, WORKER_SOCKET_NAME, ErrorCode
+from protocol.errors import ProtocolError
+from protocol.tensors import TensorDesc, check_against_spec
+from supervisor.config import Config
+from supervisor.slot import SlotState, WorkerSlot
+
+log = structlog.get_logger("supervisor")
+
+#: Messages taken from one socket per loop turn, so a flood on one side cannot starve the other.
+_BATCH = 256
+#: Per-peer queue limits inside ZeroMQ; our own bounded queues do the real admission control.
+_HWM = 10_000
+
+
+@dataclass(slots=True)
+class PendingRequest:
+    """An accepted request: it gets exactly one final reply, however many workers it outlives."""
+
+    internal_id: int
+    client: bytes
+    request_id: RequestId
+    model: str
+    inputs: tuple[TensorDesc, ...]
+    frames: list[Any]
+    accepted_at: float
+    deadline: float | None
+    losses: int = 0
+    dispatched_at: float = 0.0
+
+
+@dataclass
+class ModelQueue:
+    """Requests of one model waiting for an idle worker, plus that model's counters."""
+
+    capacity: int
+    waiting: collections.deque[PendingRequest] = field(default_factory=collections.deque)
+    completed: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+
+class Broker:
+    """Routes client requests to idle pinned workers and their replies back."""
+
+    def __init__(self, context: zmq.Context[Any], config: Config, runtime_dir: Path) -> None:
+        self.config = config
+        self.client_endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
+        self.worker_endpoint = f"ipc://{runtime_dir / WORKER_SOCKET_NAME}"
+        self.frontend = self._router(context, config.max_frame_bytes)
+        self.frontend.bind(self.client_endpoint)
+        (runtime_dir / CLIENT_SOCKET_NAME).chmod(0o600)
+        if config.tcp_endpoint:
+            self.frontend.bind(config.tcp_endpoint)
+        self.backend = self._router(context, -1)
+        self.backend.bind(self.worker_endpoint)
+        (runtime_dir / WORKER_SOCKET_NAME).chmod(0o600)
+        self.accepting = True
+        self.slots: dict[str, list[WorkerSlot]] = {}
+        self.by_identity: dict[bytes, WorkerSlot] = {}
+        self.queues: dict[str, ModelQueue] = {}
+        self.next_id = 1
+        self.inflight_count = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @staticmethod
+    def _router(context: zmq.Context[Any], max_message: int) -> zmq.Socket[Any]:
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.SNDHWM, _HWM)
+        socket.setsockopt(zmq.RCVHWM, _HWM)
+        socket.setsockopt(zmq.LINGER, 0)
+        if max_message > 0:
+            socket.setsockopt(zmq.MAXMSGSIZE, max_message)
+        return socket
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def set_pools(self, slots: dict[str, list[WorkerSlot]]) -> None:
+        """Adopt the model pools (and their queue sizes) the arbiter manages."""
+        self.slots = slots
+        for name, model in self.config.models.items():
+            queue = self.queues.setdefault(name, ModelQueue(model.queue_size))
+            queue.capacity = model.queue_size
+
+    def register(self, slot: WorkerSlot) -> None:
+        """Accept messages from the slot's current process identity."""
+        self.by_identity[slot.identity] = slot
+
+    def forget(self, slot: WorkerSlot) -> None:
+        """Ignore anything more from the slot's old process (a late reply must not be delivered twice)."""
+        self.by_identity.pop(slot.identity, None)
+
+    @property
+    def queued_count(self) -> int:
+        """Requests accepted but not yet dispatched."""
+        return sum(len(q.waiting) for q in self.queues.values())
+
+    # ---- client side ------------------------------------------------------------------------
+
+    def handle_clients(self) -> None:
+        """Take up to a batch of client messages."""
+        for _ in range(_BATCH):
+            try:
+                frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self.accept(frames)
+            except Exception:  # a bug on one message must cost that message, not the daemon
+                log.exception("client_message_crashed")
+                self.counters["internal_error"] += 1
+                self.reply_error(frames[0].bytes, None, ErrorCode.INTERNAL, "the broker failed on this message")
+
+    def accept(self, frames: list[Any]) -> None:
+        """Validate one client message and queue or dispatch it, or answer with an error at once."""
+        client = frames[0].bytes
+        if len(frames) < 3 or len(frames[1]) != 0:
+            self.counters["malformed_envelope"] += 1
+            self.reply_error(client, None, ErrorCode.BAD_REQUEST, "expected frames: empty delimiter, header, tensors")
+            return
+        tensor_frames = frames[3:]
+        try:
+            request = decode_infer(frames[2].buffer, [len(f) for f in tensor_frames], self.config.max_frame_bytes)
+        except ProtocolError as exc:
+            self.counters[f"rejected_{exc.code.value}"] += 1
+            self.reply_error(client, exc.request_id, exc.code, exc.message)
+            return
+        model = self.config.models.get(request.model)
+        try:
+            if model is None:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_MODEL, f"no model {request.model!r}; serving {sorted(self.config.models)}"
+                )
+            check_against_spec(request.inputs, model.inputs)
+        except ProtocolError as exc:
+            self.counters[f"rejected_{exc.code.value}"] += 1
+            self.reply_error(client, request.request_id, exc.code, exc.message)
+            return
+        if not self.accepting:
+            self.reply_error(client, request.request_id, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+            return
+        queue = self.queues[request.model]
+        if not self.has_capacity(request.model):
+            queue.errors[ErrorCode.UNAVAILABLE.value] += 1
+            self.reply_error(
+                client, request.request_id, ErrorCode.UNAVAILABLE, f"model {request.model!r} has no live worker slot"
+            )
+            return
+        now = time.monotonic()
+        pending = PendingRequest(
+            internal_id=self.next_id,
+            client=client,
+            request_id=request.request_id,
+            model=request.model,
+            inputs=request.inputs,
+            frames=tensor_frames,
+            accepted_at=now,
+            deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
+        )
+        self.next_id += 1
+        idle = self.pick_idle(request.model)
+        if idle is not None and not queue.waiting:
+            self.send_to_worker(idle, pending)
+        elif len(queue.waiting) >= queue.capacity:
+            queue.errors[ErrorCode.OVERLOADED.value] += 1
+            self.reply_error(
+                client, request.request_id, ErrorCode.OVERLOADED, f"queue of {request.model!r} is full ({queue.capacity})"
+            )
+        else:
+            queue.waiting.append(pending)
+
+    def has_capacity(self, model: str) -> bool:
+        """False when every slot of the model has FAILED: queueing would only delay an error."""
+        return any(s.state is not SlotState.FAILED for s in self.slots.get(model, ()))
+
+    def reply_error(self, client: bytes, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
+        """Send an error reply to a client connection."""
+        self.send_to_client(client, [encode_error(request_id, code, message)])
+
+    def send_to_client(self, client: bytes, frames: list[Any]) -> None:
+        """Deliver one reply; a client that left or stopped reading is counted, never waited for."""
+        try:
+            self.frontend.send_multipart([client, b"", *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
+            self.counters["reply_undeliverable"] += 1
+
+    def finish(self, request: PendingRequest, code: ErrorCode | None, header: bytes, frames: list[Any]) -> None:
+        """Send the one final reply of a request and count it."""
+        queue = self.queues[request.model]
+        if code is None:
+            queue.completed += 1
+            queue.latencies_ms.append((time.monotonic() - request.accepted_at) * 1000.0)
+        else:
+            queue.errors[code.value] += 1
+        self.send_to_client(request.client, [header, *frames])
+
+    def fail(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
+        """Finish a request with an error."""
+        self.finish(request, code, encode_error(request.request_id, code, message), [])
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def pick_idle(self, model: str) -> WorkerSlot | None:
+        """The idle serving worker of `model` that has waited longest (all idle ones are equally loaded)."""
+        best: WorkerSlot | None = None
+        for slot in self.slots.get(model, ()):
+            if slot.idle and (best is None or slot.last_heard < best.last_heard):
+                best = slot
+        return best
+
+    def dispatch(self, model: str) -> None:
+        """Hand queued requests of `model` to its idle workers, oldest first."""
+        queue = self.queues[model]
+        while queue.waiting:
+            slot = self.pick_idle(model)
+            if slot is None:
+                return
+            request = queue.waiting.popleft()
+            if request.deadline is not None and time.monotonic() >= request.deadline:
+                self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                continue
+            self.send_to_worker(slot, request)
+
+    def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> None:
+        """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
+        message = wm.Request(request.internal_id, request.model, request.inputs)
+        try:
+            self.backend.send_multipart([slot.identity, *wm.encode(message, request.frames)], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
+            self.queues[request.model].waiting.appendleft(request)
+            slot.kill("worker socket unreachable")
+            return
+        request.dispatched_at = time.monotonic()
+        slot.inflight = request
+        self.inflight_count += 1
+
+    def take_inflight(self, slot: WorkerSlot) -> PendingRequest | None:
+        """Detach the slot's in-flight request."""
+        request = slot.inflight
+        if request is not None:
+            slot.inflight = None
+            self.inflight_count -= 1
+        return request
+
+    def worker_lost(self, slot: WorkerSlot, reason: str) -> None:
+        """Re-dispatch the request a dead or hung worker held, or give up after max_retries losses."""
+        request = self.take_inflight(slot)
+        if request is None:
+            return
+        request.losses += 1
+        if request.losses > slot.model.max_retries:
+            log.error("request_lost_worker", model=request.model, request_id=str(request.request_id), losses=request.losses)
+            self.fail(
+                request,
+                ErrorCode.WORKER_LOST,
+                f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again",
+            )
+            return
+        log.warning("request_redispatched", model=request.model, request_id=str(request.request_id), losses=request.losses)
+        self.queues[request.model].waiting.appendleft(request)
+        self.dispatch(request.model)
+
+    def expire(self, now: float) -> None:
+        """Answer DEADLINE_EXCEEDED for queued requests whose deadline passed."""
+        for queue in self.queues.values():
+            if not any(r.deadline is not None and now >= r.deadline for r in queue.waiting):
+                continue
+            keep: collections.deque[PendingRequest] = collections.deque()
+            for request in queue.waiting:
+                if request.deadline is not None and now >= request.deadline:
+                    self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                else:
+                    keep.append(request)
+            queue.waiting = keep
+
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        """Answer every queued and in-flight request with `code` (the end of a bounded shutdown)."""
+        for queue in self.queues.values():
+            while queue.waiting:
+                self.fail(queue.waiting.popleft(), code, message)
+        for slots in self.slots.values():
+            for slot in slots:
+                request = self.take_inflight(slot)
+                if request is not None:
+                    self.fail(request, code, message)
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def handle_workers(self) -> None:
+        """Take up to a batch of worker messages."""
+        for _ in range(_BATCH):
+            try:
+                frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self.on_worker_message(frames)
+            except Exception:  # a bug on one message must cost that message, not the daemon
+                log.exception("worker_message_crashed")
+                self.counters["internal_error"] += 1
+
+    def on_worker_message(self, frames: list[Any]) -> None:
+        """Act on one worker message; unknown senders and malformed headers are counted and dropped."""
+        slot = self.by_identity.get(frames[0].bytes)
+        if slot is None or len(frames) < 2:
+            self.counters["worker_message_unknown_sender"] += 1
+            return
+        try:
+            message = wm.decode(frames[1].buffer)
+        except ProtocolError as exc:
+            self.counters["worker_message_malformed"] += 1
+            log.error("worker_message_malformed", slot=slot.name, error=exc.message)
+            return
+        slot.last_heard = time.monotonic()
+        if isinstance(message, wm.Reply):
+            self.on_reply(slot, message, frames[2:])
+        elif isinstance(message, wm.Ready):
+            self.on_ready(slot, message)
+        elif isinstance(message, wm.Stats):
+            slot.threads_seen = message.threads
+
+    def on_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
+        """A warm worker: start routing to it."""
+        if slot.state is not SlotState.STARTING:
+            return
+        slot.ready_ms = (time.monotonic() - slot.spawned_at) * 1000.0
+        slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
+        slot.threads_seen = ready.threads
+        slot.transition(
+            SlotState.SERVING,
+            f"ready in {slot.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms)",
+        )
+        self.dispatch(slot.model.name)
+
+    def on_reply(self, slot: WorkerSlot, reply: wm.Reply, frames: list[Any]) -> None:
+        """Forward a worker's answer to the client that asked, exactly once."""
+        request = slot.inflight
+        if request is None or request.internal_id != reply.request_id:
+            self.counters["reply_stale"] += 1
+            return
+        self.take_inflight(slot)
+        now = time.monotonic()
+        service_ms = (now - request.dispatched_at) * 1000.0
+        slot.requests += 1
+        slot.latencies_ms.append(service_ms)
+        if reply.error_code is not None:
+            code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL
+            self.fail(request, code, reply.message)
+        elif request.deadline is not None and now >= request.deadline:
+            # The client asked for no answer after its deadline; a late result would be one.
+            self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
+        else:
+            timing = {
+                "queue_ms": round((request.dispatched_at - request.accepted_at) * 1000.0, 3),
+                "decode_ms": round(reply.decode_ms, 3),
+                "model_ms": round(reply.model_ms, 3),
+                "encode_ms": round(reply.encode_ms, 3),
+                "total_ms": round((now - request.accepted_at) * 1000.0, 3),
+            }
+            self.finish(request, None, encode_result(request.request_id, request.model, reply.outputs, timing), frames)
+        if slot.state is SlotState.DRAINING:
+            self.send_control(slot, wm.Drain())
+        else:
+            self.dispatch(slot.model.name)
+
+    def send_control(self, slot: WorkerSlot, message: wm.WorkerMessage) -> bool:
+        """Send a heartbeat/drain/stop to a worker; False if it is not connected."""
+        try:
+            self.backend.send_multipart([slot.identity, *wm.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close both sockets."""
+        self.frontend.close(linger=0)
+        self.backend.close(linger=0)

@@ -1,0 +1,63 @@
+"""`infervisor` command line: serve, status, infer, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All subcommands and their options."""
+    parser = argparse.ArgumentParser(prog="infervisor", description="Serve PyTorch models on CPU workers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--config", required=True, help="path to config.json")
+    serve.add_argument("--runtime-dir", help="directory for the sockets (default: see docs)")
+    serve.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
+
+    status = sub.add_parser("status", help="show the workers of a running daemon")
+    status.add_argument("--runtime-dir")
+    status.add_argument("--json", action="store_true", help="print the raw status document")
+
+    infer = sub.add_parser("infer", help="send one request from the shell")
+    infer.add_argument("--runtime-dir")
+    infer.add_argument("--model", required=True)
+    source = infer.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", action="append", help="FILE.npy, NAME=FILE.npy (repeatable) or FILE.npz")
+    source.add_argument("--random", action="store_true", help="random inputs of the model's declared spec")
+    infer.add_argument("--batch", type=int, default=1, help="size of dynamic dims with --random")
+    infer.add_argument("--timeout", type=float, default=30.0)
+    infer.add_argument("--json", action="store_true")
+
+    demo = sub.add_parser("demo", help="start the daemon, send it requests, print results and latency, stop it")
+    demo.add_argument("--config", default="configs/default.json")
+    demo.add_argument("--runtime-dir")
+    demo.add_argument("--requests", type=int, default=50)
+    demo.add_argument("--clients", type=int, default=2)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from supervisor.commands.serve import run_serve
+
+        return run_serve(args)
+    if args.command == "status":
+        from supervisor.commands.status import run_status
+
+        return run_status(args)
+    if args.command == "infer":
+        from supervisor.commands.infer import run_infer
+
+        return run_infer(args)
+    from supervisor.commands.demo import run_demo
+
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

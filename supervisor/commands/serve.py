@@ -1,0 +1,38 @@
+"""`infervisor serve`: validate the config, prepare the runtime dir, run the arbiter."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import structlog
+
+from supervisor.config import ConfigError, load_config
+from supervisor.logs import configure_logging
+from supervisor.planner import PlanError
+from supervisor.runtime_dir import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir
+from supervisor.topology import TopologyError
+
+#: Exit status for a configuration the daemon cannot start with (systemd: do not restart-loop on it).
+EXIT_CONFIG = 78
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM/SIGINT; non-zero when it cannot start or every worker failed."""
+    configure_logging()
+    log = structlog.get_logger("supervisor")
+    config_path = Path(args.config).resolve()
+    try:
+        config = load_config(config_path)
+        configure_logging(config.log_level)
+        runtime_dir = prepare_runtime_dir(resolve_runtime_dir(args.runtime_dir, config.runtime_dir))
+        from supervisor.arbiter import Arbiter
+
+        arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root))
+    except ConfigError as exc:
+        log.error("config_invalid", config=str(config_path), problems=exc.problems)
+        return EXIT_CONFIG
+    except (PlanError, TopologyError, RuntimeDirError) as exc:
+        log.error("cannot_start", error=str(exc))
+        return EXIT_CONFIG
+    return arbiter.run()

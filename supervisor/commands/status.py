@@ -1,0 +1,54 @@
+"""`infervisor status`: the running daemon's workers as a table, or its status document as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from supervisor.control import ControlError, control_request
+from supervisor.runtime_dir import resolve_runtime_dir
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """Human table of a status document."""
+    lines = [
+        f"infervisor pid {status['pid']}  state {status['state']}  up {status['uptime_s']:.0f} s  "
+        f"rss {_mb(status['rss'])} MB  config {status['config']['digest']}",
+        f"endpoint {status['endpoints']['client']}",
+    ]
+    header = f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'rss MB':>7} {'reqs':>7} {'p50 ms':>8} {'p99 ms':>8}  last exit"
+    for name, model in status["models"].items():
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(model["errors"].items())) or "none"
+        lines.append("")
+        lines.append(
+            f"model {name}: queued {model['queued']}/{model['queue_size']}  completed {model['completed']}  "
+            f"p50 {_ms(model['p50_ms'])} ms  p99 {_ms(model['p99_ms'])} ms  errors: {errors}"
+        )
+        lines.append(header)
+        for w in model["workers"]:
+            cores = ",".join(str(c) for c in w["cores"])
+            lines.append(
+                f"  {w['slot']:>4} {w['pid'] or '-':>7} {w['state']:<9} {cores:<10} {w['threads']:>3} "
+                f"{_mb(w['rss']):>7} {w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  {w['last_exit'] or ''}"
+            )
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print the status of the daemon behind --runtime-dir."""
+    try:
+        status = control_request(resolve_runtime_dir(args.runtime_dir, None), {"cmd": "status"})
+    except ControlError as exc:
+        print(f"infervisor status: {exc}")
+        return 2
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0

@@ -1,0 +1,253 @@
+"""config.json: parsed into frozen dataclasses; every problem names the JSON path of the bad key."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN
+from protocol.launch import ModelSource
+from protocol.tensors import TensorSpec
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SOURCE_KINDS = ("builtin", "torchscript", "exported")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_TCP_ENDPOINT = re.compile(r"^tcp://(?P<host>[^:/]+|\[[0-9a-fA-F:]+\]):(?P<port>\d+)$")
+
+
+class ConfigError(Exception):
+    """The config file is unusable; `problems` lists `path: why` lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One served model and its worker pool."""
+
+    name: str
+    source: ModelSource
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[str, ...] | None
+    workers: int
+    cores_per_worker: int
+    use_smt: bool
+    threads: int | None
+    queue_size: int
+    warmup_iterations: int
+    max_retries: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole daemon configuration."""
+
+    models: dict[str, ModelConfig]
+    runtime_dir: str | None
+    log_level: str
+    tcp_endpoint: str | None
+    oversubscribe: bool
+    heartbeat_interval_ms: int
+    heartbeat_liveness: int
+    hang_factor: float
+    hang_min_s: float
+    worker_start_timeout_s: float
+    shutdown_grace_s: float
+    max_frame_bytes: int
+    restart_window_s: float
+    max_restarts: int
+    digest: str
+
+
+class _Reader:
+    """Reads typed values out of a JSON object, collecting problems instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def fail(self, path: str, why: str) -> None:
+        self.problems.append(f"{path}: {why}")
+
+    def check_keys(self, obj: dict[str, Any], path: str, allowed: set[str]) -> None:
+        for key in sorted(set(obj) - allowed):
+            self.fail(f"{path}.{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+    def integer(self, obj: dict[str, Any], key: str, path: str, default: int, low: int, high: int = 2**62) -> int:
+        value = obj.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            self.fail(f"{path}.{key}", f"must be an integer in [{low}, {high}], got {value!r}")
+            return default
+        return value
+
+    def number(self, obj: dict[str, Any], key: str, path: str, default: float, low: float) -> float:
+        value = obj.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
+            self.fail(f"{path}.{key}", f"must be a number >= {low}, got {value!r}")
+            return default
+        return float(value)
+
+    def boolean(self, obj: dict[str, Any], key: str, path: str, default: bool) -> bool:
+        value = obj.get(key, default)
+        if not isinstance(value, bool):
+            self.fail(f"{path}.{key}", f"must be true or false, got {value!r}")
+            return default
+        return value
+
+    def optional_string(self, obj: dict[str, Any], key: str, path: str) -> str | None:
+        value = obj.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            self.fail(f"{path}.{key}", f"must be a non-empty string or null, got {value!r}")
+            return None
+        return value
+
+
+def _read_source(r: _Reader, raw: Any, path: str, base: Path) -> ModelSource:
+    if not isinstance(raw, dict) or len(raw) != 1:
+        r.fail(path, f"must be an object with exactly one of {', '.join(SOURCE_KINDS)}")
+        return ModelSource("builtin", "invalid")
+    ((kind, value),) = raw.items()
+    if kind not in SOURCE_KINDS:
+        r.fail(f"{path}.{kind}", f"unknown source kind (use one of {', '.join(SOURCE_KINDS)})")
+    elif not isinstance(value, str) or not value:
+        r.fail(f"{path}.{kind}", "must be a non-empty string")
+    elif kind == "builtin":
+        return ModelSource("builtin", name=value)
+    else:
+        file = Path(value) if Path(value).is_absolute() else base / value
+        return ModelSource(kind, path=str(file))
+    return ModelSource("builtin", "invalid")
+
+
+def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        r.fail(path, "must be a non-empty array of {name, dtype, shape}")
+        return ()
+    specs: list[TensorSpec] = []
+    for index, item in enumerate(raw):
+        where = f"{path}[{index}]"
+        if not isinstance(item, dict):
+            r.fail(where, "must be an object")
+            continue
+        r.check_keys(item, where, {"name", "dtype", "shape", "allow_non_finite"})
+        name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            r.fail(f"{where}.name", "must be a non-empty string")
+            continue
+        if dtype not in DTYPE_ITEMSIZE:
+            r.fail(f"{where}.dtype", f"must be one of {', '.join(sorted(DTYPE_ITEMSIZE))}, got {dtype!r}")
+            continue
+        if not isinstance(shape, list) or not all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1) for d in shape
+        ):
+            r.fail(f"{where}.shape", f"must be an array of positive integers or null (dynamic), got {shape!r}")
+            continue
+        allow = r.boolean(item, "allow_non_finite", where, False)
+        specs.append(TensorSpec(name, dtype, tuple(shape), allow))
+    return tuple(specs)
+
+
+_MODEL_KEYS = {
+    "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
+    "queue_size", "warmup_iterations", "max_retries",
+}  # fmt: skip
+
+
+def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | None:
+    path = f"models.{name}"
+    if not _MODEL_NAME.match(name) or len(name) > MAX_NAME_LEN:
+        r.fail(path, "model names use letters, digits, '_', '.', '-' and start with a letter or digit")
+    if not isinstance(raw, dict):
+        r.fail(path, "must be an object")
+        return None
+    r.check_keys(raw, path, _MODEL_KEYS)
+    outputs = raw.get("outputs")
+    if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, str) and o for o in outputs)):
+        r.fail(f"{path}.outputs", "must be an array of output names or null")
+        outputs = None
+    threads = raw.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        r.fail(f"{path}.threads", f"must be a positive integer or null (= one per pinned cpu), got {threads!r}")
+        threads = None
+    return ModelConfig(
+        name=name,
+        source=_read_source(r, raw.get("source"), f"{path}.source", base),
+        inputs=_read_inputs(r, raw.get("inputs"), f"{path}.inputs"),
+        outputs=tuple(outputs) if outputs else None,
+        workers=r.integer(raw, "workers", path, 1, 1, 256),
+        cores_per_worker=r.integer(raw, "cores_per_worker", path, 1, 1, 1024),
+        use_smt=r.boolean(raw, "use_smt", path, False),
+        threads=threads,
+        queue_size=r.integer(raw, "queue_size", path, 64, 0, 1_000_000),
+        warmup_iterations=r.integer(raw, "warmup_iterations", path, 3, 1, 1000),
+        max_retries=r.integer(raw, "max_retries", path, 2, 0, 10),
+    )
+
+
+_TOP_KEYS = {
+    "models", "runtime_dir", "log_level", "tcp_endpoint", "oversubscribe", "heartbeat_interval_ms",
+    "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
+    "max_frame_bytes", "restart_window_s", "max_restarts",
+}  # fmt: skip
+
+
+def parse_config(text: str, base: Path) -> Config:
+    """Validate config text; relative model paths resolve against `base`."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"(file): not valid JSON: {exc}"]) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(["(top): must be a JSON object"])
+    r = _Reader()
+    r.check_keys(raw, "(top)", _TOP_KEYS)
+    models_raw = raw.get("models")
+    models: dict[str, ModelConfig] = {}
+    if not isinstance(models_raw, dict) or not models_raw:
+        r.fail("models", "must be a non-empty object of model name -> model")
+    else:
+        for name, model_raw in models_raw.items():
+            model = _read_model(r, name, model_raw, base)
+            if model is not None:
+                models[name] = model
+    log_level = raw.get("log_level", "info")
+    if log_level not in LOG_LEVELS:
+        r.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        log_level = "info"
+    tcp = r.optional_string(raw, "tcp_endpoint", "(top)")
+    if tcp is not None and not _TCP_ENDPOINT.match(tcp):
+        r.fail("tcp_endpoint", f"must look like tcp://127.0.0.1:5555, got {tcp!r}")
+    config = Config(
+        models=models,
+        runtime_dir=r.optional_string(raw, "runtime_dir", "(top)"),
+        log_level=log_level,
+        tcp_endpoint=tcp,
+        oversubscribe=r.boolean(raw, "oversubscribe", "(top)", False),
+        heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "(top)", 500, 10, 60_000),
+        heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "(top)", 10, 2, 1000),
+        hang_factor=r.number(raw, "hang_factor", "(top)", 20.0, 1.0),
+        hang_min_s=r.number(raw, "hang_min_s", "(top)", 10.0, 0.1),
+        worker_start_timeout_s=r.number(raw, "worker_start_timeout_s", "(top)", 300.0, 1.0),
+        shutdown_grace_s=r.number(raw, "shutdown_grace_s", "(top)", 10.0, 0.0),
+        max_frame_bytes=r.integer(raw, "max_frame_bytes", "(top)", DEFAULT_MAX_FRAME_BYTES, 1024, 2**40),
+        restart_window_s=r.number(raw, "restart_window_s", "(top)", 60.0, 1.0),
+        max_restarts=r.integer(raw, "max_restarts", "(top)", 5, 1, 1000),
+        digest=hashlib.sha256(text.encode()).hexdigest()[:16],
+    )
+    if r.problems:
+        raise ConfigError(r.problems)
+    return config
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate a config file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from exc
+    return parse_config(text, path.parent.resolve())

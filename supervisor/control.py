@@ -1,0 +1,82 @@
+"""The local control socket: msgpack commands in, msgpack documents out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+
+from protocol.codec import pack, unpack
+from protocol.constants import CONTROL_SOCKET_NAME, ErrorCode
+from protocol.errors import ProtocolError
+
+log = structlog.get_logger("supervisor")
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class ControlServer:
+    """A ROUTER on ipc://RUNTIME_DIR/control.sock (0600), answered from the main loop."""
+
+    def __init__(self, context: zmq.Context[Any], runtime_dir: Path) -> None:
+        self.endpoint = f"ipc://{runtime_dir / CONTROL_SOCKET_NAME}"
+        self.socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        self.socket.bind(self.endpoint)
+        (runtime_dir / CONTROL_SOCKET_NAME).chmod(0o600)
+
+    def handle(self, handler: Handler) -> None:
+        """Answer every pending command."""
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] != b"":
+                continue
+            try:
+                command = unpack(frames[2])
+                if not isinstance(command, dict):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, "command must be a map")
+                answer = handler(command)
+            except ProtocolError as exc:
+                answer = {"ok": False, "error": exc.message}
+            try:
+                self.socket.send_multipart([frames[0], b"", pack(answer)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                log.warning("control_reply_undeliverable")
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.socket.close(linger=0)
+
+
+class ControlError(Exception):
+    """The daemon did not answer the control command."""
+
+
+def control_request(runtime_dir: Path, command: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one command to a running daemon and return its answer."""
+    path = runtime_dir / CONTROL_SOCKET_NAME
+    if not path.exists():
+        raise ControlError(f"no daemon control socket at {path} (is `infervisor serve` running with this --runtime-dir?)")
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"ipc://{path}")
+        socket.send_multipart([b"", pack(command)])
+        if not socket.poll(int(timeout * 1000)):
+            raise ControlError(f"no answer from the daemon within {timeout:.1f} s")
+        frames = socket.recv_multipart()
+        answer = unpack(frames[-1])
+        if not isinstance(answer, dict):
+            raise ControlError("the daemon's answer is not a map")
+        return answer
+    finally:
+        socket.close()

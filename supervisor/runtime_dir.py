@@ -1,0 +1,45 @@
+"""Where the sockets live: a private (0700) runtime directory chosen like a systemd service would."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class RuntimeDirError(Exception):
+    """The runtime directory cannot be made private."""
+
+
+def default_runtime_dir() -> Path:
+    """$RUNTIME_DIRECTORY, else /run/infervisor if writable, else $XDG_RUNTIME_DIR/infervisor, else /tmp/infervisor-UID."""
+    from_systemd = os.environ.get("RUNTIME_DIRECTORY")
+    if from_systemd:
+        # systemd may pass several colon-separated directories; the first is ours.
+        return Path(from_systemd.split(":")[0])
+    run = Path("/run")
+    if os.access(run / "infervisor", os.W_OK) or (not (run / "infervisor").exists() and os.access(run, os.W_OK)):
+        return run / "infervisor"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "infervisor"
+    return Path("/tmp") / f"infervisor-{os.getuid()}"
+
+
+def prepare_runtime_dir(path: Path) -> Path:
+    """Create the directory 0700, or check an existing one is ours and not open to others."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"{path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise RuntimeDirError(f"{path} belongs to uid {info.st_uid}, not to us (uid {os.getuid()})")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def resolve_runtime_dir(cli_value: str | None, config_value: str | None) -> Path:
+    """The command line wins over config.json, which wins over the default."""
+    chosen = cli_value or config_value
+    return Path(chosen) if chosen else default_runtime_dir()

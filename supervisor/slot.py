@@ -1,0 +1,177 @@
+"""One worker slot: its pinned cores, its current process and the one state machine that governs it."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from protocol.constants import WorkerExitCode
+from protocol.launch import LaunchSpec
+from supervisor.config import Config, ModelConfig
+from supervisor.planner import Assignment
+
+if TYPE_CHECKING:
+    from supervisor.broker import PendingRequest
+
+log = structlog.get_logger("supervisor")
+
+
+class SlotState(enum.Enum):
+    """Life of a slot; only `WorkerSlot.transition` changes it."""
+
+    STOPPED = "stopped"  # no process, by intent
+    STARTING = "starting"  # process spawned, loading and warming; READY not yet seen
+    SERVING = "serving"  # READY seen; takes requests (busy or idle)
+    DRAINING = "draining"  # takes nothing new; DRAIN sent, exits when its request is answered
+    STOPPING = "stopping"  # STOP sent or SIGKILL issued; waiting for the exit status
+    BACKOFF = "backoff"  # process ended unexpectedly; respawn scheduled after a delay
+    FAILED = "failed"  # failed too often within the restart window; no more respawns
+
+
+_ALLOWED: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.STOPPED: frozenset({SlotState.STARTING}),
+    # A worker that exits before READY backs off; one we gave up on is stopped.
+    SlotState.STARTING: frozenset({SlotState.SERVING, SlotState.BACKOFF, SlotState.STOPPING}),
+    SlotState.SERVING: frozenset({SlotState.DRAINING, SlotState.STOPPING, SlotState.BACKOFF}),
+    # An exit while draining or stopping was asked for, so it ends in STOPPED, not BACKOFF.
+    SlotState.DRAINING: frozenset({SlotState.STOPPING, SlotState.STOPPED}),
+    SlotState.STOPPING: frozenset({SlotState.STOPPED}),
+    SlotState.BACKOFF: frozenset({SlotState.STARTING, SlotState.FAILED, SlotState.STOPPED}),
+    SlotState.FAILED: frozenset({SlotState.STOPPED}),
+}
+
+#: States whose process is alive (or not yet reaped).
+LIVE_STATES = frozenset({SlotState.STARTING, SlotState.SERVING, SlotState.DRAINING, SlotState.STOPPING})
+
+_generations = itertools.count(1)
+
+#: Read once by the OpenMP/MKL runtimes when torch loads, so they are set at exec, not later.
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def worker_environment(threads: int) -> dict[str, str]:
+    """The supervisor's environment with thread pools sized to the worker's core set."""
+    env = dict(os.environ)
+    for name in THREAD_ENV_VARS:
+        env[name] = str(threads)
+    return env
+
+
+class IllegalTransition(Exception):
+    """A state change the machine does not allow: a supervisor bug, reported loudly."""
+
+
+def describe_exit(code: int) -> str:
+    """Human form of a Popen return code (negative = killed by a signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    try:
+        return f"exit {code} ({WorkerExitCode(code).name})"
+    except ValueError:
+        return f"exit {code}"
+
+
+@dataclass
+class WorkerSlot:
+    """A pinned place for one worker of a model, kept across respawns of its process."""
+
+    model: ModelConfig
+    assignment: Assignment
+    state: SlotState = SlotState.STOPPED
+    process: subprocess.Popen[bytes] | None = None
+    identity: bytes = b""
+    spawned_at: float = 0.0
+    last_heard: float = 0.0
+    ready_ms: float = 0.0
+    expected_ms: float = 0.0
+    inflight: PendingRequest | None = None
+    respawn_at: float = 0.0
+    kill_at: float | None = None
+    failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
+    restarts: int = 0
+    requests: int = 0
+    threads_seen: int | None = None
+    last_exit: str | None = None
+    latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2048))
+
+    @property
+    def name(self) -> str:
+        """`model/slot` as used in logs and status."""
+        return f"{self.model.name}/{self.assignment.slot}"
+
+    @property
+    def idle(self) -> bool:
+        """Serving with no request in hand."""
+        return self.state is SlotState.SERVING and self.inflight is None
+
+    @property
+    def pid(self) -> int | None:
+        """The live process id, if any."""
+        return self.process.pid if self.process is not None and self.state in LIVE_STATES else None
+
+    def transition(self, new: SlotState, reason: str) -> None:
+        """Move to `new`, refusing moves the machine does not allow, and log the change as data."""
+        if new not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.name}: {self.state.value} -> {new.value} ({reason})")
+        pid = self.process.pid if self.process is not None else None
+        log.info("worker_state", slot=self.name, pid=pid, old=self.state.value, new=new.value, reason=reason)
+        self.state = new
+
+    def spawn(self, config: Config, endpoint: str) -> None:
+        """Start a fresh interpreter for this slot (exec, never a fork of a torch process)."""
+        generation = next(_generations)
+        worker_id = f"{self.model.name}.{self.assignment.slot}.{generation}"
+        launch = LaunchSpec(
+            worker_id=worker_id,
+            model=self.model.name,
+            endpoint=endpoint,
+            source=self.model.source,
+            inputs=self.model.inputs,
+            output_names=self.model.outputs,
+            cpus=self.assignment.cpus,
+            threads=self.assignment.threads,
+            warmup_iterations=self.model.warmup_iterations,
+            heartbeat_interval_ms=config.heartbeat_interval_ms,
+            heartbeat_liveness=config.heartbeat_liveness,
+            max_frame_bytes=config.max_frame_bytes,
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "worker", launch.to_json()],
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            env=worker_environment(self.assignment.threads),
+            # Its own session: a Ctrl-C or a group-wide SIGTERM reaches the supervisor, which then
+            # drains and stops workers in order instead of losing them mid-request.
+            start_new_session=True,
+        )
+        self.identity = worker_id.encode()
+        self.spawned_at = self.last_heard = time.monotonic()
+        self.kill_at = None
+        self.threads_seen = None
+        if self.failures or self.last_exit:
+            self.restarts += 1
+        self.transition(SlotState.STARTING, f"spawned pid {self.process.pid} on cpus {list(self.assignment.cpus)}")
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the process now; the exit is reaped like any other."""
+        if self.process is not None and self.process.poll() is None:
+            log.warning("worker_killed", slot=self.name, pid=self.process.pid, reason=reason)
+            self.process.kill()
+
+    def record_failure(self, now: float, window_s: float) -> int:
+        """Remember a failure and return how many fell inside the restart window."""
+        self.failures.append(now)
+        return sum(1 for t in self.failures if now - t <= window_s)

@@ -1,0 +1,87 @@
+"""The status document served on the control socket (and printed by `infervisor status`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from supervisor.slot import WorkerSlot
+
+if TYPE_CHECKING:
+    from supervisor.arbiter import Arbiter
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of a sample, or None when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = max(0, min(len(ordered) - 1, int(round(q / 100.0 * len(ordered) + 0.5)) - 1))
+    return round(ordered[rank], 3)
+
+
+def _rss(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
+
+
+def slot_status(slot: WorkerSlot) -> dict[str, Any]:
+    """One worker's row."""
+    pid = slot.pid
+    return {
+        "slot": slot.assignment.slot,
+        "pid": pid,
+        "state": slot.state.value,
+        "busy": slot.inflight is not None,
+        "cores": list(slot.assignment.cpus),
+        "node": slot.assignment.node,
+        "shared_cores": slot.assignment.shared,
+        "threads": slot.threads_seen if slot.threads_seen is not None else slot.assignment.threads,
+        "rss": _rss(pid),
+        "requests": slot.requests,
+        "p50_ms": percentile(slot.latencies_ms, 50),
+        "p99_ms": percentile(slot.latencies_ms, 99),
+        "ready_ms": round(slot.ready_ms, 1),
+        "restarts": slot.restarts,
+        "last_exit": slot.last_exit,
+    }
+
+
+def build_status(arbiter: Arbiter) -> dict[str, Any]:
+    """Everything an operator asks first: who serves what, where, how fast, and what went wrong."""
+    broker = arbiter.broker
+    models: dict[str, Any] = {}
+    for name, slots in arbiter.slots.items():
+        queue = broker.queues[name]
+        models[name] = {
+            "source": {k: v for k, v in vars(arbiter.config.models[name].source).items() if v is not None},
+            "inputs": [
+                {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in arbiter.config.models[name].inputs
+            ],
+            "queued": len(queue.waiting),
+            "queue_size": queue.capacity,
+            "completed": queue.completed,
+            "errors": dict(queue.errors),
+            "p50_ms": percentile(queue.latencies_ms, 50),
+            "p99_ms": percentile(queue.latencies_ms, 99),
+            "workers": [slot_status(s) for s in slots],
+        }
+    return {
+        "ok": True,
+        "pid": os.getpid(),
+        "state": "stopping" if arbiter.stopping else ("ready" if arbiter.announced_ready else "starting"),
+        "uptime_s": round(time.time() - arbiter.started_at, 3),
+        "rss": _rss(os.getpid()),
+        "config": {"path": str(arbiter.config_path), "digest": arbiter.config.digest},
+        "endpoints": {"client": broker.client_endpoint, "tcp": arbiter.config.tcp_endpoint},
+        "counters": dict(broker.counters),
+        "models": models,
+    }

@@ -1,0 +1,151 @@
+"""Fixtures that run the real daemon: a config in tmp, `infervisor serve` as a child, polled with deadlines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from protocol.client import Client
+from protocol.constants import CLIENT_SOCKET_NAME
+from supervisor.control import ControlError, control_request
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 16]}]
+IMAGE_INPUTS = [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]
+ENCODER_INPUTS = [
+    {"name": "input_ids", "dtype": "int64", "shape": [None, 128]},
+    {"name": "attention_mask", "dtype": "int64", "shape": [None, 128]},
+]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy, failing with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Daemon:
+    """A running `infervisor serve` child process with its runtime dir and log file."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.runtime_dir = tmp / "run"
+        self.config_path = tmp / "config.json"
+        self.config_path.write_text(json.dumps(config, indent=2))
+        self.log_path = tmp / "daemon.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path), "--runtime-dir", str(self.runtime_dir)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        self.endpoint = f"ipc://{self.runtime_dir / CLIENT_SOCKET_NAME}"
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status document."""
+        return control_request(self.runtime_dir, {"cmd": "status"}, timeout=10.0)
+
+    def try_status(self) -> dict[str, Any] | None:
+        """Status, or None while the daemon is not answering yet."""
+        if self.process.poll() is not None:
+            raise AssertionError(f"daemon exited with {self.process.returncode}:\n{self.log_text()[-4000:]}")
+        try:
+            return self.status()
+        except ControlError:
+            return None
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Block until every worker of every model serves."""
+
+        def all_serving() -> dict[str, Any] | None:
+            status = self.try_status()
+            if status is None:
+                return None
+            workers = [w for m in status["models"].values() for w in m["workers"]]
+            return status if workers and all(w["state"] == "serving" for w in workers) else None
+
+        result: dict[str, Any] = wait_for(all_serving, timeout, "all workers serving")
+        return result
+
+    def client(self) -> Client:
+        """A new client on the daemon's ipc endpoint."""
+        return Client(self.endpoint)
+
+    def worker_pids(self) -> list[int]:
+        """Child worker pids as the OS sees them."""
+        try:
+            return [c.pid for c in psutil.Process(self.process.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def log_text(self) -> str:
+        """Everything the daemon and its workers printed."""
+        return self.log_path.read_text(errors="replace")
+
+    def log_events(self) -> list[dict[str, Any]]:
+        """The JSON log lines as dicts (non-JSON lines are skipped)."""
+        events = []
+        for line in self.log_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+        return events
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self._log.close()
+        return code
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Factory for daemons that are always stopped (and their workers checked gone) at teardown."""
+    daemons: list[Daemon] = []
+
+    def start(config: dict[str, Any], env: dict[str, str] | None = None, subdir: str = "d") -> Daemon:
+        folder = tmp_path / f"{subdir}{len(daemons)}"
+        folder.mkdir()
+        daemon = Daemon(folder, config, env)
+        daemons.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in daemons:
+        pids = daemon.worker_pids()
+        daemon.stop()
+        for pid in pids:
+            wait_for(lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10, f"worker {pid} gone")
+
+
+def model_entry(source: dict[str, str], inputs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A config.json model entry."""
+    return {"source": source, "inputs": inputs, "warmup_iterations": 1, **extra}

@@ -1,0 +1,32 @@
+"""Worker entry point: `python -m worker LAUNCH_JSON`; pins itself before torch is imported."""
+
+from __future__ import annotations
+
+import sys
+
+from protocol.constants import WorkerExitCode
+from protocol.launch import LaunchSpec
+from worker.pinning import die_with_parent, pin_before_torch
+
+
+def main(argv: list[str]) -> int:
+    """Parse the launch spec, pin, then import torch and serve."""
+    try:
+        (text,) = argv
+        launch = LaunchSpec.from_json(text)
+    except (ValueError, TypeError, KeyError) as exc:
+        print(f"worker: bad launch spec: {exc}", file=sys.stderr)
+        return WorkerExitCode.BAD_LAUNCH
+    die_with_parent()
+    pin_before_torch(launch.cpus)
+    from worker.logs import configure_logging
+
+    configure_logging()
+    # torch is imported only now, so its OpenMP pool is created inside the pinned cpu set.
+    from worker.serve import serve
+
+    return serve(launch)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,21 @@
+"""Process set-up that must happen before torch is imported: affinity, thread env, parent-death signal."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from collections.abc import Iterable
+
+_PR_SET_PDEATHSIG = 1
+
+def pin_before_torch(cpus: Iterable[int]) -> None:
+    """Pin this process to `cpus` before torch starts its OpenMP pool (which inherits the mask)."""
+    os.sched_setaffinity(0, set(cpus))
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us if the supervisor dies, so no worker outlives it (even kill -9)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

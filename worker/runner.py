@@ -1,0 +1,108 @@
+"""Runs a loaded module on wire tensors: input checks, inference mode, outputs as named arrays."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocol.constants import DTYPE_ITEMSIZE, ErrorCode
+from protocol.errors import ProtocolError
+from protocol.tensors import TensorDesc, TensorSpec
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+# Frames are received into zmq-owned memory exposed read-only; the model only reads them, so
+# torch's warning about non-writable buffers is noise on every request.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def tensor_from_frame(desc: TensorDesc, buffer: Any) -> torch.Tensor:
+    """A tensor viewing the received frame (no copy)."""
+    return torch.frombuffer(buffer, dtype=_TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
+
+
+class ModelRunner:
+    """One model's forward pass with the checks and conversions the wire needs."""
+
+    def __init__(self, module: Any, specs: Sequence[TensorSpec], output_names: Sequence[str] | None) -> None:
+        self.module = module
+        self.specs = tuple(specs)
+        self.output_names = tuple(output_names) if output_names else None
+
+    def example_inputs(self, batch: int = 1) -> dict[str, torch.Tensor]:
+        """Inputs of the declared spec (dynamic dims = `batch`), used for warm-up and checks."""
+        generator = torch.Generator().manual_seed(0)
+        inputs: dict[str, torch.Tensor] = {}
+        for spec in self.specs:
+            shape = tuple(batch if d is None else d for d in spec.shape)
+            dtype = _TORCH_DTYPES[spec.dtype]
+            if dtype.is_floating_point:
+                inputs[spec.name] = torch.randn(shape, generator=generator).to(dtype)
+            else:
+                # Ones are a valid token id, mask value, class index and boolean alike.
+                inputs[spec.name] = torch.ones(shape, dtype=dtype)
+        return inputs
+
+    def check_values(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Reject NaN/Inf in float inputs whose spec does not allow them."""
+        for spec in self.specs:
+            tensor = inputs[spec.name]
+            if tensor.is_floating_point() and not spec.allow_non_finite and not bool(torch.isfinite(tensor).all()):
+                raise ProtocolError(ErrorCode.INVALID_INPUT, f"input {spec.name!r} contains NaN or Inf")
+
+    def forward(self, inputs: Mapping[str, torch.Tensor]) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """Run the model in inference mode and name its outputs."""
+        with torch.inference_mode():
+            result = self.module(*(inputs[s.name] for s in self.specs))
+        return self._name_outputs(result)
+
+    def warm_up(self, iterations: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """Run the example inputs `iterations` times (first-call JIT/oneDNN costs land here) and return the last outputs."""
+        inputs = self.example_inputs()
+        outputs = self.forward(inputs)
+        for _ in range(iterations - 1):
+            outputs = self.forward(inputs)
+        return outputs
+
+    def _name_outputs(self, result: Any) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        if isinstance(result, torch.Tensor):
+            tensors: list[tuple[str | None, torch.Tensor]] = [(None, result)]
+        elif isinstance(result, (tuple, list)):
+            tensors = [(None, t) for t in result]
+        elif isinstance(result, Mapping):
+            tensors = [(str(k), v) for k, v in result.items()]
+        else:
+            raise TypeError(f"model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
+        names = self.output_names
+        if names is not None and len(names) != len(tensors):
+            raise TypeError(f"model returned {len(tensors)} outputs but {len(names)} output names are configured")
+        named: list[tuple[str, np.ndarray[Any, Any]]] = []
+        for index, (key, tensor) in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"output {index} is a {type(tensor).__name__}, not a tensor")
+            name = names[index] if names is not None else key or ("output" if index == 0 else f"output_{index}")
+            tensor = tensor.detach()
+            if str(tensor.dtype).removeprefix("torch.") not in DTYPE_ITEMSIZE:
+                tensor = tensor.float()  # bf16 and friends have no wire dtype
+            named.append((name, tensor.contiguous().numpy()))
+        return named
+
+
+def timed_ms(start: float) -> float:
+    """Milliseconds since a perf_counter reading."""
+    return (time.perf_counter() - start) * 1000.0

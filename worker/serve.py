@@ -1,0 +1,159 @@
+"""The worker's serving loop: load, warm, READY, then requests and in-band heartbeats until told to stop."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psutil
+import structlog
+import torch
+import zmq
+
+from protocol import worker_messages as wm
+from protocol.constants import ErrorCode, WorkerExitCode
+from protocol.errors import ProtocolError
+from protocol.launch import LaunchSpec
+from protocol.tensors import TensorDesc, check_against_spec, check_frames
+from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.runner import ModelRunner, tensor_from_frame, timed_ms
+
+log = structlog.get_logger("worker")
+
+
+class WorkerLoop:
+    """Owns the DEALER socket to the supervisor and the model runner."""
+
+    def __init__(self, launch: LaunchSpec, runner: ModelRunner, socket: zmq.Socket[Any]) -> None:
+        self.launch = launch
+        self.runner = runner
+        self.socket = socket
+        self.interval = launch.heartbeat_interval_ms / 1000.0
+        self.requests = 0
+        self.last_sent = 0.0
+        self.last_heard = time.monotonic()
+        self.last_stats = 0.0
+        self.process = psutil.Process()
+
+    def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
+        """Send one message; any send counts as a heartbeat."""
+        self.socket.send_multipart(wm.encode(message, frames or []), copy=False)
+        self.last_sent = time.monotonic()
+
+    def run(self) -> int:
+        """Serve until STOP/DRAIN or until the supervisor falls silent; returns the exit code."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        silence_limit = self.interval * self.launch.heartbeat_liveness
+        while True:
+            if poller.poll(int(self.interval * 1000)):
+                frames = self.socket.recv_multipart(copy=False)
+                self.last_heard = time.monotonic()
+                outcome = self.handle(frames)
+                if outcome is not None:
+                    return outcome
+            now = time.monotonic()
+            if now - self.last_heard > silence_limit:
+                log.error("supervisor_lost", silent_s=round(now - self.last_heard, 3))
+                return WorkerExitCode.SUPERVISOR_LOST
+            if now - self.last_stats >= self.launch.stats_interval_ms / 1000.0:
+                self.send_stats()
+            elif now - self.last_sent >= self.interval:
+                self.send(wm.Heartbeat())
+
+    def handle(self, frames: list[Any]) -> int | None:
+        """Act on one message from the supervisor; an exit code ends the loop."""
+        try:
+            message = wm.decode(frames[0].buffer)
+        except ProtocolError as exc:
+            log.error("bad_supervisor_message", error=exc.message)
+            return None
+        if isinstance(message, wm.Request):
+            self.serve_request(message, frames[1:])
+        elif isinstance(message, (wm.Stop, wm.Drain)):
+            # Requests are served one at a time, so by the time DRAIN is read nothing is in hand.
+            log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)
+            return WorkerExitCode.OK
+        return None
+
+    def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
+        """Check, run and answer one request; a bad input or model error is a reply, never a crash."""
+        started = time.perf_counter()
+        self.requests += 1
+        decode_ms = model_ms = 0.0
+        try:
+            buffers = [f.buffer for f in frames]
+            check_frames(request.inputs, [len(b) for b in buffers], self.launch.max_frame_bytes)
+            check_against_spec(request.inputs, self.runner.specs)
+            inputs = {d.name: tensor_from_frame(d, b) for d, b in zip(request.inputs, buffers)}
+            self.runner.check_values(inputs)
+            decode_ms = timed_ms(started)
+            model_started = time.perf_counter()
+            outputs = self.runner.forward(inputs)
+            model_ms = timed_ms(model_started)
+        except ProtocolError as exc:
+            self.reply_error(request.request_id, exc.code, exc.message)
+            return
+        except Exception as exc:  # the model itself failed: answer, keep serving
+            log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
+            self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
+            return
+        encode_started = time.perf_counter()
+        descs = tuple(TensorDesc(name, array.dtype.name, tuple(array.shape)) for name, array in outputs)
+        reply = wm.Reply(request.request_id, None, "", descs, decode_ms, model_ms, timed_ms(encode_started))
+        self.send(reply, [array for _, array in outputs])
+
+    def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
+        """Answer a request with an error code."""
+        self.send(wm.Reply(request_id, code.value, message, (), 0.0, 0.0, 0.0))
+
+    def send_stats(self) -> None:
+        """Report what this process really runs with, so status can prove the pinning."""
+        self.last_stats = time.monotonic()
+        self.send(
+            wm.Stats(
+                self.requests,
+                torch.get_num_threads(),
+                torch.get_num_interop_threads(),
+                sorted(os.sched_getaffinity(0)),
+                self.process.memory_info().rss,
+            )
+        )
+
+
+def serve(launch: LaunchSpec) -> int:
+    """Load and warm the model, announce READY, then run the serving loop."""
+    structlog.contextvars.bind_contextvars(worker_id=launch.worker_id, model=launch.model)
+    torch.set_num_threads(launch.threads)
+    started = time.perf_counter()
+    try:
+        module = load_model(launch.source)
+        names = launch.output_names or default_output_names(launch.source)
+        runner = ModelRunner(module, launch.inputs, names)
+        load_ms = timed_ms(started)
+        warm_started = time.perf_counter()
+        runner.warm_up(max(1, launch.warmup_iterations))
+        warmup_ms = timed_ms(warm_started)
+    except ModelLoadError as exc:
+        log.error("model_load_failed", error=str(exc))
+        return WorkerExitCode.LOAD_FAILED
+    except Exception as exc:  # a model that cannot run its own declared inputs is a load failure
+        log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
+        return WorkerExitCode.LOAD_FAILED
+    context: zmq.Context[Any] = zmq.Context(1)
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, launch.worker_id.encode())
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.setsockopt(zmq.MAXMSGSIZE, launch.max_frame_bytes)
+    socket.connect(launch.endpoint)
+    loop = WorkerLoop(launch, runner, socket)
+    loop.send(
+        wm.Ready(launch.worker_id, os.getpid(), load_ms, warmup_ms, torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+    )
+    log.info("worker_ready", load_ms=round(load_ms, 1), warmup_ms=round(warmup_ms, 1), threads=torch.get_num_threads())
+    try:
+        return loop.run()
+    finally:
+        socket.close()
+        context.term()
