@@ -18,7 +18,8 @@ def to_frame(name: str, array: np.ndarray[Any, Any]) -> tuple[TensorDesc, np.nda
         raise ProtocolError(ErrorCode.INVALID_INPUT, f"tensor {name!r} dtype {dtype} is not supported on the wire")
     if dtype.byteorder == ">":
         array = array.astype(dtype.newbyteorder("<"))
-    array = np.ascontiguousarray(array)
+    # ascontiguousarray turns a 0-d array into shape (1,); reshape keeps scalars scalars.
+    array = np.ascontiguousarray(array).reshape(array.shape)
     return TensorDesc(name, dtype.name, tuple(int(d) for d in array.shape)), array
 
 

@@ -13,7 +13,7 @@ import zmq
 
 from protocol.arrays import from_frame, to_frame
 from protocol.client_messages import InferRequest, decode_reply, encode_infer
-from protocol.constants import ErrorCode
+from protocol.constants import MAX_DEADLINE_MS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
 
 
@@ -26,6 +26,7 @@ class Client:
         self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
+        self._rcvtimeo = -1
         # Ids only need to be unique per connection; a random start keeps them apart across runs in logs.
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
@@ -53,27 +54,39 @@ class Client:
             pairs = [to_frame(name, array) for name, array in inputs.items()]
         except ProtocolError as exc:
             raise InferenceError(exc.code, exc.message, request_id) from exc
-        # The server stops working on a request the client has given up on.
-        budget = deadline_ms if deadline_ms is not None else max(1, int(timeout * 1000))
+        # By default the server's deadline is our timeout: it must not start work we will not wait for.
+        budget = deadline_ms if deadline_ms is not None else min(MAX_DEADLINE_MS, max(1, int(timeout * 1000)))
         header = encode_infer(InferRequest(request_id, model, tuple(d for d, _ in pairs), budget))
-        self._socket.send_multipart([b"", header, *(a for _, a in pairs)], copy=False)
+        frames: list[Any] = [b"", header, *(a for _, a in pairs)]
+        self._socket.send_multipart(frames, copy=False)
         give_up = time.monotonic() + timeout
         while True:
-            remaining = give_up - time.monotonic()
-            if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                if time.monotonic() >= give_up:
-                    raise InferenceError(ErrorCode.TIMEOUT, f"no reply within {timeout:.3f} s", request_id)
+            remaining_ms = int((give_up - time.monotonic()) * 1000) + 1
+            if remaining_ms <= 0:
+                raise InferenceError(ErrorCode.TIMEOUT, f"no reply within {timeout:.3f} s", request_id)
+            # A blocking receive with a timeout is one wake-up; poll-then-receive would be two.
+            if remaining_ms != self._rcvtimeo:
+                self._socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                self._rcvtimeo = remaining_ms
+            try:
+                frames = self._socket.recv_multipart(copy=False)
+            except zmq.Again:
                 continue
-            frames = self._socket.recv_multipart(copy=False)
             if len(frames) < 2 or frames[0].bytes != b"":
                 continue
             payload = [f.buffer for f in frames[2:]]
-            reply = decode_reply(frames[1].buffer, [len(p) for p in payload])
-            if reply.request_id != request_id:
-                continue  # a late reply to an earlier request that timed out here
+            try:
+                reply = decode_reply(frames[1].buffer, [len(p) for p in payload])
+            except ProtocolError as exc:
+                raise InferenceError(ErrorCode.INTERNAL, f"malformed reply: {exc.message}", request_id) from exc
+            # An error without an id answers a message whose id the server could not read: ours,
+            # since this client has one request outstanding. Other ids are late replies to
+            # earlier requests that timed out here.
+            if reply.request_id != request_id and not (isinstance(reply, ProtocolError) and reply.request_id is None):
+                continue
             if isinstance(reply, ProtocolError):
                 raise InferenceError(reply.code, reply.message, request_id)
-            arrays = {d.name: from_frame(d, p) for d, p in zip(reply.outputs, payload)}
+            arrays = {d.name: from_frame(d, p) for d, p in zip(reply.outputs, payload, strict=True)}
             return arrays, reply.timing
 
     def close(self) -> None:
@@ -83,5 +96,7 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

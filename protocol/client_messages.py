@@ -8,13 +8,14 @@ from typing import Any
 
 from protocol.codec import pack, unpack
 from protocol.constants import (
+    MAX_DEADLINE_MS,
     MAX_NAME_LEN,
     MAX_REQUEST_ID_LEN,
     PROTOCOL_VERSION,
     ClientMessageType,
     ErrorCode,
 )
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, shown
 from protocol.tensors import TensorDesc, check_frames, parse_descs
 
 RequestId = int | str | bytes
@@ -45,7 +46,9 @@ def _valid_id(raw: object) -> RequestId | None:
         return None
     if isinstance(raw, int) and 0 <= raw < 2**64:
         return raw
-    if isinstance(raw, (str, bytes)) and 0 < len(raw) <= MAX_REQUEST_ID_LEN:
+    if isinstance(raw, bytes) and 0 < len(raw) <= MAX_REQUEST_ID_LEN:
+        return raw
+    if isinstance(raw, str) and 0 < len(raw.encode()) <= MAX_REQUEST_ID_LEN:
         return raw
     return None
 
@@ -71,12 +74,14 @@ def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_f
         raise ProtocolError(ErrorCode.BAD_REQUEST, "header must be a msgpack map")
     request_id = _valid_id(raw.get("id"))
     try:
-        if raw.get("v") != PROTOCOL_VERSION:
+        version = raw.get("v")
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise ProtocolError(
-                ErrorCode.UNSUPPORTED_VERSION, f"protocol version {raw.get('v')!r} is not supported; use {PROTOCOL_VERSION}"
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol version {shown(raw.get('v'))} is not supported; use {PROTOCOL_VERSION}",
             )
         if raw.get("type") != ClientMessageType.INFER:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"message type {raw.get('type')!r} is not 'infer'")
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"message type {shown(raw.get('type'))} is not 'infer'")
         if request_id is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"id must be a uint64 or a string/bytes of 1..{MAX_REQUEST_ID_LEN}"
@@ -85,7 +90,7 @@ def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_f
         if not isinstance(model, str) or not 0 < len(model) <= MAX_NAME_LEN:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"model must be a string of 1..{MAX_NAME_LEN} characters")
         deadline = raw.get("deadline_ms")
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int) or not 0 < deadline < 2**31):
+        if deadline is not None and (type(deadline) is not int or not 0 < deadline <= MAX_DEADLINE_MS):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "deadline_ms must be a positive integer of milliseconds")
         inputs = parse_descs(raw.get("inputs"))
         check_frames(inputs, frame_lengths, max_frame_bytes)
@@ -125,18 +130,27 @@ def encode_error(request_id: RequestId | None, code: ErrorCode, message: str) ->
 def decode_reply(header: bytes | memoryview, frame_lengths: Sequence[int]) -> InferResult | ProtocolError:
     """Decode a reply header: an InferResult, or the error it carries as a ProtocolError value."""
     raw = unpack(header)
-    if not isinstance(raw, dict) or raw.get("v") != PROTOCOL_VERSION:
+    if not isinstance(raw, dict) or type(raw.get("v")) is not int or raw.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.INTERNAL, "reply header is not a version-1 map")
     request_id = _valid_id(raw.get("id"))
     kind = raw.get("type")
     if kind == ClientMessageType.ERROR:
         code_raw = raw.get("code")
-        code = ErrorCode(code_raw) if code_raw in ErrorCode.__members__ else ErrorCode.INTERNAL
-        return ProtocolError(code, str(raw.get("message", "")), request_id)
+        code = (
+            ErrorCode(code_raw)
+            if isinstance(code_raw, str) and code_raw in ErrorCode.__members__
+            else ErrorCode.INTERNAL
+        )
+        message = raw.get("message", "")
+        return ProtocolError(code, message if isinstance(message, str) else shown(message), request_id)
     if kind != ClientMessageType.RESULT or request_id is None:
-        raise ProtocolError(ErrorCode.INTERNAL, f"reply type {kind!r} is not 'result' or 'error'")
-    outputs = parse_descs(raw.get("outputs"), "outputs")
+        raise ProtocolError(ErrorCode.INTERNAL, f"reply type {shown(kind)} is not 'result' or 'error'")
+    outputs = parse_descs(raw.get("outputs"), "outputs", allow_empty_dims=True)
     check_frames(outputs, frame_lengths, 2**62)
     timing_raw = raw.get("timing") or {}
-    timing = {str(k): float(v) for k, v in timing_raw.items() if isinstance(v, (int, float))} if isinstance(timing_raw, dict) else {}
+    timing = (
+        {str(k): float(v) for k, v in timing_raw.items() if isinstance(v, (int, float))}
+        if isinstance(timing_raw, dict)
+        else {}
+    )
     return InferResult(request_id, str(raw.get("model", "")), outputs, timing)

@@ -20,6 +20,11 @@ _UNPACK_LIMITS: dict[str, Any] = {
 }
 
 
+def _refuse_ext(code: int, data: bytes) -> object:
+    # max_ext_len=0 still lets zero-length ext values through; nothing but plain data may decode.
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
 def pack(obj: object) -> bytes:
     """Serialise a header object to msgpack bytes."""
     return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
@@ -30,6 +35,8 @@ def unpack(data: bytes | memoryview) -> Any:
     if len(data) > MAX_HEADER_BYTES:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"header is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext, **_UNPACK_LIMITS
+        )
     except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"header is not valid msgpack: {exc}") from exc

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from protocol.constants import ErrorCode
+import reprlib
+
+from protocol.constants import MAX_MESSAGE_LEN, ErrorCode
+
+_shown = reprlib.Repr()
+_shown.maxlevel, _shown.maxstring, _shown.maxother, _shown.maxlist, _shown.maxdict = 3, 64, 64, 8, 8
+
+
+def shown(value: object) -> str:
+    """A short repr of an untrusted value for error messages: bounded in size and nesting depth."""
+    return _shown.repr(value)
 
 
 class ProtocolError(Exception):
     """A frame or header that does not follow the spec; carries the code to answer with."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: object = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: int | str | bytes | None = None) -> None:
+        message = message[:MAX_MESSAGE_LEN]
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message

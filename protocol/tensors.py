@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.constants import DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS, ErrorCode
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ class TensorSpec:
         if desc.dtype != self.dtype:
             return f"input {self.name!r} has dtype {desc.dtype}, expected {self.describe()}"
         if len(desc.shape) != len(self.shape) or any(
-            want is not None and want != got for want, got in zip(self.shape, desc.shape)
+            want is not None and want != got for want, got in zip(self.shape, desc.shape, strict=True)
         ):
             return f"input {self.name!r} has shape {list(desc.shape)}, expected {self.describe()}"
         return None
@@ -58,8 +58,9 @@ def _bad(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_REQUEST, message)
 
 
-def parse_descs(raw: Any, what: str = "inputs") -> tuple[TensorDesc, ...]:
-    """Validate the `inputs`/`outputs` array of a header into descriptors."""
+def parse_descs(raw: Any, what: str = "inputs", allow_empty_dims: bool = False) -> tuple[TensorDesc, ...]:
+    """Validate the `inputs`/`outputs` array of a header into descriptors (outputs may have empty dims)."""
+    min_dim = 0 if allow_empty_dims else 1
     if not isinstance(raw, list):
         raise _bad(f"{what} must be an array")
     if len(raw) > MAX_TENSORS:
@@ -73,19 +74,20 @@ def parse_descs(raw: Any, what: str = "inputs") -> tuple[TensorDesc, ...]:
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
             raise _bad(f"{what}[{index}].name must be a string of 1..{MAX_NAME_LEN} characters")
         if name in names:
-            raise _bad(f"{what}[{index}].name {name!r} appears twice")
+            raise _bad(f"{what}[{index}].name {shown(name)} appears twice")
         if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
             raise ProtocolError(
                 ErrorCode.INVALID_INPUT,
-                f"{what}[{index}] ({name!r}) dtype {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}",
+                f"{what}[{index}] ({shown(name)}) dtype {shown(dtype)} is not one of {sorted(DTYPE_ITEMSIZE)}",
             )
         if not isinstance(shape, list) or len(shape) > MAX_RANK:
             raise _bad(f"{what}[{index}].shape must be an array of at most {MAX_RANK} dims")
         for dim in shape:
             # bool is an int subclass in Python; a true/false dim is malformed, not 1/0.
-            if not isinstance(dim, int) or isinstance(dim, bool) or not 0 < dim < 2**31:
+            if not isinstance(dim, int) or isinstance(dim, bool) or not min_dim <= dim < 2**31:
                 raise ProtocolError(
-                    ErrorCode.INVALID_INPUT, f"{what}[{index}] ({name!r}) shape {shape!r}: dims must be integers >= 1"
+                    ErrorCode.INVALID_INPUT,
+                    f"{what}[{index}] ({shown(name)}) shape {shown(shape)}: dims must be integers >= {min_dim}",
                 )
         names.add(name)
         descs.append(TensorDesc(name, dtype, tuple(shape)))
@@ -96,7 +98,7 @@ def check_frames(descs: Sequence[TensorDesc], frame_lengths: Sequence[int], max_
     """Check one frame per descriptor and that each frame's length is shape x itemsize."""
     if len(descs) != len(frame_lengths):
         raise _bad(f"header describes {len(descs)} tensors but {len(frame_lengths)} frames follow")
-    for desc, length in zip(descs, frame_lengths):
+    for desc, length in zip(descs, frame_lengths, strict=True):
         expected = desc.nbytes
         if expected > max_frame_bytes:
             raise ProtocolError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
@@ -45,6 +45,8 @@ class Request:
     TYPE: ClassVar = WorkerMessageType.REQUEST
     request_id: int
     model: str
+    #: CLOCK_MONOTONIC seconds after which the answer is useless (same host, so the clock is shared).
+    deadline: float | None
     inputs: tuple[TensorDesc, ...]
 
 
@@ -88,44 +90,67 @@ class Stop:
     TYPE: ClassVar = WorkerMessageType.STOP
 
 
-WorkerMessage = Union[Ready, Heartbeat, Request, Reply, Stats, Drain, Stop]
+WorkerMessage = Ready | Heartbeat | Request | Reply | Stats | Drain | Stop
 _CLASSES: dict[int, type[Any]] = {cls.TYPE: cls for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop)}
-_HINTS: dict[type[Any], list[tuple[str, Any]]] = {
-    cls: [(f.name, typing.get_type_hints(cls)[f.name]) for f in fields(cls)] for cls in _CLASSES.values()
-}
+Checker = Callable[[Any], Any]
 
 
 def _bad(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_REQUEST, message)
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check one decoded field against its annotation (and convert tensor lists)."""
+def _checker(hint: Any, where: str) -> Checker:
+    """Build, once per field, the function that checks a decoded value against the annotation."""
+
+    def wrong(value: Any) -> ProtocolError:
+        return _bad(f"field {where} has a {type(value).__name__}, expected {hint}")
+
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        (inner,) = [o for o in options if o is not type(None)]
-        return _coerce(value, inner, where)
+        (inner,) = [o for o in typing.get_args(hint) if o is not type(None)]
+        check_inner = _checker(inner, where)
+        return lambda value: None if value is None else check_inner(value)
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint in (int, str, bool):
-        if type(value) is hint:
-            return value
-    elif origin is list:
-        if isinstance(value, list) and all(type(v) is int for v in value):
-            return value
-    elif origin is tuple:
-        return parse_descs(value, where)
-    raise _bad(f"field {where} has a {type(value).__name__}, expected {hint}")
+
+        def check_float(value: Any) -> float:
+            if type(value) is float or type(value) is int:
+                return float(value)
+            raise wrong(value)
+
+        return check_float
+    if hint in (int, str, bool):
+
+        def check_exact(value: Any) -> Any:
+            if type(value) is hint:
+                return value
+            raise wrong(value)
+
+        return check_exact
+    if origin is list:
+
+        def check_int_list(value: Any) -> list[int]:
+            if type(value) is list and all(type(v) is int for v in value):
+                return value
+            raise wrong(value)
+
+        return check_int_list
+    if origin is tuple:
+        allow_empty = where.endswith(".outputs")
+        return lambda value: parse_descs(value, where, allow_empty_dims=allow_empty)
+    raise TypeError(f"no wire checker for {where}: {hint}")
+
+
+_FIELDS: dict[type[Any], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _CLASSES.values()}
+_CHECKERS: dict[type[Any], tuple[Checker, ...]] = {
+    cls: tuple(_checker(typing.get_type_hints(cls)[name], f"{cls.__name__}.{name}") for name in names)
+    for cls, names in _FIELDS.items()
+}
 
 
 def encode(message: WorkerMessage, frames: Sequence[Any] = ()) -> list[Any]:
     """Frames for one message: the header, then the tensor frames (sent without copying)."""
     header: list[Any] = [int(message.TYPE)]
-    for name, _ in _HINTS[type(message)]:
+    for name in _FIELDS[type(message)]:
         value = getattr(message, name)
         header.append([d.to_wire() for d in value] if isinstance(value, tuple) else value)
     return [pack(header), *frames]
@@ -139,9 +164,8 @@ def decode(header: bytes | memoryview) -> WorkerMessage:
     cls = _CLASSES.get(raw[0])
     if cls is None:
         raise _bad(f"unknown worker message type {raw[0]}")
-    hints = _HINTS[cls]
-    if len(raw) != len(hints) + 1:
-        raise _bad(f"{cls.__name__} needs {len(hints)} fields, got {len(raw) - 1}")
-    values = [_coerce(v, hint, f"{cls.__name__}.{name}") for v, (name, hint) in zip(raw[1:], hints)]
-    message: WorkerMessage = cls(*values)
+    checkers = _CHECKERS[cls]
+    if len(raw) != len(checkers) + 1:
+        raise _bad(f"{cls.__name__} needs {len(checkers)} fields, got {len(raw) - 1}")
+    message: WorkerMessage = cls(*[check(v) for check, v in zip(checkers, raw[1:], strict=True)])
     return message

@@ -57,6 +57,8 @@ class Arbiter:
         self.exit_code = 0
         self.next_housekeeping = 0.0
         self.next_heartbeat = 0.0
+        self.watchdog_every = self.notifier.watchdog_interval()
+        self.next_watchdog = 0.0
         self.wake_r, self.wake_w = socket.socketpair()
 
     @staticmethod
@@ -150,6 +152,7 @@ class Arbiter:
         self.murder(now)
         self.broker.expire(now)
         self.heartbeat(now)
+        self.pet_watchdog(now)
         if self.stopping:
             self.advance_stop(now)
         else:
@@ -197,6 +200,8 @@ class Arbiter:
                 f"{failures} failures within {self.config.restart_window_s:.0f} s; last: {slot.last_exit}",
             )
             log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=slot.last_exit)
+            if not self.broker.has_capacity(slot.model.name):
+                self.broker.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
             return
         # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
         never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
@@ -215,9 +220,10 @@ class Arbiter:
                 slot.kill("did not exit after STOP")
             elif slot.state is SlotState.STARTING and now - slot.spawned_at > self.config.worker_start_timeout_s:
                 slot.kill(f"not ready after {self.config.worker_start_timeout_s:.0f} s")
-            elif slot.inflight is not None:
+            elif slot.inflight:
+                # Only the head of the pipeline is running, so progress is measured from its start.
                 budget = max(self.config.hang_min_s, self.config.hang_factor * slot.expected_ms / 1000.0)
-                if now - slot.inflight.dispatched_at > budget:
+                if now - slot.progress_at > budget:
                     slot.kill(f"no reply within {budget:.1f} s (hung)")
             elif slot.state is SlotState.SERVING and now - slot.last_heard > interval * self.config.heartbeat_liveness:
                 slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
@@ -230,6 +236,12 @@ class Arbiter:
         for slot in self.all_slots():
             if slot.state in (SlotState.SERVING, SlotState.DRAINING):
                 self.broker.send_control(slot, wm.Heartbeat())
+
+    def pet_watchdog(self, now: float) -> None:
+        """WATCHDOG=1 from this loop itself, so systemd restarts us if the broker loop stalls."""
+        if self.watchdog_every is not None and now >= self.next_watchdog:
+            self.next_watchdog = now + self.watchdog_every
+            self.notifier.notify("WATCHDOG=1")
 
     def manage(self, now: float) -> None:
         """Reconcile toward the desired pools: respawn slots whose back-off has elapsed."""
@@ -286,8 +298,10 @@ class Arbiter:
 
     def finished(self) -> bool:
         """True once stopping and no worker process is left."""
-        return self.stopping and self.kill_deadline is not None and not any(
-            s.state in LIVE_STATES for s in self.all_slots()
+        return (
+            self.stopping
+            and self.kill_deadline is not None
+            and not any(s.state in LIVE_STATES for s in self.all_slots())
         )
 
     def shutdown_sockets(self) -> None:

@@ -84,7 +84,7 @@ class Broker:
 
     @staticmethod
     def _router(context: zmq.Context[Any], max_message: int) -> zmq.Socket[Any]:
-        socket = context.socket(zmq.ROUTER)
+        socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, _HWM)
         socket.setsockopt(zmq.RCVHWM, _HWM)
@@ -120,10 +120,10 @@ class Broker:
     def handle_clients(self) -> None:
         """Take up to a batch of client messages."""
         for _ in range(_BATCH):
-            try:
-                frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # Checking EVENTS first avoids raising zmq.Again on every turn of a busy loop.
+            if not int(self.frontend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
+            frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
                 self.accept(frames)
             except Exception:  # a bug on one message must cost that message, not the daemon
@@ -156,10 +156,11 @@ class Broker:
             self.counters[f"rejected_{exc.code.value}"] += 1
             self.reply_error(client, request.request_id, exc.code, exc.message)
             return
+        queue = self.queues[request.model]
         if not self.accepting:
+            queue.errors[ErrorCode.SHUTTING_DOWN.value] += 1
             self.reply_error(client, request.request_id, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             return
-        queue = self.queues[request.model]
         if not self.has_capacity(request.model):
             queue.errors[ErrorCode.UNAVAILABLE.value] += 1
             self.reply_error(
@@ -178,13 +179,16 @@ class Broker:
             deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
         )
         self.next_id += 1
-        idle = self.pick_idle(request.model)
-        if idle is not None and not queue.waiting:
-            self.send_to_worker(idle, pending)
+        slot = self.pick_worker(request.model)
+        if slot is not None and not queue.waiting:
+            self.send_to_worker(slot, pending)
         elif len(queue.waiting) >= queue.capacity:
             queue.errors[ErrorCode.OVERLOADED.value] += 1
             self.reply_error(
-                client, request.request_id, ErrorCode.OVERLOADED, f"queue of {request.model!r} is full ({queue.capacity})"
+                client,
+                request.request_id,
+                ErrorCode.OVERLOADED,
+                f"queue of {request.model!r} is full ({queue.capacity})",
             )
         else:
             queue.waiting.append(pending)
@@ -222,11 +226,13 @@ class Broker:
 
     # ---- dispatch ---------------------------------------------------------------------------
 
-    def pick_idle(self, model: str) -> WorkerSlot | None:
-        """The idle serving worker of `model` that has waited longest (all idle ones are equally loaded)."""
+    def pick_worker(self, model: str) -> WorkerSlot | None:
+        """The least loaded serving worker of `model` with room in its pipeline; ties go to the longest idle."""
         best: WorkerSlot | None = None
         for slot in self.slots.get(model, ()):
-            if slot.idle and (best is None or slot.last_heard < best.last_heard):
+            if not slot.can_take:
+                continue
+            if best is None or (len(slot.inflight), slot.progress_at) < (len(best.inflight), best.progress_at):
                 best = slot
         return best
 
@@ -234,7 +240,7 @@ class Broker:
         """Hand queued requests of `model` to its idle workers, oldest first."""
         queue = self.queues[model]
         while queue.waiting:
-            slot = self.pick_idle(model)
+            slot = self.pick_worker(model)
             if slot is None:
                 return
             request = queue.waiting.popleft()
@@ -245,7 +251,7 @@ class Broker:
 
     def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> None:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
-        message = wm.Request(request.internal_id, request.model, request.inputs)
+        message = wm.Request(request.internal_id, request.model, request.deadline, request.inputs)
         try:
             self.backend.send_multipart([slot.identity, *wm.encode(message, request.frames)], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
@@ -255,34 +261,41 @@ class Broker:
             slot.kill("worker socket unreachable")
             return
         request.dispatched_at = time.monotonic()
-        slot.inflight = request
+        if not slot.inflight:
+            slot.progress_at = request.dispatched_at
+        slot.inflight[request.internal_id] = request
         self.inflight_count += 1
 
-    def take_inflight(self, slot: WorkerSlot) -> PendingRequest | None:
-        """Detach the slot's in-flight request."""
-        request = slot.inflight
-        if request is not None:
-            slot.inflight = None
-            self.inflight_count -= 1
-        return request
+    def take_inflight(self, slot: WorkerSlot) -> list[PendingRequest]:
+        """Detach every request the slot's process holds, oldest first."""
+        requests = list(slot.inflight.values())
+        slot.inflight.clear()
+        self.inflight_count -= len(requests)
+        return requests
 
     def worker_lost(self, slot: WorkerSlot, reason: str) -> None:
-        """Re-dispatch the request a dead or hung worker held, or give up after max_retries losses."""
-        request = self.take_inflight(slot)
-        if request is None:
-            return
+        """Re-dispatch what a dead or hung worker held (oldest first in line), or give up after max_retries."""
+        for request in reversed(self.take_inflight(slot)):
+            self.requeue_or_fail(request, slot.model.max_retries, reason)
+        self.dispatch(slot.model.name)
+
+    def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str) -> None:
+        """Put a request whose worker was lost back at the head of its queue, unless it has lost too many."""
         request.losses += 1
-        if request.losses > slot.model.max_retries:
-            log.error("request_lost_worker", model=request.model, request_id=str(request.request_id), losses=request.losses)
+        if request.losses > max_retries:
+            log.error(
+                "request_lost_worker", model=request.model, request_id=str(request.request_id), losses=request.losses
+            )
             self.fail(
                 request,
                 ErrorCode.WORKER_LOST,
                 f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again",
             )
             return
-        log.warning("request_redispatched", model=request.model, request_id=str(request.request_id), losses=request.losses)
+        log.warning(
+            "request_redispatched", model=request.model, request_id=str(request.request_id), losses=request.losses
+        )
         self.queues[request.model].waiting.appendleft(request)
-        self.dispatch(request.model)
 
     def expire(self, now: float) -> None:
         """Answer DEADLINE_EXCEEDED for queued requests whose deadline passed."""
@@ -297,15 +310,19 @@ class Broker:
                     keep.append(request)
             queue.waiting = keep
 
+    def fail_queued(self, model: str, code: ErrorCode, message: str) -> None:
+        """Answer every queued request of one model with `code`."""
+        queue = self.queues[model]
+        while queue.waiting:
+            self.fail(queue.waiting.popleft(), code, message)
+
     def fail_all(self, code: ErrorCode, message: str) -> None:
         """Answer every queued and in-flight request with `code` (the end of a bounded shutdown)."""
-        for queue in self.queues.values():
-            while queue.waiting:
-                self.fail(queue.waiting.popleft(), code, message)
+        for model in self.queues:
+            self.fail_queued(model, code, message)
         for slots in self.slots.values():
             for slot in slots:
-                request = self.take_inflight(slot)
-                if request is not None:
+                for request in self.take_inflight(slot):
                     self.fail(request, code, message)
 
     # ---- worker side ------------------------------------------------------------------------
@@ -313,10 +330,9 @@ class Broker:
     def handle_workers(self) -> None:
         """Take up to a batch of worker messages."""
         for _ in range(_BATCH):
-            try:
-                frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not int(self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
+            frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
                 self.on_worker_message(frames)
             except Exception:  # a bug on one message must cost that message, not the daemon
@@ -334,6 +350,13 @@ class Broker:
         except ProtocolError as exc:
             self.counters["worker_message_malformed"] += 1
             log.error("worker_message_malformed", slot=slot.name, error=exc.message)
+            # Workers answer in order, so a garbled message is the answer to the oldest request in hand.
+            if slot.inflight:
+                request = slot.inflight.pop(next(iter(slot.inflight)))
+                self.inflight_count -= 1
+                slot.progress_at = time.monotonic()
+                self.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {exc.message}")
+                self.after_reply(slot)
             return
         slot.last_heard = time.monotonic()
         if isinstance(message, wm.Reply):
@@ -348,6 +371,7 @@ class Broker:
         if slot.state is not SlotState.STARTING:
             return
         slot.ready_ms = (time.monotonic() - slot.spawned_at) * 1000.0
+        slot.progress_at = time.monotonic()
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
         slot.transition(
@@ -358,12 +382,13 @@ class Broker:
 
     def on_reply(self, slot: WorkerSlot, reply: wm.Reply, frames: list[Any]) -> None:
         """Forward a worker's answer to the client that asked, exactly once."""
-        request = slot.inflight
-        if request is None or request.internal_id != reply.request_id:
+        request = slot.inflight.pop(reply.request_id, None)
+        if request is None:
             self.counters["reply_stale"] += 1
             return
-        self.take_inflight(slot)
+        self.inflight_count -= 1
         now = time.monotonic()
+        slot.progress_at = now
         service_ms = (now - request.dispatched_at) * 1000.0
         slot.requests += 1
         slot.latencies_ms.append(service_ms)
@@ -382,8 +407,13 @@ class Broker:
                 "total_ms": round((now - request.accepted_at) * 1000.0, 3),
             }
             self.finish(request, None, encode_result(request.request_id, request.model, reply.outputs, timing), frames)
+        self.after_reply(slot)
+
+    def after_reply(self, slot: WorkerSlot) -> None:
+        """A worker freed a place: refill it, or tell a draining one it may go once it holds nothing."""
         if slot.state is SlotState.DRAINING:
-            self.send_control(slot, wm.Drain())
+            if not slot.inflight:
+                self.send_control(slot, wm.Drain())
         else:
             self.dispatch(slot.model.name)
 

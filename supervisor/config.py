@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN
+from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SOURCE_KINDS = ("builtin", "torchscript", "exported")
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_TCP_ENDPOINT = re.compile(r"^tcp://(?P<host>[^:/]+|\[[0-9a-fA-F:]+\]):(?P<port>\d+)$")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _is_loopback(host: str) -> bool:
+    """True for localhost and literal loopback addresses (a name like 127.example.com is not one)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
 
 class ConfigError(Exception):
@@ -42,6 +56,7 @@ class ModelConfig:
     queue_size: int
     warmup_iterations: int
     max_retries: int
+    prefetch: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,11 @@ class Config:
     digest: str
 
 
+def _join(path: str, key: str) -> str:
+    """`models.m` + `workers` -> `models.m.workers`; top-level keys have no prefix."""
+    return f"{path}.{key}" if path else key
+
+
 class _Reader:
     """Reads typed values out of a JSON object, collecting problems instead of stopping at the first."""
 
@@ -76,33 +96,33 @@ class _Reader:
 
     def check_keys(self, obj: dict[str, Any], path: str, allowed: set[str]) -> None:
         for key in sorted(set(obj) - allowed):
-            self.fail(f"{path}.{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+            self.fail(_join(path, key), f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
     def integer(self, obj: dict[str, Any], key: str, path: str, default: int, low: int, high: int = 2**62) -> int:
         value = obj.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            self.fail(f"{path}.{key}", f"must be an integer in [{low}, {high}], got {value!r}")
+            self.fail(_join(path, key), f"must be an integer in [{low}, {high}], got {value!r}")
             return default
         return value
 
     def number(self, obj: dict[str, Any], key: str, path: str, default: float, low: float) -> float:
         value = obj.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
-            self.fail(f"{path}.{key}", f"must be a number >= {low}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+            self.fail(_join(path, key), f"must be a finite number >= {low}, got {value!r}")
             return default
         return float(value)
 
     def boolean(self, obj: dict[str, Any], key: str, path: str, default: bool) -> bool:
         value = obj.get(key, default)
         if not isinstance(value, bool):
-            self.fail(f"{path}.{key}", f"must be true or false, got {value!r}")
+            self.fail(_join(path, key), f"must be true or false, got {value!r}")
             return default
         return value
 
     def optional_string(self, obj: dict[str, Any], key: str, path: str) -> str | None:
         value = obj.get(key)
         if value is not None and (not isinstance(value, str) or not value):
-            self.fail(f"{path}.{key}", f"must be a non-empty string or null, got {value!r}")
+            self.fail(_join(path, key), f"must be a non-empty string or null, got {value!r}")
             return None
         return value
 
@@ -139,13 +159,21 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
             r.fail(f"{where}.name", "must be a non-empty string")
             continue
-        if dtype not in DTYPE_ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
             r.fail(f"{where}.dtype", f"must be one of {', '.join(sorted(DTYPE_ITEMSIZE))}, got {dtype!r}")
             continue
-        if not isinstance(shape, list) or not all(
-            d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1) for d in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_RANK
+            or not all(d is None or (type(d) is int and 1 <= d < 2**31) for d in shape)
         ):
-            r.fail(f"{where}.shape", f"must be an array of positive integers or null (dynamic), got {shape!r}")
+            r.fail(
+                f"{where}.shape",
+                f"must be an array of at most {MAX_RANK} positive integers or null (dynamic), got {shape!r}",
+            )
+            continue
+        if any(spec.name == name for spec in specs):
+            r.fail(f"{where}.name", f"input {name!r} is declared twice")
             continue
         allow = r.boolean(item, "allow_non_finite", where, False)
         specs.append(TensorSpec(name, dtype, tuple(shape), allow))
@@ -154,13 +182,13 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
 
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
-    "queue_size", "warmup_iterations", "max_retries",
+    "queue_size", "warmup_iterations", "max_retries", "prefetch",
 }  # fmt: skip
 
 
 def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | None:
     path = f"models.{name}"
-    if not _MODEL_NAME.match(name) or len(name) > MAX_NAME_LEN:
+    if not _MODEL_NAME.fullmatch(name) or len(name) > MAX_NAME_LEN:
         r.fail(path, "model names use letters, digits, '_', '.', '-' and start with a letter or digit")
     if not isinstance(raw, dict):
         r.fail(path, "must be an object")
@@ -186,6 +214,7 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         queue_size=r.integer(raw, "queue_size", path, 64, 0, 1_000_000),
         warmup_iterations=r.integer(raw, "warmup_iterations", path, 3, 1, 1000),
         max_retries=r.integer(raw, "max_retries", path, 2, 0, 10),
+        prefetch=r.integer(raw, "prefetch", path, 1, 1, 16),
     )
 
 
@@ -202,10 +231,12 @@ def parse_config(text: str, base: Path) -> Config:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError([f"(file): not valid JSON: {exc}"]) from exc
+    except RecursionError as exc:
+        raise ConfigError(["(file): JSON nested too deeply"]) from exc
     if not isinstance(raw, dict):
-        raise ConfigError(["(top): must be a JSON object"])
+        raise ConfigError(["(file): must be a JSON object"])
     r = _Reader()
-    r.check_keys(raw, "(top)", _TOP_KEYS)
+    r.check_keys(raw, "", _TOP_KEYS)
     models_raw = raw.get("models")
     models: dict[str, ModelConfig] = {}
     if not isinstance(models_raw, dict) or not models_raw:
@@ -219,24 +250,29 @@ def parse_config(text: str, base: Path) -> Config:
     if log_level not in LOG_LEVELS:
         r.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         log_level = "info"
-    tcp = r.optional_string(raw, "tcp_endpoint", "(top)")
-    if tcp is not None and not _TCP_ENDPOINT.match(tcp):
-        r.fail("tcp_endpoint", f"must look like tcp://127.0.0.1:5555, got {tcp!r}")
+    tcp = r.optional_string(raw, "tcp_endpoint", "")
+    if tcp is not None:
+        match = _TCP_ENDPOINT.fullmatch(tcp)
+        if match is None or not 1 <= int(match["port"]) <= 65535:
+            r.fail("tcp_endpoint", f"must look like tcp://127.0.0.1:5555 (port 1-65535), got {tcp!r}")
+        elif not _is_loopback(match["host"]):
+            # Requests are unauthenticated; off-box access will need CURVE keys, which are not configurable yet.
+            r.fail("tcp_endpoint", f"host {match['host']!r} is not loopback; only 127.0.0.0/8, ::1 or localhost")
     config = Config(
         models=models,
-        runtime_dir=r.optional_string(raw, "runtime_dir", "(top)"),
+        runtime_dir=r.optional_string(raw, "runtime_dir", ""),
         log_level=log_level,
         tcp_endpoint=tcp,
-        oversubscribe=r.boolean(raw, "oversubscribe", "(top)", False),
-        heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "(top)", 500, 10, 60_000),
-        heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "(top)", 10, 2, 1000),
-        hang_factor=r.number(raw, "hang_factor", "(top)", 20.0, 1.0),
-        hang_min_s=r.number(raw, "hang_min_s", "(top)", 10.0, 0.1),
-        worker_start_timeout_s=r.number(raw, "worker_start_timeout_s", "(top)", 300.0, 1.0),
-        shutdown_grace_s=r.number(raw, "shutdown_grace_s", "(top)", 10.0, 0.0),
-        max_frame_bytes=r.integer(raw, "max_frame_bytes", "(top)", DEFAULT_MAX_FRAME_BYTES, 1024, 2**40),
-        restart_window_s=r.number(raw, "restart_window_s", "(top)", 60.0, 1.0),
-        max_restarts=r.integer(raw, "max_restarts", "(top)", 5, 1, 1000),
+        oversubscribe=r.boolean(raw, "oversubscribe", "", False),
+        heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
+        heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),
+        hang_factor=r.number(raw, "hang_factor", "", 20.0, 1.0),
+        hang_min_s=r.number(raw, "hang_min_s", "", 10.0, 0.1),
+        worker_start_timeout_s=r.number(raw, "worker_start_timeout_s", "", 300.0, 1.0),
+        shutdown_grace_s=r.number(raw, "shutdown_grace_s", "", 10.0, 0.0),
+        max_frame_bytes=r.integer(raw, "max_frame_bytes", "", DEFAULT_MAX_FRAME_BYTES, 1024, 2**40),
+        restart_window_s=r.number(raw, "restart_window_s", "", 60.0, 1.0),
+        max_restarts=r.integer(raw, "max_restarts", "", 5, 1, 1000),
         digest=hashlib.sha256(text.encode()).hexdigest()[:16],
     )
     if r.problems:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import structlog
 import zmq
 
@@ -46,6 +47,9 @@ class ControlServer:
                 answer = handler(command)
             except ProtocolError as exc:
                 answer = {"ok": False, "error": exc.message}
+            except Exception as exc:  # a failing command must not stop the daemon
+                log.exception("control_command_failed")
+                answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             try:
                 self.socket.send_multipart([frames[0], b"", pack(answer)], zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -64,9 +68,11 @@ def control_request(runtime_dir: Path, command: dict[str, Any], timeout: float =
     """Send one command to a running daemon and return its answer."""
     path = runtime_dir / CONTROL_SOCKET_NAME
     if not path.exists():
-        raise ControlError(f"no daemon control socket at {path} (is `infervisor serve` running with this --runtime-dir?)")
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
+        raise ControlError(
+            f"no daemon control socket at {path} (is `infervisor serve` running with this --runtime-dir?)"
+        )
+    context: zmq.Context[Any] = zmq.Context.instance()
+    socket: zmq.Socket[Any] = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(f"ipc://{path}")
@@ -74,7 +80,8 @@ def control_request(runtime_dir: Path, command: dict[str, Any], timeout: float =
         if not socket.poll(int(timeout * 1000)):
             raise ControlError(f"no answer from the daemon within {timeout:.1f} s")
         frames = socket.recv_multipart()
-        answer = unpack(frames[-1])
+        # The answer comes from our own daemon over a 0600 socket and may exceed header limits.
+        answer = msgpack.unpackb(frames[-1], raw=False)
         if not isinstance(answer, dict):
             raise ControlError("the daemon's answer is not a map")
         return answer

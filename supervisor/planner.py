@@ -82,11 +82,7 @@ def plan_cores(
             chosen = _place_disjoint(by_node, load, cursor, demand.cores_per_worker)
             if chosen is None:
                 if not oversubscribe or not cores:
-                    raise PlanError(
-                        _failure_message(
-                            topology, allowed_set, demands, by_node, load, demand, slot
-                        )
-                    )
+                    raise PlanError(_failure_message(topology, allowed_set, demands, by_node, load, demand, slot))
                 chosen = _place_shared(by_node, load, cursor, demand.cores_per_worker)
             for core in chosen:
                 load[core.index] += 1
@@ -95,13 +91,7 @@ def plan_cores(
     assignments: list[Assignment] = []
     for demand, slot, chosen in placed:
         # Without SMT the lowest allowed thread stands in for the whole core; its sibling stays idle.
-        cpus = tuple(
-            sorted(
-                c
-                for core in chosen
-                for c in (core.cpus if demand.use_smt else core.cpus[:1])
-            )
-        )
+        cpus = tuple(sorted(c for core in chosen for c in (core.cpus if demand.use_smt else core.cpus[:1])))
         assignments.append(
             Assignment(
                 model=demand.model,
@@ -126,31 +116,19 @@ def _validate(demands: Sequence[WorkerDemand]) -> None:
             raise PlanError(f"model {demand.model!r} appears in more than one demand")
         seen.add(demand.model)
         if demand.workers < 1:
-            raise PlanError(
-                f"model {demand.model!r}: workers must be >= 1, got {demand.workers}"
-            )
+            raise PlanError(f"model {demand.model!r}: workers must be >= 1, got {demand.workers}")
         if demand.cores_per_worker < 1:
-            raise PlanError(
-                f"model {demand.model!r}: cores_per_worker must be >= 1, got {demand.cores_per_worker}"
-            )
+            raise PlanError(f"model {demand.model!r}: cores_per_worker must be >= 1, got {demand.cores_per_worker}")
         if demand.threads is not None and demand.threads < 1:
-            raise PlanError(
-                f"model {demand.model!r}: threads must be None or >= 1, got {demand.threads}"
-            )
+            raise PlanError(f"model {demand.model!r}: threads must be None or >= 1, got {demand.threads}")
 
 
 def _usable_cores(topology: Topology, allowed: set[int]) -> list[_Core]:
     """Return the physical cores with at least one allowed CPU, ordered by their lowest allowed CPU."""
     node_of = {c.cpu: c.node for c in topology.cpus}
-    restricted = [
-        tuple(c for c in siblings if c in allowed)
-        for siblings in topology.physical_cores()
-    ]
+    restricted = [tuple(c for c in siblings if c in allowed) for siblings in topology.physical_cores()]
     ordered = sorted((cpus for cpus in restricted if cpus), key=lambda cpus: cpus[0])
-    return [
-        _Core(index=i, node=node_of[cpus[0]], cpus=cpus)
-        for i, cpus in enumerate(ordered)
-    ]
+    return [_Core(index=i, node=node_of[cpus[0]], cpus=cpus) for i, cpus in enumerate(ordered)]
 
 
 def _free_count(node_cores: list[_Core], load: list[int]) -> int:
@@ -176,9 +154,7 @@ def _place_disjoint(
     return chosen
 
 
-def _place_shared(
-    by_node: dict[int, list[_Core]], load: list[int], cursor: dict[int, int], count: int
-) -> list[_Core]:
+def _place_shared(by_node: dict[int, list[_Core]], load: list[int], cursor: dict[int, int], count: int) -> list[_Core]:
     """Take count consecutive cores round-robin on one node, reusing busy cores and preferring the emptiest node."""
     largest = max(len(cores) for cores in by_node.values())
     # A worker bigger than every node gets a whole largest node rather than spanning nodes.
@@ -203,10 +179,7 @@ def _mark_shared(assignments: list[Assignment]) -> list[Assignment]:
     for a in assignments:
         for cpu in a.cpus:
             owners[cpu] = owners.get(cpu, 0) + 1
-    return [
-        replace(a, shared=True) if any(owners[cpu] > 1 for cpu in a.cpus) else a
-        for a in assignments
-    ]
+    return [replace(a, shared=True) if any(owners[cpu] > 1 for cpu in a.cpus) else a for a in assignments]
 
 
 def _failure_message(
@@ -223,16 +196,13 @@ def _failure_message(
     usable = sum(len(cores) for cores in by_node.values())
     per_node = (
         ", ".join(
-            f"node{node}: {_free_count(by_node[node], load)} free of {len(by_node[node])}"
-            for node in sorted(by_node)
+            f"node{node}: {_free_count(by_node[node], load)} free of {len(by_node[node])}" for node in sorted(by_node)
         )
         or "none"
     )
     in_topology = usable_cpus(topology, allowed)
     ignored = sorted(allowed - set(in_topology))
-    ignored_note = (
-        f"; not online, ignored: {format_cpu_list(ignored)}" if ignored else ""
-    )
+    ignored_note = f"; not online, ignored: {format_cpu_list(ignored)}" if ignored else ""
     return (
         f"cannot place worker {slot} of model {demand.model!r}: it needs "
         f"{demand.cores_per_worker} free physical cores on a single NUMA node "

@@ -12,7 +12,7 @@ class RuntimeDirError(Exception):
 
 
 def default_runtime_dir() -> Path:
-    """$RUNTIME_DIRECTORY, else /run/infervisor if writable, else $XDG_RUNTIME_DIR/infervisor, else /tmp/infervisor-UID."""
+    """$RUNTIME_DIRECTORY, else /run/infervisor, else $XDG_RUNTIME_DIR/infervisor, else /tmp/infervisor-UID."""
     from_systemd = os.environ.get("RUNTIME_DIRECTORY")
     if from_systemd:
         # systemd may pass several colon-separated directories; the first is ours.

@@ -44,6 +44,14 @@ class Notifier:
         """STOPPING=1."""
         self.notify("STOPPING=1", "STATUS=stopping")
 
+    def watchdog_interval(self) -> float | None:
+        """Seconds between WATCHDOG=1 pings (half of $WATCHDOG_USEC), or None when no watchdog is armed."""
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        pid = os.environ.get("WATCHDOG_PID", "")
+        if not self.enabled or not usec.isdigit() or (pid and pid != str(os.getpid())):
+            return None
+        return int(usec) / 2_000_000
+
     def status(self, text: str) -> None:
         """A free-form STATUS= line."""
         self.notify(f"STATUS={text}")

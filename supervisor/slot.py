@@ -97,7 +97,10 @@ class WorkerSlot:
     last_heard: float = 0.0
     ready_ms: float = 0.0
     expected_ms: float = 0.0
-    inflight: PendingRequest | None = None
+    #: Requests handed to the current process, in dispatch order (it serves them in that order).
+    inflight: dict[int, PendingRequest] = field(default_factory=dict)
+    #: When the head of the pipeline last moved (a reply, or a dispatch into an empty pipeline).
+    progress_at: float = 0.0
     respawn_at: float = 0.0
     kill_at: float | None = None
     failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
@@ -113,9 +116,9 @@ class WorkerSlot:
         return f"{self.model.name}/{self.assignment.slot}"
 
     @property
-    def idle(self) -> bool:
-        """Serving with no request in hand."""
-        return self.state is SlotState.SERVING and self.inflight is None
+    def can_take(self) -> bool:
+        """Serving with room in its pipeline (`prefetch` requests in hand at most)."""
+        return self.state is SlotState.SERVING and len(self.inflight) < self.model.prefetch
 
     @property
     def pid(self) -> int | None:

@@ -90,9 +90,7 @@ def _parse_cpu_id(token: str, text: str) -> int:
     token = token.strip()
     # isdigit() alone would accept non-ASCII digits that int() also accepts, so restrict to ASCII.
     if not token.isascii() or not token.isdigit():
-        raise ValueError(
-            f"invalid cpu list {text!r}: {token!r} is not a non-negative integer"
-        )
+        raise ValueError(f"invalid cpu list {text!r}: {token!r} is not a non-negative integer")
     return int(token)
 
 
@@ -117,9 +115,7 @@ def read_topology(sysfs_root: Path = Path("/sys")) -> Topology:
     cpu_root = sysfs_root / "devices" / "system" / "cpu"
     online = _online_cpus(cpu_root)
     if not online:
-        raise TopologyError(
-            f"no CPUs found under {cpu_root} (checked {cpu_root / 'online'} and cpuN directories)"
-        )
+        raise TopologyError(f"no CPUs found under {cpu_root} (checked {cpu_root / 'online'} and cpuN directories)")
     online_set = set(online)
     node_of = _cpu_nodes(sysfs_root / "devices" / "system" / "node")
 

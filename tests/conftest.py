@@ -52,7 +52,16 @@ class Daemon:
         self.log_path = tmp / "daemon.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path), "--runtime-dir", str(self.runtime_dir)],
+            [
+                sys.executable,
+                "-m",
+                "supervisor",
+                "serve",
+                "--config",
+                str(self.config_path),
+                "--runtime-dir",
+                str(self.runtime_dir),
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -143,7 +152,11 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
         pids = daemon.worker_pids()
         daemon.stop()
         for pid in pids:
-            wait_for(lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10, f"worker {pid} gone")
+            wait_for(
+                lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+                10,
+                f"worker {pid} gone",
+            )
 
 
 def model_entry(source: dict[str, str], inputs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

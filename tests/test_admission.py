@@ -1,4 +1,4 @@
-"""Admission control: a full queue answers OVERLOADED at once; a queued request past its deadline gets DEADLINE_EXCEEDED."""
+"""Admission control: a full queue answers OVERLOADED at once; a queued request past its deadline expires."""
 
 from __future__ import annotations
 

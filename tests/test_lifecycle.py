@@ -30,7 +30,7 @@ def _gone(pids: list[int]) -> bool:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cpus")
 def test_workers_are_pinned_to_disjoint_cores_with_matching_threads(start_daemon: Callable[..., Daemon]) -> None:
-    """Each worker's Cpus_allowed_list is its planned core set, the sets are disjoint, and torch uses that many threads."""
+    """Each worker is pinned to its planned cores, the sets are disjoint, and torch uses that many threads."""
     daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS, workers=2)}})
     status = daemon.wait_ready()
     seen: list[set[int]] = []
@@ -44,7 +44,9 @@ def test_workers_are_pinned_to_disjoint_cores_with_matching_threads(start_daemon
     assert not seen[0] & seen[1]
 
 
-def test_sigterm_finishes_in_flight_work_refuses_new_and_exits_zero(start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+def test_sigterm_finishes_in_flight_work_refuses_new_and_exits_zero(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
     """On SIGTERM the running request still gets its result, new ones get SHUTTING_DOWN, and no worker is left."""
     path = write_slow_model(tmp_path)
     daemon = start_daemon({"models": {"slow": model_entry({"torchscript": str(path)}, SLOW_INPUTS)}})

@@ -30,7 +30,7 @@ def make_sysfs(
     threads_per_core: int,
     nodes_per_package: int = 1,
 ) -> Path:
-    """Write a fake sysfs tree numbered like Linux on Intel (all first threads, then all siblings) and return its root."""
+    """Write a fake sysfs tree numbered like Linux on Intel (first threads, then siblings); return its root."""
     assert cores_per_package % nodes_per_package == 0
     root = tmp_path / "sys"
     cpu_root = root / "devices" / "system" / "cpu"
@@ -48,9 +48,7 @@ def make_sysfs(
                 topo.mkdir(parents=True)
                 (topo / "physical_package_id").write_text(f"{package}\n")
                 (topo / "core_id").write_text(f"{core}\n")
-                (topo / "thread_siblings_list").write_text(
-                    format_cpu_list(siblings) + "\n"
-                )
+                (topo / "thread_siblings_list").write_text(format_cpu_list(siblings) + "\n")
                 node = package * nodes_per_package + core // cores_per_node
                 node_cpus.setdefault(node, []).append(cpu)
     (cpu_root / "online").write_text(f"0-{cores_total * threads_per_core - 1}\n")
@@ -127,9 +125,7 @@ def test_parse_cpu_list(text: str, expected: list[int]) -> None:
     assert parse_cpu_list(text) == expected
 
 
-@pytest.mark.parametrize(
-    "text", ["a", "1-", "-1", "3-1", "1,,2", "1-2-3", "0x1", "1.5", "1;2", "١"]
-)
+@pytest.mark.parametrize("text", ["a", "1-", "-1", "3-1", "1,,2", "1-2-3", "0x1", "1.5", "1;2", "١"])
 def test_parse_cpu_list_rejects_malformed(text: str) -> None:
     """parse_cpu_list raises ValueError naming the offending list for malformed input."""
     with pytest.raises(ValueError, match="invalid cpu list"):
@@ -164,12 +160,8 @@ def test_read_topology_dual_socket_numbering(dual: Topology) -> None:
     """The fake 2x14 HT tree reads back with Intel-style package, core, sibling and node numbering."""
     assert all_cpus(dual) == list(range(56))
     assert dual.cpu(0) == LogicalCpu(cpu=0, package=0, core=0, node=0, siblings=(0, 28))
-    assert dual.cpu(14) == LogicalCpu(
-        cpu=14, package=1, core=0, node=1, siblings=(14, 42)
-    )
-    assert dual.cpu(41) == LogicalCpu(
-        cpu=41, package=0, core=13, node=0, siblings=(13, 41)
-    )
+    assert dual.cpu(14) == LogicalCpu(cpu=14, package=1, core=0, node=1, siblings=(14, 42))
+    assert dual.cpu(41) == LogicalCpu(cpu=41, package=0, core=13, node=0, siblings=(13, 41))
     assert dual.nodes() == [0, 1]
     assert dual.cpus_on_node(1) == list(range(14, 28)) + list(range(42, 56))
     cores = dual.physical_cores()
@@ -219,9 +211,7 @@ def test_read_topology_no_cpus(tmp_path: Path) -> None:
 def test_read_topology_bad_file(tmp_path: Path) -> None:
     """Garbage in a topology file raises TopologyError naming the file."""
     root = make_sysfs(tmp_path, 1, 2, 1)
-    (root / "devices" / "system" / "cpu" / "cpu1" / "topology" / "core_id").write_text(
-        "x\n"
-    )
+    (root / "devices" / "system" / "cpu" / "cpu1" / "topology" / "core_id").write_text("x\n")
     with pytest.raises(TopologyError, match="core_id"):
         read_topology(root)
 
@@ -329,9 +319,7 @@ def test_two_full_node_workers(dual: Topology) -> None:
 
 def test_worker_larger_than_node_fails(dual: Topology) -> None:
     """A 15-core worker cannot fit on a 14-core node even though 28 cores are usable."""
-    with pytest.raises(
-        PlanError, match="15 physical cores in total, 28 physical cores are usable"
-    ):
+    with pytest.raises(PlanError, match="15 physical cores in total, 28 physical cores are usable"):
         plan_cores(dual, all_cpus(dual), [demand(1, 15)])
 
 
@@ -344,9 +332,7 @@ def test_worker_larger_than_node_oversubscribed(dual: Topology) -> None:
 
 def test_demands_fill_in_order(dual: Topology) -> None:
     """Later demands use the cores left over by earlier ones, with slots numbered per model."""
-    plan = plan_cores(
-        dual, all_cpus(dual), [demand(1, 10, model="big"), demand(3, 4, model="small")]
-    )
+    plan = plan_cores(dual, all_cpus(dual), [demand(1, 10, model="big"), demand(3, 4, model="small")])
     assert [(a.model, a.slot, a.node) for a in plan] == [
         ("big", 0, 0),
         ("small", 0, 1),

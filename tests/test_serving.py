@@ -67,7 +67,9 @@ def zoo(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> Ite
             "resnet18": model_entry({"builtin": "resnet18"}, IMAGE_INPUTS),
             "resnet50": model_entry({"builtin": "resnet50"}, IMAGE_INPUTS),
             "encoder": model_entry({"builtin": "encoder"}, ENCODER_INPUTS),
-            "scripted": model_entry({"torchscript": str(files["dir"] / "two_heads.pt")}, small_image, outputs=["logits", "features"]),
+            "scripted": model_entry(
+                {"torchscript": str(files["dir"] / "two_heads.pt")}, small_image, outputs=["logits", "features"]
+            ),
             "exported": model_entry({"exported": str(files["dir"] / "two_heads.pt2")}, small_image),
         },
     }
@@ -163,7 +165,13 @@ def _raw_exchange(endpoint: str, frames: list[bytes]) -> dict[str, Any]:
 
 
 def _header(**overrides: Any) -> bytes:
-    header = {"v": 1, "type": "infer", "id": 9, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 16]}]}
+    header = {
+        "v": 1,
+        "type": "infer",
+        "id": 9,
+        "model": "tiny",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 16]}],
+    }
     header.update(overrides)
     return msgpack.packb({k: v for k, v in header.items() if v is not None})
 
@@ -177,13 +185,21 @@ def _header(**overrides: Any) -> bytes:
         ([b"", _header(v=2), bytes(64)], ErrorCode.UNSUPPORTED_VERSION),
         ([b"", _header(), bytes(63)], ErrorCode.INVALID_INPUT),
         ([b"", _header(), bytes(64), bytes(64)], ErrorCode.BAD_REQUEST),
-        ([b"", _header(inputs=[{"name": "x", "dtype": "object", "shape": [1, 16]}]), bytes(64)], ErrorCode.INVALID_INPUT),
-        ([b"", _header(inputs=[{"name": "x", "dtype": "float32", "shape": [-1, 16]}]), bytes(64)], ErrorCode.INVALID_INPUT),
+        (
+            [b"", _header(inputs=[{"name": "x", "dtype": "object", "shape": [1, 16]}]), bytes(64)],
+            ErrorCode.INVALID_INPUT,
+        ),
+        (
+            [b"", _header(inputs=[{"name": "x", "dtype": "float32", "shape": [-1, 16]}]), bytes(64)],
+            ErrorCode.INVALID_INPUT,
+        ),
         ([b"", _header(id=[1, 2]), bytes(64)], ErrorCode.BAD_REQUEST),
         ([b"", msgpack.packb([1, 2, 3])], ErrorCode.BAD_REQUEST),
     ],
 )
-def test_garbage_frames_get_an_error_reply_and_serving_goes_on(zoo: Daemon, client: Client, frames: list[bytes], code: ErrorCode) -> None:
+def test_garbage_frames_get_an_error_reply_and_serving_goes_on(
+    zoo: Daemon, client: Client, frames: list[bytes], code: ErrorCode
+) -> None:
     """Malformed envelopes, headers and frame lengths are answered, never crash the broker."""
     reply = _raw_exchange(zoo.endpoint, frames)
     assert reply["type"] == "error"
@@ -230,7 +246,9 @@ def test_supervisor_never_imports_torch(zoo: Daemon) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
 
 
 def test_status_and_infer_commands(zoo: Daemon, tmp_path: Path) -> None:
@@ -239,11 +257,26 @@ def test_status_and_infer_commands(zoo: Daemon, tmp_path: Path) -> None:
     assert table.returncode == 0 and "model resnet50" in table.stdout and "serving" in table.stdout
     as_json = json.loads(_cli("status", "--runtime-dir", str(zoo.runtime_dir), "--json").stdout)
     assert as_json["models"]["tiny"]["workers"][0]["state"] == "serving"
-    random = json.loads(_cli("infer", "--runtime-dir", str(zoo.runtime_dir), "--model", "resnet18", "--random", "--json").stdout)
+    random = json.loads(
+        _cli("infer", "--runtime-dir", str(zoo.runtime_dir), "--model", "resnet18", "--random", "--json").stdout
+    )
     assert random["outputs"][0]["shape"] == [1, 1000] and random["latency_ms"] > 0
     x = np.arange(32, dtype=np.float32).reshape(2, 16)
     np.save(tmp_path / "x.npy", x)
-    from_file = json.loads(_cli("infer", "--runtime-dir", str(zoo.runtime_dir), "--model", "tiny", "--input", str(tmp_path / "x.npy"), "--json").stdout)
+    from_file = json.loads(
+        _cli(
+            "infer",
+            "--runtime-dir",
+            str(zoo.runtime_dir),
+            "--model",
+            "tiny",
+            "--input",
+            str(tmp_path / "x.npy"),
+            "--json",
+        ).stdout
+    )
     assert from_file["outputs"][0]["shape"] == [2, 16]
-    bad = _cli("infer", "--runtime-dir", str(zoo.runtime_dir), "--model", "tiny", "--input", str(tmp_path / "missing.npy"))
+    bad = _cli(
+        "infer", "--runtime-dir", str(zoo.runtime_dir), "--model", "tiny", "--input", str(tmp_path / "missing.npy")
+    )
     assert bad.returncode != 0

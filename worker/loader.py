@@ -24,7 +24,7 @@ def load_model(source: ModelSource) -> Any:
         if not path.is_file():
             raise ModelLoadError(f"model file {path} does not exist")
         if source.kind == "torchscript":
-            module = torch.jit.load(str(path), map_location="cpu")
+            module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
             return module.eval()
         if source.kind == "exported":
             # An ExportedProgram's module() is a GraphModule; eval() on it is not supported, and it

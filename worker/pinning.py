@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 _PR_SET_PDEATHSIG = 1
 
+
 def pin_before_torch(cpus: Iterable[int]) -> None:
     """Pin this process to `cpus` before torch starts its OpenMP pool (which inherits the mask)."""
     os.sched_setaffinity(0, set(cpus))

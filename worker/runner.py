@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.constants import DTYPE_ITEMSIZE, ErrorCode
+from protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS, ErrorCode
 from protocol.errors import ProtocolError
 from protocol.tensors import TensorDesc, TensorSpec
 
@@ -58,11 +58,14 @@ class ModelRunner:
                 inputs[spec.name] = torch.ones(shape, dtype=dtype)
         return inputs
 
-    def check_values(self, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Reject NaN/Inf in float inputs whose spec does not allow them."""
+    def check_values(self, frames: Mapping[str, Any]) -> None:
+        """Reject NaN/Inf in float input frames whose spec does not allow them."""
         for spec in self.specs:
-            tensor = inputs[spec.name]
-            if tensor.is_floating_point() and not spec.allow_non_finite and not bool(torch.isfinite(tensor).all()):
+            if spec.allow_non_finite or not spec.dtype.startswith("float"):
+                continue
+            # numpy's isfinite is ~20x faster than torch's isfinite().all() on a 600 KB image.
+            values = np.frombuffer(frames[spec.name], dtype=spec.dtype)
+            if not bool(np.isfinite(values).all()):
                 raise ProtocolError(ErrorCode.INVALID_INPUT, f"input {spec.name!r} contains NaN or Inf")
 
     def forward(self, inputs: Mapping[str, torch.Tensor]) -> list[tuple[str, np.ndarray[Any, Any]]]:
@@ -72,7 +75,7 @@ class ModelRunner:
         return self._name_outputs(result)
 
     def warm_up(self, iterations: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
-        """Run the example inputs `iterations` times (first-call JIT/oneDNN costs land here) and return the last outputs."""
+        """Run the example inputs `iterations` times (first-call costs land here); returns the last outputs."""
         inputs = self.example_inputs()
         outputs = self.forward(inputs)
         for _ in range(iterations - 1):
@@ -89,6 +92,8 @@ class ModelRunner:
         else:
             raise TypeError(f"model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
         names = self.output_names
+        if len(tensors) > MAX_TENSORS:
+            raise TypeError(f"model returned {len(tensors)} outputs; the wire carries at most {MAX_TENSORS}")
         if names is not None and len(names) != len(tensors):
             raise TypeError(f"model returned {len(tensors)} outputs but {len(names)} output names are configured")
         named: list[tuple[str, np.ndarray[Any, Any]]] = []
@@ -96,6 +101,8 @@ class ModelRunner:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"output {index} is a {type(tensor).__name__}, not a tensor")
             name = names[index] if names is not None else key or ("output" if index == 0 else f"output_{index}")
+            if tensor.dim() > MAX_RANK or any(name == other for other, _ in named):
+                raise TypeError(f"output {name!r} has rank {tensor.dim()} (max {MAX_RANK}) or a duplicate name")
             tensor = tensor.detach()
             if str(tensor.dtype).removeprefix("torch.") not in DTYPE_ITEMSIZE:
                 tensor = tensor.float()  # bf16 and friends have no wire dtype

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from protocol import worker_messages as wm
-from protocol.constants import ErrorCode, WorkerExitCode
+from protocol.constants import MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc, check_against_spec, check_frames
@@ -43,12 +43,15 @@ class WorkerLoop:
 
     def run(self) -> int:
         """Serve until STOP/DRAIN or until the supervisor falls silent; returns the exit code."""
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
         silence_limit = self.interval * self.launch.heartbeat_liveness
+        # A blocking receive that times out at the heartbeat interval: one wake-up per request.
+        self.socket.setsockopt(zmq.RCVTIMEO, max(1, int(self.interval * 1000)))
         while True:
-            if poller.poll(int(self.interval * 1000)):
+            try:
                 frames = self.socket.recv_multipart(copy=False)
+            except zmq.Again:
+                pass
+            else:
                 self.last_heard = time.monotonic()
                 outcome = self.handle(frames)
                 if outcome is not None:
@@ -79,6 +82,10 @@ class WorkerLoop:
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
         """Check, run and answer one request; a bad input or model error is a reply, never a crash."""
+        if request.deadline is not None and time.monotonic() >= request.deadline:
+            # It waited in this worker's pipeline past its deadline: running it would be wasted work.
+            self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the model ran")
+            return
         started = time.perf_counter()
         self.requests += 1
         decode_ms = model_ms = 0.0
@@ -86,8 +93,8 @@ class WorkerLoop:
             buffers = [f.buffer for f in frames]
             check_frames(request.inputs, [len(b) for b in buffers], self.launch.max_frame_bytes)
             check_against_spec(request.inputs, self.runner.specs)
-            inputs = {d.name: tensor_from_frame(d, b) for d, b in zip(request.inputs, buffers)}
-            self.runner.check_values(inputs)
+            self.runner.check_values({d.name: b for d, b in zip(request.inputs, buffers, strict=True)})
+            inputs = {d.name: tensor_from_frame(d, b) for d, b in zip(request.inputs, buffers, strict=True)}
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(inputs)
@@ -95,7 +102,7 @@ class WorkerLoop:
         except ProtocolError as exc:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
-        except Exception as exc:  # the model itself failed: answer, keep serving
+        except Exception as exc:  # noqa: BLE001 - the model itself failed: answer, keep serving
             log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
@@ -106,7 +113,7 @@ class WorkerLoop:
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
         """Answer a request with an error code."""
-        self.send(wm.Reply(request_id, code.value, message, (), 0.0, 0.0, 0.0))
+        self.send(wm.Reply(request_id, code.value, message[:MAX_MESSAGE_LEN], (), 0.0, 0.0, 0.0))
 
     def send_stats(self) -> None:
         """Report what this process really runs with, so status can prove the pinning."""
@@ -138,7 +145,7 @@ def serve(launch: LaunchSpec) -> int:
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
         return WorkerExitCode.LOAD_FAILED
-    except Exception as exc:  # a model that cannot run its own declared inputs is a load failure
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
         log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
         return WorkerExitCode.LOAD_FAILED
     context: zmq.Context[Any] = zmq.Context(1)
@@ -149,7 +156,9 @@ def serve(launch: LaunchSpec) -> int:
     socket.connect(launch.endpoint)
     loop = WorkerLoop(launch, runner, socket)
     loop.send(
-        wm.Ready(launch.worker_id, os.getpid(), load_ms, warmup_ms, torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+        wm.Ready(
+            launch.worker_id, os.getpid(), load_ms, warmup_ms, torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+        )
     )
     log.info("worker_ready", load_ms=round(load_ms, 1), warmup_ms=round(warmup_ms, 1), threads=torch.get_num_threads())
     try:

@@ -81,7 +81,11 @@ def run_infer(args: argparse.Namespace) -> int:
         try:
             outputs, timing = client.infer_with_timing(args.model, inputs, timeout=args.timeout)
         except InferenceError as exc:
-            print(json.dumps({"error": str(exc.code), "message": exc.message}) if args.json else f"error {exc.code}: {exc.message}")
+            print(
+                json.dumps({"error": str(exc.code), "message": exc.message})
+                if args.json
+                else f"error {exc.code}: {exc.message}"
+            )
             return 1
         latency_ms = (time.perf_counter() - started) * 1000.0
     report = {

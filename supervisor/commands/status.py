@@ -25,7 +25,10 @@ def format_status(status: dict[str, Any]) -> str:
         f"rss {_mb(status['rss'])} MB  config {status['config']['digest']}",
         f"endpoint {status['endpoints']['client']}",
     ]
-    header = f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'rss MB':>7} {'reqs':>7} {'p50 ms':>8} {'p99 ms':>8}  last exit"
+    header = (
+        f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'rss MB':>7} {'reqs':>7} "
+        f"{'p50 ms':>8} {'p99 ms':>8}  last exit"
+    )
     for name, model in status["models"].items():
         errors = ", ".join(f"{k} {v}" for k, v in sorted(model["errors"].items())) or "none"
         lines.append("")
@@ -38,7 +41,8 @@ def format_status(status: dict[str, Any]) -> str:
             cores = ",".join(str(c) for c in w["cores"])
             lines.append(
                 f"  {w['slot']:>4} {w['pid'] or '-':>7} {w['state']:<9} {cores:<10} {w['threads']:>3} "
-                f"{_mb(w['rss']):>7} {w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  {w['last_exit'] or ''}"
+                f"{_mb(w['rss']):>7} {w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  "
+                f"{w['last_exit'] or ''}"
             )
     return "\n".join(lines)
 

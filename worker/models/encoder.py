@@ -41,7 +41,9 @@ class EncoderLayer(nn.Module):
 class Encoder(nn.Module):
     """Embeddings, six layers, masked mean pooling: returns one 384-d embedding per sequence."""
 
-    def __init__(self, vocab: int = 30522, hidden: int = 384, layers: int = 6, heads: int = 12, max_len: int = 512) -> None:
+    def __init__(
+        self, vocab: int = 30522, hidden: int = 384, layers: int = 6, heads: int = 12, max_len: int = 512
+    ) -> None:
         super().__init__()
         self.word = nn.Embedding(vocab, hidden)
         self.position = nn.Embedding(max_len, hidden)

@@ -25,7 +25,9 @@ class Bottleneck(nn.Module):
         self.relu3 = nn.ReLU()
         self.downsample: nn.Module = nn.Identity()
         if stride != 1 or in_ch != out_ch:
-            self.downsample = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu1(self.bn1(self.conv1(x)))
@@ -49,7 +51,9 @@ class BasicBlock(nn.Module):
         self.relu2 = nn.ReLU()
         self.downsample: nn.Module = nn.Identity()
         if stride != 1 or in_ch != width:
-            self.downsample = nn.Sequential(nn.Conv2d(in_ch, width, 1, stride=stride, bias=False), nn.BatchNorm2d(width))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_ch, width, 1, stride=stride, bias=False), nn.BatchNorm2d(width)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu1(self.bn1(self.conv1(x)))
@@ -68,7 +72,7 @@ class ResNet(nn.Module):
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         stages: list[nn.Module] = []
         in_ch = 64
-        for index, (width, count) in enumerate(zip((64, 128, 256, 512), layers)):
+        for index, (width, count) in enumerate(zip((64, 128, 256, 512), layers, strict=True)):
             blocks: list[nn.Module] = []
             for b in range(count):
                 blocks.append(block(in_ch, width, 2 if b == 0 and index > 0 else 1))

@@ -1,0 +1,260 @@
+"""Transport benchmark: the daemon's round trip against an in-process call, 1 sequential client and N concurrent.
+
+    python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
+
+All figures come from one run on one machine, so compare ratios, not absolutes across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from protocol.client import Client  # noqa: E402
+from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from supervisor.control import ControlError, control_request  # noqa: E402
+from supervisor.status import percentile  # noqa: E402
+
+SPECS: dict[str, tuple[str, tuple[int, ...], list[dict[str, Any]]]] = {
+    "tiny": ("x", (1, 16), [{"name": "x", "dtype": "float32", "shape": [None, 16]}]),
+    "resnet18": ("image", (1, 3, 224, 224), [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]),
+    "resnet50": ("image", (1, 3, 224, 224), [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]),
+}
+
+
+def in_process(model: str, seconds: float, threads: int) -> list[float]:
+    """Latencies (ms) of the eager model called directly, pinned like a worker with `threads` threads."""
+    import torch
+
+    from worker.models import build_builtin
+
+    torch.set_num_threads(threads)
+    module = build_builtin(model)
+    name, shape, _ = SPECS[model]
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    latencies: list[float] = []
+    with torch.inference_mode():
+        for _ in range(3):
+            module(x)
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop and len(latencies) < 200_000:
+            started = time.perf_counter()
+            module(x)
+            latencies.append((time.perf_counter() - started) * 1000.0)
+    return latencies
+
+
+def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw: bool, out: Any) -> None:
+    """One client process: back-to-back requests until the shared stop time; sends its latencies home.
+
+    raw=True speaks the wire protocol with a bare DEALER (the same client cost for daemon and baseline);
+    raw=False uses protocol.Client, what an application would use.
+    """
+    import zmq
+
+    from protocol.client_messages import InferRequest, encode_infer
+    from protocol.tensors import TensorDesc
+
+    name, shape, _ = SPECS[model]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    latencies: list[float] = []
+    errors = 0
+    client = Client(endpoint)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 60_000)
+    socket.connect(endpoint)
+    desc = (TensorDesc(name, "float32", shape),)
+    counter = iter(range(10**9))
+
+    def call() -> None:
+        if raw:
+            socket.send_multipart([b"", encode_infer(InferRequest(next(counter), model, desc)), x], copy=False)
+            reply = socket.recv_multipart()
+            if b"result" not in reply[1][:40]:
+                raise RuntimeError("error reply")
+        else:
+            client.infer(model, {name: x}, timeout=60)
+
+    warm_until = time.time() + 60
+    while time.time() < warm_until:
+        try:
+            call()
+            break
+        except Exception:  # noqa: BLE001 - the baseline may not be listening yet
+            time.sleep(0.1)
+    while time.time() < start_at:
+        time.sleep(0.001)
+    stop = start_at + seconds
+    while time.time() < stop and len(latencies) < 500_000:
+        started = time.perf_counter()
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - counted; the benchmark reports errors instead of dying
+            errors += 1
+            continue
+        latencies.append((time.perf_counter() - started) * 1000.0)
+    client.close()
+    socket.close()
+    out.send((latencies, errors))
+
+
+def run_clients(endpoint: str, model: str, clients: int, seconds: float, raw: bool) -> tuple[list[float], int]:
+    """Latencies and errors of `clients` concurrent client processes over `seconds`."""
+    ctx = multiprocessing.get_context("spawn")
+    pipes = []
+    procs = []
+    start_at = time.time() + 3.0 + 0.3 * clients
+    for _ in range(clients):
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, start_at, raw, sender))
+        proc.start()
+        pipes.append(receiver)
+        procs.append(proc)
+    latencies: list[float] = []
+    errors = 0
+    for receiver in pipes:
+        got, errs = receiver.recv()
+        latencies.extend(got)
+        errors += errs
+    for proc in procs:
+        proc.join(30)
+    return latencies, errors
+
+
+def start_daemon(models: list[str], workers: int, runtime_dir: Path, prefetch: int) -> subprocess.Popen[bytes]:
+    """`infervisor serve` with the models under test, one thread per worker."""
+    config = {
+        "log_level": "warning",
+        "oversubscribe": True,
+        "models": {
+            m: {
+                "source": {"builtin": m},
+                "inputs": SPECS[m][2],
+                "workers": workers,
+                "queue_size": 1024,
+                "prefetch": prefetch,
+            }
+            for m in models
+        },
+    }
+    path = runtime_dir.parent / "bench-config.json"
+    path.write_text(json.dumps(config))
+    log = (runtime_dir.parent / "bench-daemon.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2)
+            workers_all = [w for m in status["models"].values() for w in m["workers"]]
+            if all(w["state"] == "serving" for w in workers_all):
+                return process
+        except ControlError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"daemon exited with {process.returncode}")
+        time.sleep(0.1)
+    raise SystemExit("daemon not ready in 300 s")
+
+
+def row(model: str, label: str, latencies: list[float], seconds: float, errors: int = 0) -> dict[str, Any]:
+    """One table row."""
+    return {
+        "model": model,
+        "path": label,
+        "n": len(latencies),
+        "errors": errors,
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "req_s": round(len(latencies) / seconds, 1),
+    }
+
+
+def measure(model: str, clients: int, seconds: float, workers: int, prefetch: int, tmp: Path) -> list[dict[str, Any]]:
+    """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients."""
+    from bench import bare_broker
+
+    rows = [row(model, "in-process, 1 thread", in_process(model, seconds, threads=1), seconds)]
+    bare_dir = tmp / f"bare-{model}"
+    processes = bare_broker.start(bare_dir, model, workers)
+    try:
+        endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
+        for n in (1, clients):
+            latencies, errors = run_clients(endpoint, model, n, seconds, raw=True)
+            rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors))
+    finally:
+        for process in processes:
+            process.kill()
+    daemon_dir = tmp / f"daemon-{model}"
+    daemon = start_daemon([model], workers, daemon_dir, prefetch)
+    try:
+        endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
+        for raw in (True, False):
+            for n in (1, clients):
+                latencies, errors = run_clients(endpoint, model, n, seconds, raw=raw)
+                how = "raw socket" if raw else "protocol.Client"
+                rows.append(row(model, f"daemon, {n} client(s), {how}", latencies, seconds, errors))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+    return rows
+
+
+def main() -> int:
+    """Run the benchmark and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,resnet18")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--prefetch", type=int, default=2, help="requests in hand per worker (config `prefetch`)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        rows.extend(measure(model, args.clients, args.seconds, args.workers, args.prefetch, tmp))
+    print(f"{'model':<9} {'path':<40} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9}")
+    for r in rows:
+        print(
+            f"{r['model']:<9} {r['path']:<40} {r['n']:>7} {r['errors']:>4} "
+            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f}"
+        )
+    print("\nratios (daemon raw socket / bare pyzmq, same run):")
+    for model in args.models.split(","):
+        by = {r["path"]: r for r in rows if r["model"] == model}
+        base = by["in-process, 1 thread"]
+        for n in (1, args.clients):
+            bare = by[f"bare pyzmq, {n} client(s)"]
+            ours = by[f"daemon, {n} client(s), raw socket"]
+            print(
+                f"  {model}, {n} client(s): p50 x{ours['p50_ms'] / bare['p50_ms']:.2f}, "
+                f"req/s x{ours['req_s'] / bare['req_s']:.2f}; "
+                f"added over in-process p50: daemon {ours['p50_ms'] - base['p50_ms']:.3f} ms, "
+                f"bare {bare['p50_ms'] - base['p50_ms']:.3f} ms"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
