@@ -13,7 +13,7 @@ from protocol.tensors import TensorSpec
 class ModelSource:
     """Where a model comes from: a built-in name, a TorchScript file or an ExportedProgram (.pt2)."""
 
-    kind: str  # "builtin" | "torchscript" | "exported"
+    kind: str  # "builtin" | "torchscript" | "exported" | "python" (name = "module:callable")
     name: str | None = None
     path: str | None = None
 
@@ -35,6 +35,7 @@ class LaunchSpec:
     heartbeat_liveness: int = 10
     stats_interval_ms: int = 2000
     max_frame_bytes: int = 256 * 1024 * 1024
+    max_memory_mb: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -185,30 +185,36 @@ class Arbiter:
             self.on_exit(slot, code, time.monotonic())
 
     def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
-        """Handle one worker exit; which state follows depends on whether we asked for it."""
-        slot.last_exit = describe_exit(code)
+        """Handle one worker exit: settle the slot's state first, then re-dispatch what it held."""
+        how = describe_exit(code)
+        slot.last_exit = how
         self.broker.forget(slot)
-        self.broker.worker_lost(slot, slot.last_exit)
+        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
+            log.warning("worker_exited", slot=slot.name, pid=slot.process.pid if slot.process else None, how=how)
+        self.settle_exit(slot, how, code, now)
+        # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
+        self.broker.worker_lost(slot, how)
+        if slot.state is SlotState.FAILED and not self.broker.has_capacity(slot.model.name):
+            self.broker.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
+
+    def settle_exit(self, slot: WorkerSlot, how: str, code: int, now: float) -> None:
+        """The state after an exit: STOPPED if we asked for it, else BACKOFF, or FAILED after too many."""
         if slot.state in (SlotState.DRAINING, SlotState.STOPPING):
-            slot.transition(SlotState.STOPPED, slot.last_exit)
+            slot.transition(SlotState.STOPPED, how)
             return
         failures = slot.record_failure(now, self.config.restart_window_s)
         if failures >= self.config.max_restarts:
-            slot.transition(SlotState.BACKOFF, slot.last_exit)
+            slot.transition(SlotState.BACKOFF, how)
             slot.transition(
-                SlotState.FAILED,
-                f"{failures} failures within {self.config.restart_window_s:.0f} s; last: {slot.last_exit}",
+                SlotState.FAILED, f"{failures} failures within {self.config.restart_window_s:.0f} s; last: {how}"
             )
-            log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=slot.last_exit)
-            if not self.broker.has_capacity(slot.model.name):
-                self.broker.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
+            log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
             return
         # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
         never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
         delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
         slot.respawn_at = now + (delay if never_ready or failures > 1 else 0.0)
-        log.warning("worker_exited", slot=slot.name, pid=slot.process.pid if slot.process else None, how=slot.last_exit)
-        slot.transition(SlotState.BACKOFF, f"{slot.last_exit}; respawn in {slot.respawn_at - now:.1f} s")
+        slot.transition(SlotState.BACKOFF, f"{how}; respawn in {slot.respawn_at - now:.1f} s")
 
     def murder(self, now: float) -> None:
         """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""

@@ -93,6 +93,12 @@ class Broker:
             socket.setsockopt(zmq.MAXMSGSIZE, max_message)
         return socket
 
+    def count(self, kind: str, detail: str = "") -> None:
+        """Count an anomaly for status; log only its first occurrence, so a flood of garbage cannot flood the log."""
+        self.counters[kind] += 1
+        if self.counters[kind] == 1:
+            log.warning("anomaly_first_seen", kind=kind, detail=detail, note="later ones are only counted in status")
+
     # ---- membership -------------------------------------------------------------------------
 
     def set_pools(self, slots: dict[str, list[WorkerSlot]]) -> None:
@@ -128,21 +134,21 @@ class Broker:
                 self.accept(frames)
             except Exception:  # a bug on one message must cost that message, not the daemon
                 log.exception("client_message_crashed")
-                self.counters["internal_error"] += 1
+                self.count("internal_error")
                 self.reply_error(frames[0].bytes, None, ErrorCode.INTERNAL, "the broker failed on this message")
 
     def accept(self, frames: list[Any]) -> None:
         """Validate one client message and queue or dispatch it, or answer with an error at once."""
         client = frames[0].bytes
         if len(frames) < 3 or len(frames[1]) != 0:
-            self.counters["malformed_envelope"] += 1
+            self.count("malformed_envelope")
             self.reply_error(client, None, ErrorCode.BAD_REQUEST, "expected frames: empty delimiter, header, tensors")
             return
         tensor_frames = frames[3:]
         try:
             request = decode_infer(frames[2].buffer, [len(f) for f in tensor_frames], self.config.max_frame_bytes)
         except ProtocolError as exc:
-            self.counters[f"rejected_{exc.code.value}"] += 1
+            self.count(f"rejected_{exc.code.value}", exc.message)
             self.reply_error(client, exc.request_id, exc.code, exc.message)
             return
         model = self.config.models.get(request.model)
@@ -153,7 +159,7 @@ class Broker:
                 )
             check_against_spec(request.inputs, model.inputs)
         except ProtocolError as exc:
-            self.counters[f"rejected_{exc.code.value}"] += 1
+            self.count(f"rejected_{exc.code.value}", exc.message)
             self.reply_error(client, request.request_id, exc.code, exc.message)
             return
         queue = self.queues[request.model]
@@ -208,7 +214,7 @@ class Broker:
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
-            self.counters["reply_undeliverable"] += 1
+            self.count("reply_undeliverable")
 
     def finish(self, request: PendingRequest, code: ErrorCode | None, header: bytes, frames: list[Any]) -> None:
         """Send the one final reply of a request and count it."""
@@ -247,9 +253,10 @@ class Broker:
             if request.deadline is not None and time.monotonic() >= request.deadline:
                 self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
                 continue
-            self.send_to_worker(slot, request)
+            if not self.send_to_worker(slot, request):
+                return
 
-    def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> None:
+    def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> bool:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
         message = wm.Request(request.internal_id, request.model, request.deadline, request.inputs)
         try:
@@ -257,14 +264,16 @@ class Broker:
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
+            # Its process is gone or going; reaping it settles the slot. The request keeps its place.
             self.queues[request.model].waiting.appendleft(request)
             slot.kill("worker socket unreachable")
-            return
+            return False
         request.dispatched_at = time.monotonic()
         if not slot.inflight:
             slot.progress_at = request.dispatched_at
         slot.inflight[request.internal_id] = request
         self.inflight_count += 1
+        return True
 
     def take_inflight(self, slot: WorkerSlot) -> list[PendingRequest]:
         """Detach every request the slot's process holds, oldest first."""
@@ -337,19 +346,18 @@ class Broker:
                 self.on_worker_message(frames)
             except Exception:  # a bug on one message must cost that message, not the daemon
                 log.exception("worker_message_crashed")
-                self.counters["internal_error"] += 1
+                self.count("internal_error")
 
     def on_worker_message(self, frames: list[Any]) -> None:
         """Act on one worker message; unknown senders and malformed headers are counted and dropped."""
         slot = self.by_identity.get(frames[0].bytes)
         if slot is None or len(frames) < 2:
-            self.counters["worker_message_unknown_sender"] += 1
+            self.count("worker_message_unknown_sender")
             return
         try:
             message = wm.decode(frames[1].buffer)
         except ProtocolError as exc:
-            self.counters["worker_message_malformed"] += 1
-            log.error("worker_message_malformed", slot=slot.name, error=exc.message)
+            self.count("worker_message_malformed", f"{slot.name}: {exc.message}")
             # Workers answer in order, so a garbled message is the answer to the oldest request in hand.
             if slot.inflight:
                 request = slot.inflight.pop(next(iter(slot.inflight)))
@@ -384,7 +392,7 @@ class Broker:
         """Forward a worker's answer to the client that asked, exactly once."""
         request = slot.inflight.pop(reply.request_id, None)
         if request is None:
-            self.counters["reply_stale"] += 1
+            self.count("reply_stale")
             return
         self.inflight_count -= 1
         now = time.monotonic()

@@ -16,7 +16,8 @@ from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-SOURCE_KINDS = ("builtin", "torchscript", "exported")
+SOURCE_KINDS = ("builtin", "torchscript", "exported", "python")
+_PYTHON_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -57,6 +58,7 @@ class ModelConfig:
     warmup_iterations: int
     max_retries: int
     prefetch: int
+    max_memory_mb: int | None
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,10 @@ def _read_source(r: _Reader, raw: Any, path: str, base: Path) -> ModelSource:
         r.fail(f"{path}.{kind}", "must be a non-empty string")
     elif kind == "builtin":
         return ModelSource("builtin", name=value)
+    elif kind == "python":
+        if not _PYTHON_FACTORY.fullmatch(value):
+            r.fail(f"{path}.python", f"must be 'package.module:callable', got {value!r}")
+        return ModelSource("python", name=value)
     else:
         file = Path(value) if Path(value).is_absolute() else base / value
         return ModelSource(kind, path=str(file))
@@ -182,7 +188,7 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
 
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
-    "queue_size", "warmup_iterations", "max_retries", "prefetch",
+    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb",
 }  # fmt: skip
 
 
@@ -198,6 +204,10 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
     if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, str) and o for o in outputs)):
         r.fail(f"{path}.outputs", "must be an array of output names or null")
         outputs = None
+    memory = raw.get("max_memory_mb")
+    if memory is not None and (type(memory) is not int or memory < 512):
+        r.fail(f"{path}.max_memory_mb", f"must be an integer >= 512 (MB) or null, got {memory!r}")
+        memory = None
     threads = raw.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         r.fail(f"{path}.threads", f"must be a positive integer or null (= one per pinned cpu), got {threads!r}")
@@ -215,6 +225,7 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         warmup_iterations=r.integer(raw, "warmup_iterations", path, 3, 1, 1000),
         max_retries=r.integer(raw, "max_retries", path, 2, 0, 10),
         prefetch=r.integer(raw, "prefetch", path, 1, 1, 16),
+        max_memory_mb=memory,
     )
 
 

@@ -150,6 +150,7 @@ class WorkerSlot:
             heartbeat_interval_ms=config.heartbeat_interval_ms,
             heartbeat_liveness=config.heartbeat_liveness,
             max_frame_bytes=config.max_frame_bytes,
+            max_memory_mb=self.model.max_memory_mb,
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", launch.to_json()],

@@ -6,7 +6,7 @@ import sys
 
 from protocol.constants import WorkerExitCode
 from protocol.launch import LaunchSpec
-from worker.pinning import die_with_parent, pin_before_torch
+from worker.pinning import die_with_parent, limit_memory, pin_before_torch
 
 
 def main(argv: list[str]) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str]) -> int:
         return WorkerExitCode.BAD_LAUNCH
     die_with_parent()
     pin_before_torch(launch.cpus)
+    limit_memory(launch.max_memory_mb)
     from worker.logs import configure_logging
 
     configure_logging()

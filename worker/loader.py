@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,11 @@ def load_model(source: ModelSource) -> Any:
     try:
         if source.kind == "builtin":
             return build_builtin(str(source.name))
+        if source.kind == "python":
+            # An eager model defined in code: a callable that returns the module (found on sys.path).
+            module_name, _, attribute = str(source.name).partition(":")
+            factory = getattr(importlib.import_module(module_name), attribute)
+            return factory().eval()
         path = Path(str(source.path))
         if not path.is_file():
             raise ModelLoadError(f"model file {path} does not exist")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 from collections.abc import Iterable
 
@@ -13,6 +14,14 @@ _PR_SET_PDEATHSIG = 1
 def pin_before_torch(cpus: Iterable[int]) -> None:
     """Pin this process to `cpus` before torch starts its OpenMP pool (which inherits the mask)."""
     os.sched_setaffinity(0, set(cpus))
+
+
+def limit_memory(megabytes: int | None) -> None:
+    """Cap private writable memory (RLIMIT_DATA), so a runaway allocation fails inside torch with an
+    error the worker answers, instead of waking the kernel's OOM killer on the whole box."""
+    if megabytes is not None:
+        limit = megabytes * 2**20
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 def die_with_parent() -> None:

@@ -1,0 +1,50 @@
+"""Eager models that misbehave on request, loaded by workers through the `python` source kind.
+
+Input `x` float32[N, 2]: x[0, 0] picks the behaviour, x[0, 1] is its argument; N only adds payload.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+import torch
+
+FAULT_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 2]}]
+
+# Far from the N(0, 1) values that warm-up feeds the model, so warm-up only ever echoes.
+ECHO, SEGFAULT, SLEEP, EXIT, ALLOCATE = 0, 101, 102, 103, 104
+
+
+class Faulty(torch.nn.Module):
+    """Echoes its input, or crashes, sleeps, exits or allocates as the request asks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        command, argument = int(x[0, 0]), float(x[0, 1])
+        if command == SEGFAULT:
+            ctypes.string_at(0)  # reads address 0: SIGSEGV, as a buggy native op would
+        elif command == SLEEP:
+            time.sleep(argument)
+        elif command == EXIT:
+            os._exit(int(argument))
+        elif command == ALLOCATE:
+            hog = torch.ones(int(argument * 2**30) // 4)  # argument GiB, touched
+            return x[:1] + hog[:1]
+        return x[:1].clone()
+
+
+def faulty() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.fault_models:faulty"}."""
+    return Faulty()
+
+
+def broken() -> torch.nn.Module:
+    """A factory that fails to build its model, as a missing weights file would."""
+    raise FileNotFoundError("weights.bin not found")
+
+
+def command(kind: int, argument: float = 0.0) -> dict[str, np.ndarray]:
+    """The request input for one behaviour."""
+    return {"x": np.array([[kind, argument]], dtype=np.float32)}
