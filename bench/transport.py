@@ -11,21 +11,21 @@ import argparse
 import json
 import multiprocessing
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.daemon import start_daemon  # noqa: E402
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from supervisor.control import ControlError, control_request  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
 
 SPECS: dict[str, tuple[str, tuple[int, ...], list[dict[str, Any]]]] = {
@@ -80,14 +80,18 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
     desc = (TensorDesc(name, "float32", shape),)
     counter = iter(range(10**9))
 
-    def call() -> None:
+    def call() -> float | None:
+        """One request; returns the worker's own model time when the reply reports it."""
         if raw:
             socket.send_multipart([b"", encode_infer(InferRequest(next(counter), model, desc)), x], copy=False)
-            reply = socket.recv_multipart()
-            if b"result" not in reply[1][:40]:
+            header = msgpack.unpackb(socket.recv_multipart()[1])
+            if header.get("type") != "result":
                 raise RuntimeError("error reply")
+            timing = header.get("timing") or {}
         else:
-            client.infer(model, {name: x}, timeout=60)
+            timing = client.infer_with_timing(model, {name: x}, timeout=60)[1]
+        model_ms = timing.get("model_ms")
+        return float(model_ms) if model_ms is not None else None
 
     warm_until = time.time() + 60
     while time.time() < warm_until:
@@ -99,21 +103,26 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
     while time.time() < start_at:
         time.sleep(0.001)
     stop = start_at + seconds
+    overheads: list[float] = []
     while time.time() < stop and len(latencies) < 500_000:
         started = time.perf_counter()
         try:
-            call()
+            model_ms = call()
         except Exception:  # noqa: BLE001 - counted; the benchmark reports errors instead of dying
             errors += 1
             continue
         latencies.append((time.perf_counter() - started) * 1000.0)
+        if model_ms is not None:
+            overheads.append(latencies[-1] - model_ms)
     client.close()
     socket.close()
-    out.send((latencies, errors))
+    out.send((latencies, overheads, errors))
 
 
-def run_clients(endpoint: str, model: str, clients: int, seconds: float, raw: bool) -> tuple[list[float], int]:
-    """Latencies and errors of `clients` concurrent client processes over `seconds`."""
+def run_clients(
+    endpoint: str, model: str, clients: int, seconds: float, raw: bool
+) -> tuple[list[float], list[float], int]:
+    """Latencies, overheads (latency minus the worker's model time) and errors of `clients` client processes."""
     ctx = multiprocessing.get_context("spawn")
     pipes = []
     procs = []
@@ -125,57 +134,26 @@ def run_clients(endpoint: str, model: str, clients: int, seconds: float, raw: bo
         pipes.append(receiver)
         procs.append(proc)
     latencies: list[float] = []
+    overheads: list[float] = []
     errors = 0
     for receiver in pipes:
-        got, errs = receiver.recv()
+        got, over, errs = receiver.recv()
         latencies.extend(got)
+        overheads.extend(over)
         errors += errs
     for proc in procs:
         proc.join(30)
-    return latencies, errors
+    return latencies, overheads, errors
 
 
-def start_daemon(models: list[str], workers: int, runtime_dir: Path, prefetch: int) -> subprocess.Popen[bytes]:
-    """`infervisor serve` with the models under test, one thread per worker."""
-    config = {
-        "log_level": "warning",
-        "oversubscribe": True,
-        "models": {
-            m: {
-                "source": {"builtin": m},
-                "inputs": SPECS[m][2],
-                "workers": workers,
-                "queue_size": 1024,
-                "prefetch": prefetch,
-            }
-            for m in models
-        },
-    }
-    path = runtime_dir.parent / "bench-config.json"
-    path.write_text(json.dumps(config))
-    log = (runtime_dir.parent / "bench-daemon.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2)
-            workers_all = [w for m in status["models"].values() for w in m["workers"]]
-            if all(w["state"] == "serving" for w in workers_all):
-                return process
-        except ControlError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"daemon exited with {process.returncode}")
-        time.sleep(0.1)
-    raise SystemExit("daemon not ready in 300 s")
-
-
-def row(model: str, label: str, latencies: list[float], seconds: float, errors: int = 0) -> dict[str, Any]:
+def row(
+    model: str,
+    label: str,
+    latencies: list[float],
+    seconds: float,
+    errors: int = 0,
+    overheads: list[float] | None = None,
+) -> dict[str, Any]:
     """One table row."""
     return {
         "model": model,
@@ -185,6 +163,7 @@ def row(model: str, label: str, latencies: list[float], seconds: float, errors: 
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
         "req_s": round(len(latencies) / seconds, 1),
+        "overhead_p50_ms": percentile(overheads, 50) if overheads else None,
     }
 
 
@@ -198,20 +177,33 @@ def measure(model: str, clients: int, seconds: float, workers: int, prefetch: in
     try:
         endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
         for n in (1, clients):
-            latencies, errors = run_clients(endpoint, model, n, seconds, raw=True)
+            latencies, _, errors = run_clients(endpoint, model, n, seconds, raw=True)
             rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors))
     finally:
         for process in processes:
             process.kill()
     daemon_dir = tmp / f"daemon-{model}"
-    daemon = start_daemon([model], workers, daemon_dir, prefetch)
+    config = {
+        "log_level": "warning",
+        "oversubscribe": True,
+        "models": {
+            model: {
+                "source": {"builtin": model},
+                "inputs": SPECS[model][2],
+                "workers": workers,
+                "queue_size": 1024,
+                "prefetch": prefetch,
+            }
+        },
+    }
+    daemon = start_daemon(config, daemon_dir)
     try:
         endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
         for raw in (True, False):
             for n in (1, clients):
-                latencies, errors = run_clients(endpoint, model, n, seconds, raw=raw)
+                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=raw)
                 how = "raw socket" if raw else "protocol.Client"
-                rows.append(row(model, f"daemon, {n} client(s), {how}", latencies, seconds, errors))
+                rows.append(row(model, f"daemon, {n} client(s), {how}", latencies, seconds, errors, overheads))
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
@@ -232,12 +224,16 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         rows.extend(measure(model, args.clients, args.seconds, args.workers, args.prefetch, tmp))
-    print(f"{'model':<9} {'path':<40} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9}")
+    print(
+        f"{'model':<9} {'path':<40} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
+    )
     for r in rows:
+        overhead = "" if r["overhead_p50_ms"] is None else f"{r['overhead_p50_ms']:.3f}"
         print(
             f"{r['model']:<9} {r['path']:<40} {r['n']:>7} {r['errors']:>4} "
-            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f}"
+            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f} {overhead:>13}"
         )
+    print("overhead = round trip minus the model time the worker measured for that same request")
     print("\nratios (daemon raw socket / bare pyzmq, same run):")
     for model in args.models.split(","):
         by = {r["path"]: r for r in rows if r["model"] == model}

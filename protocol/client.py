@@ -20,11 +20,23 @@ from protocol.errors import InferenceError, ProtocolError
 class Client:
     """Sends infer requests to a daemon endpoint; not thread-safe (use one per thread)."""
 
-    def __init__(self, endpoint: str, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        context: zmq.Context[Any] | None = None,
+        server_public_key: bytes | None = None,
+        client_keys: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        """Connect to `endpoint`; a CURVE tcp endpoint needs the server's public key and our (public, secret) keys."""
         self.endpoint = endpoint
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if server_public_key is not None:
+            if client_keys is None:
+                raise ValueError("a CURVE connection needs client_keys=(public, secret) as well")
+            self._socket.curve_serverkey = server_public_key
+            self._socket.curve_publickey, self._socket.curve_secretkey = client_keys
         self._socket.connect(endpoint)
         self._rcvtimeo = -1
         # Ids only need to be unique per connection; a random start keeps them apart across runs in logs.

@@ -121,7 +121,8 @@ class Arbiter:
         for slot in self.all_slots():
             self.spawn(slot)
         poller = zmq.Poller()
-        poller.register(self.broker.frontend, zmq.POLLIN)
+        for client_socket in self.broker.client_sockets:
+            poller.register(client_socket, zmq.POLLIN)
         poller.register(self.broker.backend, zmq.POLLIN)
         poller.register(self.control.socket, zmq.POLLIN)
         poller.register(self.wake_r.fileno(), zmq.POLLIN)
@@ -133,8 +134,9 @@ class Arbiter:
                 self.handle_signals()
                 if self.broker.backend in events:
                     self.broker.handle_workers()
-                if self.broker.frontend in events:
-                    self.broker.handle_clients()
+                for client_socket in self.broker.client_sockets:
+                    if client_socket in events:
+                        self.broker.handle_clients(client_socket)
                 if self.control.socket in events:
                     self.control.handle(self.control_command)
                 now = time.monotonic()

@@ -22,6 +22,7 @@ from protocol.constants import CLIENT_SOCKET_NAME, WORKER_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
 from protocol.tensors import TensorDesc, check_against_spec
 from supervisor.config import Config
+from supervisor.curve import ThreadAuthenticator, enable_curve_server
 from supervisor.slot import SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -32,12 +33,16 @@ _BATCH = 256
 _HWM = 10_000
 
 
+#: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
+Peer = tuple[Any, bytes]
+
+
 @dataclass(slots=True)
 class PendingRequest:
     """An accepted request: it gets exactly one final reply, however many workers it outlives."""
 
     internal_id: int
-    client: bytes
+    client: Peer
     request_id: RequestId
     model: str
     inputs: tuple[TensorDesc, ...]
@@ -69,8 +74,14 @@ class Broker:
         self.frontend = self._router(context, config.max_frame_bytes)
         self.frontend.bind(self.client_endpoint)
         (runtime_dir / CLIENT_SOCKET_NAME).chmod(0o600)
+        # TCP gets its own socket so CURVE (when configured) guards it without touching the ipc endpoint.
+        self.tcp_frontend: zmq.Socket[Any] | None = None
+        self.authenticator: ThreadAuthenticator | None = None
         if config.tcp_endpoint:
-            self.frontend.bind(config.tcp_endpoint)
+            self.tcp_frontend = self._router(context, config.max_frame_bytes)
+            if config.curve is not None:
+                self.authenticator = enable_curve_server(context, self.tcp_frontend, config.curve)
+            self.tcp_frontend.bind(config.tcp_endpoint)
         self.backend = self._router(context, -1)
         self.backend.bind(self.worker_endpoint)
         (runtime_dir / WORKER_SOCKET_NAME).chmod(0o600)
@@ -123,23 +134,28 @@ class Broker:
 
     # ---- client side ------------------------------------------------------------------------
 
-    def handle_clients(self) -> None:
-        """Take up to a batch of client messages."""
+    @property
+    def client_sockets(self) -> list[zmq.Socket[Any]]:
+        """The client-facing sockets: ipc, and tcp when configured."""
+        return [self.frontend] if self.tcp_frontend is None else [self.frontend, self.tcp_frontend]
+
+    def handle_clients(self, socket: zmq.Socket[Any]) -> None:
+        """Take up to a batch of client messages from one client-facing socket."""
         for _ in range(_BATCH):
             # Checking EVENTS first avoids raising zmq.Again on every turn of a busy loop.
-            if not int(self.frontend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
-            frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            client = (socket, frames[0].bytes)
             try:
-                self.accept(frames)
+                self.accept(client, frames)
             except Exception:  # a bug on one message must cost that message, not the daemon
                 log.exception("client_message_crashed")
                 self.count("internal_error")
-                self.reply_error(frames[0].bytes, None, ErrorCode.INTERNAL, "the broker failed on this message")
+                self.reply_error(client, None, ErrorCode.INTERNAL, "the broker failed on this message")
 
-    def accept(self, frames: list[Any]) -> None:
+    def accept(self, client: Peer, frames: list[Any]) -> None:
         """Validate one client message and queue or dispatch it, or answer with an error at once."""
-        client = frames[0].bytes
         if len(frames) < 3 or len(frames[1]) != 0:
             self.count("malformed_envelope")
             self.reply_error(client, None, ErrorCode.BAD_REQUEST, "expected frames: empty delimiter, header, tensors")
@@ -203,14 +219,15 @@ class Broker:
         """False when every slot of the model has FAILED: queueing would only delay an error."""
         return any(s.state is not SlotState.FAILED for s in self.slots.get(model, ()))
 
-    def reply_error(self, client: bytes, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
+    def reply_error(self, client: Peer, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
         """Send an error reply to a client connection."""
         self.send_to_client(client, [encode_error(request_id, code, message)])
 
-    def send_to_client(self, client: bytes, frames: list[Any]) -> None:
+    def send_to_client(self, client: Peer, frames: list[Any]) -> None:
         """Deliver one reply; a client that left or stopped reading is counted, never waited for."""
+        socket, identity = client
         try:
-            self.frontend.send_multipart([client, b"", *frames], zmq.NOBLOCK, copy=False)
+            socket.send_multipart([identity, b"", *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
@@ -437,5 +454,8 @@ class Broker:
 
     def close(self) -> None:
         """Close both sockets."""
-        self.frontend.close(linger=0)
+        for socket in self.client_sockets:
+            socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.backend.close(linger=0)

@@ -43,6 +43,14 @@ class ConfigError(Exception):
 
 
 @dataclass(frozen=True)
+class CurveConfig:
+    """CURVE keys for the tcp endpoint: the server's secret certificate, a folder of client public certificates."""
+
+    server_secret_key: str
+    authorized_clients: str
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One served model and its worker pool."""
 
@@ -69,6 +77,7 @@ class Config:
     runtime_dir: str | None
     log_level: str
     tcp_endpoint: str | None
+    curve: CurveConfig | None
     oversubscribe: bool
     heartbeat_interval_ms: int
     heartbeat_liveness: int
@@ -232,8 +241,29 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
 _TOP_KEYS = {
     "models", "runtime_dir", "log_level", "tcp_endpoint", "oversubscribe", "heartbeat_interval_ms",
     "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
-    "max_frame_bytes", "restart_window_s", "max_restarts",
+    "max_frame_bytes", "restart_window_s", "max_restarts", "curve",
 }  # fmt: skip
+
+
+def _read_curve(r: _Reader, raw: Any, base: Path) -> CurveConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        r.fail("curve", "must be an object with server_secret_key and authorized_clients")
+        return None
+    r.check_keys(raw, "curve", {"server_secret_key", "authorized_clients"})
+    paths: list[str] = []
+    for key, want_dir in (("server_secret_key", False), ("authorized_clients", True)):
+        value = raw.get(key)
+        if not isinstance(value, str) or not value:
+            r.fail(f"curve.{key}", "must be a path")
+            continue
+        path = Path(value) if Path(value).is_absolute() else base / value
+        if not (path.is_dir() if want_dir else path.is_file()):
+            r.fail(f"curve.{key}", f"{path} is not an existing {'directory' if want_dir else 'file'}")
+            continue
+        paths.append(str(path))
+    return CurveConfig(*paths) if len(paths) == 2 else None
 
 
 def parse_config(text: str, base: Path) -> Config:
@@ -262,18 +292,20 @@ def parse_config(text: str, base: Path) -> Config:
         r.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         log_level = "info"
     tcp = r.optional_string(raw, "tcp_endpoint", "")
+    curve = _read_curve(r, raw.get("curve"), base)
     if tcp is not None:
         match = _TCP_ENDPOINT.fullmatch(tcp)
         if match is None or not 1 <= int(match["port"]) <= 65535:
             r.fail("tcp_endpoint", f"must look like tcp://127.0.0.1:5555 (port 1-65535), got {tcp!r}")
-        elif not _is_loopback(match["host"]):
-            # Requests are unauthenticated; off-box access will need CURVE keys, which are not configurable yet.
-            r.fail("tcp_endpoint", f"host {match['host']!r} is not loopback; only 127.0.0.0/8, ::1 or localhost")
+        elif not _is_loopback(match["host"]) and curve is None:
+            # Without CURVE anyone who can reach the port could send requests: off-box needs keys.
+            r.fail("tcp_endpoint", f"host {match['host']!r} is not loopback; that needs `curve` keys configured")
     config = Config(
         models=models,
         runtime_dir=r.optional_string(raw, "runtime_dir", ""),
         log_level=log_level,
         tcp_endpoint=tcp,
+        curve=curve,
         oversubscribe=r.boolean(raw, "oversubscribe", "", False),
         heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
         heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),

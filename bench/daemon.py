@@ -1,0 +1,44 @@
+"""Start `infervisor serve` for a benchmark and wait until every worker serves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from supervisor.control import ControlError, control_request
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_daemon(
+    config: dict[str, Any], runtime_dir: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Write the config beside the runtime dir, start the daemon (log beside it too), wait for it."""
+    runtime_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = runtime_dir.parent / f"{runtime_dir.name}-config.json"
+    path.write_text(json.dumps(config))
+    log = (runtime_dir.parent / f"{runtime_dir.name}-daemon.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2)
+            workers = [w for m in status["models"].values() for w in m["workers"]]
+            if all(w["state"] == "serving" for w in workers):
+                return process
+        except ControlError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"daemon exited with {process.returncode}; see {log.name}")
+        time.sleep(0.1)
+    raise SystemExit("daemon not ready in 300 s")
