@@ -4,6 +4,7 @@ murders hung workers and manages the pools toward the configured shape."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import signal
 import socket
@@ -17,13 +18,17 @@ import zmq
 from protocol import worker_messages as wm
 from protocol.constants import ErrorCode, WorkerExitCode
 from supervisor.broker import Broker
-from supervisor.config import Config
+from supervisor.config import Config, ConfigError, load_config
+from supervisor.config_diff import ConfigDiff, diff_configs
+from supervisor.config_watch import ConfigWatcher
 from supervisor.control import ControlServer
-from supervisor.planner import WorkerDemand, plan_cores
+from supervisor.logs import configure_logging
+from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from supervisor.rollout import Replacement, Rollout
 from supervisor.sd_notify import Notifier
 from supervisor.slot import LIVE_STATES, SlotState, WorkerSlot, describe_exit
 from supervisor.status import build_status
-from supervisor.topology import read_topology
+from supervisor.topology import TopologyError, read_topology
 
 log = structlog.get_logger("supervisor")
 
@@ -47,8 +52,19 @@ class Arbiter:
         self.broker = Broker(self.context, config, runtime_dir)
         self.control = ControlServer(self.context, runtime_dir)
         self.notifier = Notifier()
-        self.slots = self.plan(config, sysfs_root)
+        self.sysfs_root = sysfs_root
+        self.slots: dict[str, list[WorkerSlot]] = {
+            name: [WorkerSlot(config.models[name], a) for a in assignments]
+            for name, assignments in self.plan(config).items()
+        }
+        #: Successors still warming up and old workers draining away: alive, but outside the pools.
+        self.extra: list[WorkerSlot] = []
+        self.rollout = Rollout()
         self.broker.set_pools(self.slots)
+        self.reload_reason: str | None = None
+        self.config_applied_at = time.time()
+        self.config_error: list[str] | None = None
+        self.last_diff: dict[str, object] = {}
         self.signals: collections.deque[int] = collections.deque()
         self.stopping = False
         self.stop_deadline = 0.0
@@ -60,22 +76,33 @@ class Arbiter:
         self.watchdog_every = self.notifier.watchdog_interval()
         self.next_watchdog = 0.0
         self.wake_r, self.wake_w = socket.socketpair()
+        self.watcher = ConfigWatcher(config_path, self.wake)
 
-    @staticmethod
-    def plan(config: Config, sysfs_root: Path) -> dict[str, list[WorkerSlot]]:
-        """Slots per model, each pinned to the cores the planner gives it."""
+    def plan(self, config: Config) -> dict[str, list[Assignment]]:
+        """Core assignments per model, from the topology and the cpus this process may use."""
         demands = [
             WorkerDemand(m.name, m.workers, m.cores_per_worker, m.use_smt, m.threads) for m in config.models.values()
         ]
-        assignments = plan_cores(read_topology(sysfs_root), os.sched_getaffinity(0), demands, config.oversubscribe)
-        slots: dict[str, list[WorkerSlot]] = {name: [] for name in config.models}
+        assignments = plan_cores(read_topology(self.sysfs_root), os.sched_getaffinity(0), demands, config.oversubscribe)
+        planned: dict[str, list[Assignment]] = {name: [] for name in config.models}
         for assignment in assignments:
-            slots[assignment.model].append(WorkerSlot(config.models[assignment.model], assignment))
-        return slots
+            planned[assignment.model].append(assignment)
+        return planned
+
+    def pool_slots(self) -> list[WorkerSlot]:
+        """The slots the broker routes to."""
+        return [slot for slots in self.slots.values() for slot in slots]
 
     def all_slots(self) -> list[WorkerSlot]:
-        """Every slot of every model."""
-        return [slot for slots in self.slots.values() for slot in slots]
+        """Every slot with a process to watch: the pools plus successors and retiring workers."""
+        return self.pool_slots() + self.extra
+
+    def wake(self) -> None:
+        """Make the main loop's poll return (safe from any thread)."""
+        try:
+            self.wake_w.send(b"\0")
+        except BlockingIOError:
+            pass
 
     # ---- signals ----------------------------------------------------------------------------
 
@@ -101,7 +128,7 @@ class Arbiter:
                 else:
                     self.begin_stop(f"signal {signal.Signals(signum).name}")
             elif signum == signal.SIGHUP:
-                log.info("sighup_ignored", reason="reload arrives with the live-config work")
+                self.reload_reason = "SIGHUP"
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -120,6 +147,7 @@ class Arbiter:
         )
         for slot in self.all_slots():
             self.spawn(slot)
+        self.watcher.start()
         poller = zmq.Poller()
         for client_socket in self.broker.client_sockets:
             poller.register(client_socket, zmq.POLLIN)
@@ -144,6 +172,7 @@ class Arbiter:
                     self.next_housekeeping = now + _HOUSEKEEPING_S
                     self.housekeeping(now)
         finally:
+            self.watcher.stop()
             self.shutdown_sockets()
         log.info("supervisor_exit", code=self.exit_code)
         return self.exit_code
@@ -157,9 +186,15 @@ class Arbiter:
         self.pet_watchdog(now)
         if self.stopping:
             self.advance_stop(now)
-        else:
-            self.manage(now)
-            self.announce_readiness()
+            return
+        if self.watcher.due(now):
+            self.reload_reason = self.reload_reason or "config file changed"
+        if self.reload_reason is not None:
+            reason, self.reload_reason = self.reload_reason, None
+            self.reload_config(reason)
+        self.rollout.advance(self)
+        self.manage(now)
+        self.announce_readiness()
 
     def _drain_wakeup(self) -> None:
         try:
@@ -252,17 +287,115 @@ class Arbiter:
             self.notifier.notify("WATCHDOG=1")
 
     def manage(self, now: float) -> None:
-        """Reconcile toward the desired pools: respawn slots whose back-off has elapsed."""
-        for slot in self.all_slots():
+        """Reconcile toward the desired pools: respawn slots whose back-off has elapsed, forget retired ones."""
+        for slot in self.pool_slots():
             if slot.state is SlotState.BACKOFF and now >= slot.respawn_at:
                 self.spawn(slot)
             elif slot.state is SlotState.STOPPED:
                 self.spawn(slot)
-        slots = self.all_slots()
+        successor = self.rollout.current.successor if self.rollout.current else None
+        self.extra = [s for s in self.extra if s.state is not SlotState.STOPPED or s is successor]
+        slots = self.pool_slots()
         if slots and all(s.state is SlotState.FAILED for s in slots):
             log.error("all_workers_failed", reason="every slot of every model failed; exiting for the service manager")
             self.exit_code = 1
             self.begin_stop("all workers failed")
+
+    # ---- restarts and reloads ----------------------------------------------------------------
+
+    def retire(self, slot: WorkerSlot, reason: str) -> None:
+        """Take a worker out of service gently: drain a serving one, stop a starting one, forget a dead one."""
+        if slot not in self.extra:
+            self.extra.append(slot)
+        if slot.state is SlotState.SERVING:
+            slot.transition(SlotState.DRAINING, reason)
+            slot.kill_at = time.monotonic() + self.config.shutdown_grace_s + _STOP_KILL_AFTER_S
+            if not slot.inflight:
+                self.broker.send_control(slot, wm.Drain())
+        elif slot.state is SlotState.STARTING:
+            slot.transition(SlotState.STOPPING, reason)
+            slot.kill(reason)
+        elif slot.state in (SlotState.BACKOFF, SlotState.FAILED):
+            slot.transition(SlotState.STOPPED, reason)
+
+    def restart(self, model: str | None, reason: str) -> int:
+        """Queue a rolling restart of one model's workers (or all); returns how many were queued."""
+        queued = 0
+        for name, slots in self.slots.items():
+            if model is None or name == model:
+                for slot in slots:
+                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+                    queued += 1
+        log.info("restart_requested", model=model or "*", workers=queued, reason=reason)
+        return queued
+
+    def reload_config(self, reason: str) -> None:
+        """Read config.json again; a bad file changes nothing, a good one is applied by its diff."""
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path)
+            diff = diff_configs(self.config, new)
+            if diff.needs_daemon_restart:
+                # Bound into sockets at start: keep the running values, say what needs a restart.
+                kept = {key: getattr(self.config, key) for key in diff.needs_daemon_restart}
+                new = dataclasses.replace(new, **kept)
+                log.warning("config_needs_daemon_restart", keys=diff.needs_daemon_restart)
+            assignments = self.plan(new)
+        except ConfigError as exc:
+            self.reject_config(reason, exc.problems)
+            return
+        except (PlanError, TopologyError) as exc:
+            self.reject_config(reason, [f"models: {exc}"])
+            return
+        self.config_error = None
+        self.last_diff = diff.summary()
+        if diff.empty and new.digest == self.config.digest:
+            log.info("config_unchanged", reason=reason)
+        else:
+            self.apply_config(new, assignments, diff)
+            log.info("config_applied", reason=reason, digest=new.digest, diff=self.last_diff)
+        self.notifier.ready(f"config {self.config.digest} applied")
+
+    def reject_config(self, reason: str, problems: list[str]) -> None:
+        """Keep serving with the last good config and say why the new one was refused."""
+        self.config_error = problems
+        log.error("config_rejected", reason=reason, problems=problems, serving_digest=self.config.digest)
+        self.notifier.ready(f"config rejected; still serving {self.config.digest}")
+
+    def apply_config(self, new: Config, assignments: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
+        """Adopt a validated config: live keys at once, new/removed/scaled workers now, rebuilt ones rolling."""
+        self.config = new
+        self.broker.config = new
+        self.config_applied_at = time.time()
+        if "log_level" in diff.live:
+            configure_logging(new.log_level)
+        for name in diff.removed:
+            self.rollout.drop_model(name, "model removed from config")
+            for slot in self.slots.pop(name):
+                self.retire(slot, "model removed from config")
+            self.broker.remove_model(name)
+        for name, wanted in assignments.items():
+            model = new.models[name]
+            pool = self.slots.setdefault(name, [])
+            for slot in pool[len(wanted) :]:
+                self.retire(slot, f"scaled down to {len(wanted)} workers")
+            del pool[len(wanted) :]
+            for index, assignment in enumerate(wanted):
+                if index >= len(pool):
+                    slot = WorkerSlot(model, assignment)
+                    pool.append(slot)
+                    self.spawn(slot)
+                    continue
+                slot = pool[index]
+                moved = slot.assignment.cpus != assignment.cpus or slot.assignment.threads != assignment.threads
+                if name in diff.rolling or moved:
+                    why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
+                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}"))
+                else:
+                    slot.model = model  # only live keys changed (queue size, retries, prefetch)
+        self.broker.set_pools(self.slots)
+        for name in self.slots:
+            self.broker.dispatch(name)
 
     def announce_readiness(self) -> None:
         """READY=1 once each model has at least one warm worker."""
@@ -280,6 +413,7 @@ class Arbiter:
         """Refuse new work; in-flight and queued requests get the grace period to finish."""
         self.stopping = True
         self.broker.accepting = False
+        self.rollout.queue.clear()
         self.stop_deadline = time.monotonic() + self.config.shutdown_grace_s
         self.notifier.stopping()
         log.info("supervisor_stopping", reason=reason, grace_s=self.config.shutdown_grace_s)
@@ -331,4 +465,12 @@ class Arbiter:
             return build_status(self)
         if name == "ping":
             return {"ok": True, "pid": os.getpid()}
-        return {"ok": False, "error": f"unknown command {name!r}; known: status, ping"}
+        if name == "restart":
+            model = command.get("model")
+            if model is not None and model not in self.slots:
+                return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(self.slots)}"}
+            return {"ok": True, "queued": self.restart(model, "operator command")}
+        if name == "reload":
+            self.reload_reason = "operator command"
+            return {"ok": True, "note": "reload queued; see `infervisor status` for the result"}
+        return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: status, ping, restart, reload"}

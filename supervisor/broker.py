@@ -119,6 +119,11 @@ class Broker:
             queue = self.queues.setdefault(name, ModelQueue(model.queue_size))
             queue.capacity = model.queue_size
 
+    def remove_model(self, model: str) -> None:
+        """A model left the config: answer what still waits for it, then drop its queue."""
+        self.fail_queued(model, ErrorCode.UNKNOWN_MODEL, f"model {model!r} was removed from the config")
+        self.queues.pop(model, None)
+
     def register(self, slot: WorkerSlot) -> None:
         """Accept messages from the slot's current process identity."""
         self.by_identity[slot.identity] = slot
@@ -235,11 +240,11 @@ class Broker:
 
     def finish(self, request: PendingRequest, code: ErrorCode | None, header: bytes, frames: list[Any]) -> None:
         """Send the one final reply of a request and count it."""
-        queue = self.queues[request.model]
-        if code is None:
+        queue = self.queues.get(request.model)  # None once a reload removed the model
+        if queue is not None and code is None:
             queue.completed += 1
             queue.latencies_ms.append((time.monotonic() - request.accepted_at) * 1000.0)
-        else:
+        elif queue is not None and code is not None:
             queue.errors[code.value] += 1
         self.send_to_client(request.client, [header, *frames])
 
@@ -261,8 +266,8 @@ class Broker:
 
     def dispatch(self, model: str) -> None:
         """Hand queued requests of `model` to its idle workers, oldest first."""
-        queue = self.queues[model]
-        while queue.waiting:
+        queue = self.queues.get(model)
+        while queue is not None and queue.waiting:
             slot = self.pick_worker(model)
             if slot is None:
                 return
@@ -318,10 +323,14 @@ class Broker:
                 f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again",
             )
             return
+        queue = self.queues.get(request.model)
+        if queue is None:
+            self.fail(request, ErrorCode.UNKNOWN_MODEL, f"model {request.model!r} was removed from the config")
+            return
         log.warning(
             "request_redispatched", model=request.model, request_id=str(request.request_id), losses=request.losses
         )
-        self.queues[request.model].waiting.appendleft(request)
+        queue.waiting.appendleft(request)
 
     def expire(self, now: float) -> None:
         """Answer DEADLINE_EXCEEDED for queued requests whose deadline passed."""
@@ -338,8 +347,8 @@ class Broker:
 
     def fail_queued(self, model: str, code: ErrorCode, message: str) -> None:
         """Answer every queued request of one model with `code`."""
-        queue = self.queues[model]
-        while queue.waiting:
+        queue = self.queues.get(model)
+        while queue is not None and queue.waiting:
             self.fail(queue.waiting.popleft(), code, message)
 
     def fail_all(self, code: ErrorCode, message: str) -> None:

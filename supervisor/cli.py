@@ -1,4 +1,4 @@
-"""`infervisor` command line: serve, status, infer, demo."""
+"""`infervisor` command line: serve, status, infer, restart, reload, demo."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--timeout", type=float, default=30.0)
     infer.add_argument("--json", action="store_true")
 
+    restart = sub.add_parser("restart", help="rolling restart of a model's workers (all models by default)")
+    restart.add_argument("--runtime-dir")
+    restart.add_argument("--model")
+
+    reload = sub.add_parser("reload", help="re-read config.json now (it is also watched, and SIGHUP reloads)")
+    reload.add_argument("--runtime-dir")
+
     demo = sub.add_parser("demo", help="start the daemon, send it requests, print results and latency, stop it")
     demo.add_argument("--config", default="configs/default.json")
     demo.add_argument("--runtime-dir")
@@ -54,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.infer import run_infer
 
         return run_infer(args)
+    if args.command in ("restart", "reload"):
+        from supervisor.commands.ops import run_control
+
+        return run_control(args)
     from supervisor.commands.demo import run_demo
 
     return run_demo(args)

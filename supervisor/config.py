@@ -155,6 +155,9 @@ def _read_source(r: _Reader, raw: Any, path: str, base: Path) -> ModelSource:
         return ModelSource("python", name=value)
     else:
         file = Path(value) if Path(value).is_absolute() else base / value
+        if not file.is_file():
+            # Caught here, a missing model file is a refused reload instead of a worker that cannot start.
+            r.fail(f"{path}.{kind}", f"{file} is not an existing file")
         return ModelSource(kind, path=str(file))
     return ModelSource("builtin", "invalid")
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from supervisor.slot import WorkerSlot
+from supervisor.slot import SlotState, WorkerSlot
 
 if TYPE_CHECKING:
     from supervisor.arbiter import Arbiter
@@ -73,7 +73,12 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
             "errors": dict(queue.errors),
             "p50_ms": percentile(queue.latencies_ms, 50),
             "p99_ms": percentile(queue.latencies_ms, 99),
-            "workers": [slot_status(s) for s in slots],
+            "workers": [slot_status(s) for s in slots]
+            + [
+                slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
+                for s in arbiter.extra
+                if s.model.name == name
+            ],
         }
     return {
         "ok": True,
@@ -81,7 +86,19 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
         "state": "stopping" if arbiter.stopping else ("ready" if arbiter.announced_ready else "starting"),
         "uptime_s": round(time.time() - arbiter.started_at, 3),
         "rss": _rss(os.getpid()),
-        "config": {"path": str(arbiter.config_path), "digest": arbiter.config.digest},
+        "config": {
+            "path": str(arbiter.config_path),
+            "digest": arbiter.config.digest,
+            "applied_at": arbiter.config_applied_at,
+            "last_error": arbiter.config_error,
+            "last_diff": arbiter.last_diff,
+        },
+        "rollout": {
+            "pending": arbiter.rollout.pending,
+            "current": arbiter.rollout.current.old.name if arbiter.rollout.current else None,
+            "completed": arbiter.rollout.completed,
+            "last_error": arbiter.rollout.last_error,
+        },
         "endpoints": {"client": broker.client_endpoint, "tcp": arbiter.config.tcp_endpoint},
         "counters": dict(broker.counters),
         "models": models,

@@ -402,18 +402,29 @@ def test_bad_source_is_a_problem(source: object, path: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["torchscript", "exported"])
-def test_relative_model_file_resolves_against_base(kind: str) -> None:
+def test_relative_model_file_resolves_against_base(kind: str, tmp_path: Path) -> None:
     """A relative torchscript/exported path is joined to the base directory; an absolute one is kept."""
-    relative = _parse(_text(_model(source={kind: "models/m.pt"}))).models["m"].source
-    assert relative == ModelSource(kind, path=str(BASE / "models" / "m.pt"))
-    absolute = _parse(_text(_model(source={kind: "/opt/m.pt2"}))).models["m"].source
-    assert absolute == ModelSource(kind, path="/opt/m.pt2")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.pt").write_bytes(b"")
+    relative = parse_config(_text(_model(source={kind: "models/m.pt"})), tmp_path).models["m"].source
+    assert relative == ModelSource(kind, path=str(tmp_path / "models" / "m.pt"))
+    absolute = parse_config(_text(_model(source={kind: str(tmp_path / "models" / "m.pt")})), BASE).models["m"].source
+    assert absolute == ModelSource(kind, path=str(tmp_path / "models" / "m.pt"))
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "exported"])
+def test_missing_model_file_is_a_problem(kind: str, tmp_path: Path) -> None:
+    """A model file that does not exist is refused at load (a reload to it changes nothing)."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(_text(_model(source={kind: "missing.pt"})), tmp_path)
+    assert any(p.startswith(f"models.m.source.{kind}:") and "not an existing file" in p for p in caught.value.problems)
 
 
 def test_load_config_resolves_relative_paths_against_the_config_directory(tmp_path: Path) -> None:
     """Through load_config a relative model file is found next to the config file, wherever the cwd is."""
     folder = tmp_path / "etc"
     folder.mkdir()
+    (folder / "m.pt").write_bytes(b"")
     (folder / "config.json").write_text(_text(_model(source={"torchscript": "m.pt"})))
     source = load_config(folder / "config.json").models["m"].source
     assert source == ModelSource("torchscript", path=str(folder.resolve() / "m.pt"))
