@@ -48,6 +48,8 @@ class WorkerMessageType(enum.IntEnum):
     STATS = 5
     DRAIN = 6
     STOP = 7
+    CANARY = 8
+    CANARY_RESULT = 9
 
 
 class WorkerExitCode(enum.IntEnum):

@@ -90,8 +90,29 @@ class Stop:
     TYPE: ClassVar = WorkerMessageType.STOP
 
 
-WorkerMessage = Ready | Heartbeat | Request | Reply | Stats | Drain | Stop
-_CLASSES: dict[int, type[Any]] = {cls.TYPE: cls for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop)}
+@dataclass(frozen=True, slots=True)
+class Canary:
+    """Supervisor -> worker: run the golden inputs again and compare with your outputs from warm-up."""
+
+    TYPE: ClassVar = WorkerMessageType.CANARY
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryResult:
+    """Worker -> supervisor: largest absolute difference from the warm-up outputs, and their scale."""
+
+    TYPE: ClassVar = WorkerMessageType.CANARY_RESULT
+    seq: int
+    max_abs_error: float
+    scale: float
+    ms: float
+
+
+WorkerMessage = Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult
+_CLASSES: dict[int, type[Any]] = {
+    cls.TYPE: cls for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult)
+}
 Checker = Callable[[Any], Any]
 
 

@@ -20,9 +20,14 @@ from protocol.constants import ErrorCode, WorkerExitCode
 from supervisor.broker import Broker
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.config_diff import ConfigDiff, diff_configs
-from supervisor.config_watch import ConfigWatcher
 from supervisor.control import ControlServer
+from supervisor.file_watch import FileWatcher
 from supervisor.logs import configure_logging
+from supervisor.monitors.age import AgeWatch
+from supervisor.monitors.drift import DriftWatch
+from supervisor.monitors.findings import Action, Finding
+from supervisor.monitors.memory import MemoryWatch
+from supervisor.monitors.thermal import ThermalWatch
 from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from supervisor.rollout import Replacement, Rollout
 from supervisor.sd_notify import Notifier
@@ -32,6 +37,8 @@ from supervisor.topology import TopologyError, read_topology
 
 log = structlog.get_logger("supervisor")
 
+#: The file watcher's key for config.json (model files are keyed by model name).
+_CONFIG_KEY = "\0config"
 #: How often timers (reaping, hang checks, deadlines, heartbeats) run, at most.
 _HOUSEKEEPING_S = 0.02
 #: How long stopped workers get to exit before SIGKILL.
@@ -76,7 +83,14 @@ class Arbiter:
         self.watchdog_every = self.notifier.watchdog_interval()
         self.next_watchdog = 0.0
         self.wake_r, self.wake_w = socket.socketpair()
-        self.watcher = ConfigWatcher(config_path, self.wake)
+        self.watcher = FileWatcher(self.wake)
+        self.memory = MemoryWatch()
+        self.drift = DriftWatch()
+        self.age = AgeWatch()
+        self.thermal = ThermalWatch(config.thermal_sysfs_root)
+        self.next_monitor = 0.0
+        self.canary_seq = 0
+        self.broker.on_canary = self.on_canary
 
     def plan(self, config: Config) -> dict[str, list[Assignment]]:
         """Core assignments per model, from the topology and the cpus this process may use."""
@@ -147,6 +161,7 @@ class Arbiter:
         )
         for slot in self.all_slots():
             self.spawn(slot)
+        self.watch_files()
         self.watcher.start()
         poller = zmq.Poller()
         for client_socket in self.broker.client_sockets:
@@ -187,11 +202,15 @@ class Arbiter:
         if self.stopping:
             self.advance_stop(now)
             return
-        if self.watcher.due(now):
-            self.reload_reason = self.reload_reason or "config file changed"
+        for key in self.watcher.due(now):
+            if key == _CONFIG_KEY:
+                self.reload_reason = self.reload_reason or "config file changed"
+            elif key in self.slots:
+                self.restart(key, "model file changed on disk")
         if self.reload_reason is not None:
             reason, self.reload_reason = self.reload_reason, None
             self.reload_config(reason)
+        self.monitor(now)
         self.rollout.advance(self)
         self.manage(now)
         self.announce_readiness()
@@ -356,6 +375,14 @@ class Arbiter:
             log.info("config_applied", reason=reason, digest=new.digest, diff=self.last_diff)
         self.notifier.ready(f"config {self.config.digest} applied")
 
+    def watch_files(self) -> None:
+        """Watch config.json and every model file (a changed file restarts its model, rolling)."""
+        files = {self.config_path: _CONFIG_KEY}
+        for name, model in self.config.models.items():
+            if model.source.path is not None:
+                files[Path(model.source.path)] = name
+        self.watcher.watch(files)
+
     def reject_config(self, reason: str, problems: list[str]) -> None:
         """Keep serving with the last good config and say why the new one was refused."""
         self.config_error = problems
@@ -396,6 +423,58 @@ class Arbiter:
         self.broker.set_pools(self.slots)
         for name in self.slots:
             self.broker.dispatch(name)
+        self.thermal = ThermalWatch(new.thermal_sysfs_root) if "thermal_sysfs_root" in diff.live else self.thermal
+        self.watch_files()
+
+    # ---- monitors -----------------------------------------------------------------------------
+
+    def monitor(self, now: float) -> None:
+        """Once per monitor interval: sample memory, age, drift and heat, send due canaries, act on findings."""
+        if now < self.next_monitor:
+            return
+        self.next_monitor = now + self.config.monitor_interval_s
+        serving = [s for s in self.pool_slots() if s.state is SlotState.SERVING]
+        findings: list[Finding] = []
+        for slot in serving:
+            findings.extend(f for f in (self.memory.check(slot, now), self.age.check(slot, now)) if f is not None)
+            interval = slot.model.canary_interval_s
+            if interval is not None and now - slot.last_canary_at >= interval:
+                slot.last_canary_at = now
+                self.canary_seq += 1
+                self.broker.send_control(slot, wm.Canary(self.canary_seq))
+        for slots in self.slots.values():
+            findings.extend(self.drift.check_model([s for s in slots if s.state is SlotState.SERVING]))
+        thermal = self.thermal.check(self.config.thermal_max_c)
+        if thermal is not None:
+            findings.append(thermal)
+            self.broker.shed = self.thermal.throttled and self.config.thermal_action == "shed"
+        live = {pid for s in self.all_slots() if (pid := s.pid) is not None}
+        for watch in (self.memory, self.drift, self.age):
+            watch.forget_dead(live)
+        for finding in findings:
+            self.act(finding)
+
+    def on_canary(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
+        """Judge a canary: outputs on the golden inputs must still match this worker's own warm-up outputs."""
+        limit = slot.model.canary_tolerance * max(1.0, result.scale)
+        detail: dict[str, object] = {"max_abs_error": result.max_abs_error, "limit": limit, "ms": round(result.ms, 2)}
+        if result.max_abs_error > limit:
+            self.act(Finding("canary_mismatch", Action.RECYCLE, slot, detail))
+        else:
+            slot.last_event = {"monitor": "canary_ok", **detail}
+
+    def act(self, finding: Finding) -> None:
+        """Log a finding as data, show it in status, and recycle or kill as it says."""
+        slot = finding.slot
+        where = {"slot": slot.name, "pid": slot.pid} if slot is not None else {}
+        log.warning("monitor_fired", monitor=finding.monitor, action=finding.action.value, **where, **finding.detail)
+        if slot is None:
+            return
+        slot.last_event = {"monitor": finding.monitor, "action": finding.action.value, **finding.detail}
+        if finding.action is Action.KILL:
+            slot.kill(f"monitor {finding.monitor}")
+        elif finding.action is Action.RECYCLE and not self.rollout.involves(slot):
+            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, f"monitor {finding.monitor}"))
 
     def announce_readiness(self) -> None:
         """READY=1 once each model has at least one warm worker."""

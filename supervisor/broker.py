@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import errno
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,10 @@ class Broker:
         self.next_id = 1
         self.inflight_count = 0
         self.counters: collections.Counter[str] = collections.Counter()
+        #: Set by the arbiter: where canary results go.
+        self.on_canary: Callable[[WorkerSlot, wm.CanaryResult], None] | None = None
+        #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
+        self.shed = False
 
     @staticmethod
     def _router(context: zmq.Context[Any], max_message: int) -> zmq.Socket[Any]:
@@ -257,7 +262,8 @@ class Broker:
     def pick_worker(self, model: str) -> WorkerSlot | None:
         """The least loaded serving worker of `model` with room in its pipeline; ties go to the longest idle."""
         best: WorkerSlot | None = None
-        for slot in self.slots.get(model, ()):
+        slots = self.slots.get(model, [])
+        for slot in slots[: (len(slots) + 1) // 2] if self.shed else slots:
             if not slot.can_take:
                 continue
             if best is None or (len(slot.inflight), slot.progress_at) < (len(best.inflight), best.progress_at):
@@ -399,13 +405,15 @@ class Broker:
             self.on_ready(slot, message)
         elif isinstance(message, wm.Stats):
             slot.threads_seen = message.threads
+        elif isinstance(message, wm.CanaryResult) and self.on_canary is not None:
+            self.on_canary(slot, message)
 
     def on_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
         """A warm worker: start routing to it."""
         if slot.state is not SlotState.STARTING:
             return
         slot.ready_ms = (time.monotonic() - slot.spawned_at) * 1000.0
-        slot.progress_at = time.monotonic()
+        slot.progress_at = slot.ready_at = slot.last_canary_at = time.monotonic()
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
         slot.transition(
@@ -425,6 +433,7 @@ class Broker:
         slot.progress_at = now
         service_ms = (now - request.dispatched_at) * 1000.0
         slot.requests += 1
+        slot.process_requests += 1
         slot.latencies_ms.append(service_ms)
         if reply.error_code is not None:
             code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL

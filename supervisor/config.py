@@ -16,6 +16,8 @@ from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
+THERMAL_ACTIONS = ("none", "shed")
 SOURCE_KINDS = ("builtin", "torchscript", "exported", "python")
 _PYTHON_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -67,6 +69,18 @@ class ModelConfig:
     max_retries: int
     prefetch: int
     max_memory_mb: int | None
+    # Recycling and monitors (all applied live):
+    max_age_s: float | None
+    max_requests: int | None
+    recycle_jitter: float
+    rss_soft_mb: int | None
+    rss_hard_mb: int | None
+    leak_mb_per_min: float | None
+    leak_window_s: float
+    drift_factor: float | None
+    drift_window: int
+    canary_interval_s: float | None
+    canary_tolerance: float
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,10 @@ class Config:
     max_frame_bytes: int
     restart_window_s: float
     max_restarts: int
+    monitor_interval_s: float
+    thermal_sysfs_root: str
+    thermal_action: str
+    thermal_max_c: float | None
     digest: str
 
 
@@ -129,6 +147,16 @@ class _Reader:
             self.fail(_join(path, key), f"must be true or false, got {value!r}")
             return default
         return value
+
+    def optional_number(self, obj: dict[str, Any], key: str, path: str, low: float) -> float | None:
+        if obj.get(key) is None:
+            return None
+        return self.number(obj, key, path, low, low)
+
+    def optional_integer(self, obj: dict[str, Any], key: str, path: str, low: int) -> int | None:
+        if obj.get(key) is None:
+            return None
+        return self.integer(obj, key, path, low, low)
 
     def optional_string(self, obj: dict[str, Any], key: str, path: str) -> str | None:
         value = obj.get(key)
@@ -200,7 +228,9 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
 
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
-    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb",
+    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "max_age_s", "max_requests",
+    "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
+    "drift_window", "canary_interval_s", "canary_tolerance",
 }  # fmt: skip
 
 
@@ -238,13 +268,25 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         max_retries=r.integer(raw, "max_retries", path, 2, 0, 10),
         prefetch=r.integer(raw, "prefetch", path, 1, 1, 16),
         max_memory_mb=memory,
+        max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
+        max_requests=r.optional_integer(raw, "max_requests", path, 1),
+        recycle_jitter=min(0.5, r.number(raw, "recycle_jitter", path, 0.1, 0.0)),
+        rss_soft_mb=r.optional_integer(raw, "rss_soft_mb", path, 1),
+        rss_hard_mb=r.optional_integer(raw, "rss_hard_mb", path, 1),
+        leak_mb_per_min=r.optional_number(raw, "leak_mb_per_min", path, 0.001),
+        leak_window_s=r.number(raw, "leak_window_s", path, 120.0, 1.0),
+        drift_factor=r.optional_number(raw, "drift_factor", path, 1.01),
+        drift_window=r.integer(raw, "drift_window", path, 100, 5, 100_000),
+        canary_interval_s=r.optional_number(raw, "canary_interval_s", path, 0.1),
+        canary_tolerance=r.number(raw, "canary_tolerance", path, 1e-4, 0.0),
     )
 
 
 _TOP_KEYS = {
     "models", "runtime_dir", "log_level", "tcp_endpoint", "oversubscribe", "heartbeat_interval_ms",
     "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
-    "max_frame_bytes", "restart_window_s", "max_restarts", "curve",
+    "max_frame_bytes", "restart_window_s", "max_restarts", "curve", "monitor_interval_s", "thermal_sysfs_root",
+    "thermal_action", "thermal_max_c",
 }  # fmt: skip
 
 
@@ -294,6 +336,10 @@ def parse_config(text: str, base: Path) -> Config:
     if log_level not in LOG_LEVELS:
         r.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         log_level = "info"
+    thermal_action = raw.get("thermal_action", "none")
+    if thermal_action not in THERMAL_ACTIONS:
+        r.fail("thermal_action", f"must be one of {', '.join(THERMAL_ACTIONS)}, got {thermal_action!r}")
+        thermal_action = "none"
     tcp = r.optional_string(raw, "tcp_endpoint", "")
     curve = _read_curve(r, raw.get("curve"), base)
     if tcp is not None:
@@ -319,6 +365,10 @@ def parse_config(text: str, base: Path) -> Config:
         max_frame_bytes=r.integer(raw, "max_frame_bytes", "", DEFAULT_MAX_FRAME_BYTES, 1024, 2**40),
         restart_window_s=r.number(raw, "restart_window_s", "", 60.0, 1.0),
         max_restarts=r.integer(raw, "max_restarts", "", 5, 1, 1000),
+        monitor_interval_s=r.number(raw, "monitor_interval_s", "", 1.0, 0.05),
+        thermal_sysfs_root=r.optional_string(raw, "thermal_sysfs_root", "") or "/sys",
+        thermal_action=thermal_action,
+        thermal_max_c=r.optional_number(raw, "thermal_max_c", "", 1.0),
         digest=hashlib.sha256(text.encode()).hexdigest()[:16],
     )
     if r.problems:

@@ -9,14 +9,18 @@ from supervisor.config import Config, ModelConfig
 #: Top-level keys the running daemon adopts at once.
 LIVE_KEYS = frozenset(
     {"log_level", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s", "restart_window_s",
-     "max_restarts"}
+     "max_restarts", "monitor_interval_s", "thermal_sysfs_root", "thermal_action", "thermal_max_c"}
 )  # fmt: skip
 #: Top-level keys every worker was launched with: changing them restarts every model, rolling.
 WORKER_KEYS = frozenset({"heartbeat_interval_ms", "heartbeat_liveness"})
 #: Top-level keys bound into sockets at start: they need a restart of the daemon itself.
 DAEMON_KEYS = frozenset({"runtime_dir", "tcp_endpoint", "curve", "max_frame_bytes", "oversubscribe"})
 #: Model keys the broker applies at once.
-MODEL_LIVE_KEYS = frozenset({"queue_size", "max_retries", "prefetch"})
+MODEL_LIVE_KEYS = frozenset(
+    {"queue_size", "max_retries", "prefetch", "max_age_s", "max_requests", "recycle_jitter", "rss_soft_mb",
+     "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor", "drift_window", "canary_interval_s",
+     "canary_tolerance"}
+)  # fmt: skip
 #: Model keys a worker is built from: changing one replaces that model's workers, one at a time.
 MODEL_ROLLING_KEYS = frozenset(
     {"source", "inputs", "outputs", "threads", "cores_per_worker", "use_smt", "warmup_iterations", "max_memory_mb"}

@@ -54,6 +54,10 @@ class Rollout:
             log.warning("rollout_dropped", model=model, replacements=dropped, reason=reason)
         return dropped
 
+    def involves(self, slot: WorkerSlot) -> bool:
+        """True when this worker is already queued or being replaced."""
+        return (self.current is not None and self.current.old is slot) or any(r.old is slot for r in self.queue)
+
     @property
     def pending(self) -> int:
         """Replacements not finished yet, the running one included."""

@@ -109,6 +109,12 @@ class WorkerSlot:
     threads_seen: int | None = None
     last_exit: str | None = None
     latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2048))
+    # Per process (reset at spawn): what the monitors look at.
+    ready_at: float = 0.0
+    process_requests: int = 0
+    last_canary_at: float = 0.0
+    #: The newest monitor finding about this slot, for status.
+    last_event: dict[str, object] | None = None
 
     @property
     def name(self) -> str:
@@ -165,6 +171,10 @@ class WorkerSlot:
         self.spawned_at = self.last_heard = time.monotonic()
         self.kill_at = None
         self.threads_seen = None
+        self.latencies_ms.clear()
+        self.ready_at = 0.0
+        self.process_requests = 0
+        self.last_canary_at = 0.0
         if self.failures or self.last_exit:
             self.restarts += 1
         self.transition(SlotState.STARTING, f"spawned pid {self.process.pid} on cpus {list(self.assignment.cpus)}")

@@ -53,6 +53,7 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "ready_ms": round(slot.ready_ms, 1),
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
+        "last_event": slot.last_event,
     }
 
 
@@ -101,5 +102,6 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
         },
         "endpoints": {"client": broker.client_endpoint, "tcp": arbiter.config.tcp_endpoint},
         "counters": dict(broker.counters),
+        "thermal": {**arbiter.thermal.reading, "shedding": broker.shed},
         "models": models,
     }

@@ -15,14 +15,26 @@ import torch
 FAULT_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 2]}]
 
 # Far from the N(0, 1) values that warm-up feeds the model, so warm-up only ever echoes.
-ECHO, SEGFAULT, SLEEP, EXIT, ALLOCATE = 0, 101, 102, 103, 104
+ECHO, SEGFAULT, SLEEP, EXIT, ALLOCATE, LEAK, SLOW, CORRUPT = 0, 101, 102, 103, 104, 105, 106, 107
 
 
 class Faulty(torch.nn.Module):
-    """Echoes its input, or crashes, sleeps, exits or allocates as the request asks."""
+    """Echoes its input, or crashes, sleeps, exits, allocates, leaks, slows down or corrupts itself on request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaked: list[torch.Tensor] = []
+        self.delay = 0.0
+        self.offset = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         command, argument = int(x[0, 0]), float(x[0, 1])
+        if command == LEAK:
+            self.leaked.append(torch.ones(int(argument * 2**20) // 4))  # argument MB, kept for ever
+        elif command == SLOW:
+            self.delay = argument  # every later request takes this much longer
+        elif command == CORRUPT:
+            self.offset += argument  # later outputs shift: a canary must notice
         if command == SEGFAULT:
             ctypes.string_at(0)  # reads address 0: SIGSEGV, as a buggy native op would
         elif command == SLEEP:
@@ -32,7 +44,9 @@ class Faulty(torch.nn.Module):
         elif command == ALLOCATE:
             hog = torch.ones(int(argument * 2**30) // 4)  # argument GiB, touched
             return x[:1] + hog[:1]
-        return x[:1].clone()
+        if self.delay:
+            time.sleep(self.delay)
+        return x[:1] + self.offset
 
 
 def faulty() -> torch.nn.Module:

@@ -43,6 +43,7 @@ class ModelRunner:
         self.module = module
         self.specs = tuple(specs)
         self.output_names = tuple(output_names) if output_names else None
+        self.golden: list[tuple[str, np.ndarray[Any, Any]]] = []
 
     def example_inputs(self, batch: int = 1) -> dict[str, torch.Tensor]:
         """Inputs of the declared spec (dynamic dims = `batch`), used for warm-up and checks."""
@@ -75,12 +76,24 @@ class ModelRunner:
         return self._name_outputs(result)
 
     def warm_up(self, iterations: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
-        """Run the example inputs `iterations` times (first-call costs land here); returns the last outputs."""
+        """Run the example inputs `iterations` times (first-call costs land here); the last outputs are golden."""
         inputs = self.example_inputs()
         outputs = self.forward(inputs)
         for _ in range(iterations - 1):
             outputs = self.forward(inputs)
+        self.golden = [(name, array.copy()) for name, array in outputs]
         return outputs
+
+    def canary(self) -> tuple[float, float]:
+        """Re-run the golden inputs: (largest absolute difference from the warm-up outputs, their largest magnitude)."""
+        error, scale = 0.0, 0.0
+        for (_, want), (_, got) in zip(self.golden, self.forward(self.example_inputs()), strict=True):
+            if want.shape != got.shape:
+                return float("inf"), 1.0
+            reference = want.astype(np.float64)
+            error = max(error, float(np.max(np.abs(got.astype(np.float64) - reference), initial=0.0)))
+            scale = max(scale, float(np.max(np.abs(reference), initial=0.0)))
+        return error, scale
 
     def _name_outputs(self, result: Any) -> list[tuple[str, np.ndarray[Any, Any]]]:
         if isinstance(result, torch.Tensor):

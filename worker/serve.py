@@ -74,6 +74,10 @@ class WorkerLoop:
             return None
         if isinstance(message, wm.Request):
             self.serve_request(message, frames[1:])
+        elif isinstance(message, wm.Canary):
+            started = time.perf_counter()
+            error, scale = self.runner.canary()
+            self.send(wm.CanaryResult(message.seq, error, scale, timed_ms(started)))
         elif isinstance(message, (wm.Stop, wm.Drain)):
             # Requests are served one at a time, so by the time DRAIN is read nothing is in hand.
             log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)

@@ -1,0 +1,42 @@
+"""Planned recycling: after a maximum age or number of requests, each with jitter so workers do not all go at once."""
+
+from __future__ import annotations
+
+import random
+
+from supervisor.monitors.findings import Action, Finding
+from supervisor.slot import WorkerSlot
+
+
+class AgeWatch:
+    """Draws each process's own age and request limits once, within +-jitter of the configured ones."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.random = random.Random(seed)
+        self.limits: dict[int, tuple[float | None, float | None]] = {}
+
+    def check(self, slot: WorkerSlot, now: float) -> Finding | None:
+        """A finding when this worker reached its age or request limit."""
+        model, pid = slot.model, slot.pid
+        if pid is None or (model.max_age_s is None and model.max_requests is None):
+            return None
+        if pid not in self.limits:
+            jitter = model.recycle_jitter
+
+            def draw(limit: float | None) -> float | None:
+                return None if limit is None else limit * (1.0 + self.random.uniform(-jitter, jitter))
+
+            self.limits[pid] = (draw(model.max_age_s), draw(model.max_requests))
+        max_age, max_requests = self.limits[pid]
+        age = now - slot.ready_at
+        if max_age is not None and age >= max_age:
+            return Finding("max_age", Action.RECYCLE, slot, {"age_s": round(age, 1), "limit_s": round(max_age, 1)})
+        if max_requests is not None and slot.process_requests >= max_requests:
+            detail: dict[str, object] = {"requests": slot.process_requests, "limit": round(max_requests)}
+            return Finding("max_requests", Action.RECYCLE, slot, detail)
+        return None
+
+    def forget_dead(self, live_pids: set[int]) -> None:
+        """Drop limits of processes that are gone."""
+        for pid in set(self.limits) - live_pids:
+            del self.limits[pid]

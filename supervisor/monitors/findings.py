@@ -1,0 +1,26 @@
+"""What a monitor reports, and what the arbiter should do about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from supervisor.slot import WorkerSlot
+
+
+class Action(enum.Enum):
+    """The arbiter's response to a finding."""
+
+    NOTE = "note"  # log it and show it in status
+    RECYCLE = "recycle"  # rolling replacement: the worker finishes what it holds first
+    KILL = "kill"  # SIGKILL now; its requests are re-dispatched
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One monitor firing about one worker (or about the box when slot is None)."""
+
+    monitor: str
+    action: Action
+    slot: WorkerSlot | None
+    detail: dict[str, object] = field(default_factory=dict)

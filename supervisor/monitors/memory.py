@@ -1,0 +1,71 @@
+"""RSS per worker: a hard limit kills, a soft limit recycles, a steady leak slope recycles."""
+
+from __future__ import annotations
+
+import collections
+
+import psutil
+
+from supervisor.monitors.findings import Action, Finding
+from supervisor.slot import WorkerSlot
+
+MB = 2**20
+
+
+def leak_slope_mb_per_min(samples: collections.deque[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MB) samples, in MB per minute."""
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_m = sum(m for _, m in samples) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in samples)
+    if spread == 0.0:
+        return 0.0
+    return 60.0 * sum((t - mean_t) * (m - mean_m) for t, m in samples) / spread
+
+
+class MemoryWatch:
+    """Samples each worker's RSS once per monitor interval."""
+
+    def __init__(self) -> None:
+        self.history: dict[int, collections.deque[tuple[float, float]]] = {}
+
+    def check(self, slot: WorkerSlot, now: float) -> Finding | None:
+        """Sample one serving worker and judge it against its model's limits."""
+        model, pid = slot.model, slot.pid
+        if pid is None:
+            return None
+        try:
+            rss_mb = psutil.Process(pid).memory_info().rss / MB
+        except psutil.Error:
+            return None
+        history = self.history.setdefault(pid, collections.deque())
+        history.append((now, rss_mb))
+        while history and now - history[0][0] > model.leak_window_s:
+            history.popleft()
+        if model.rss_hard_mb is not None and rss_mb > model.rss_hard_mb:
+            return Finding("rss_hard", Action.KILL, slot, {"rss_mb": round(rss_mb, 1), "limit_mb": model.rss_hard_mb})
+        if model.rss_soft_mb is not None and rss_mb > model.rss_soft_mb:
+            return Finding(
+                "rss_soft", Action.RECYCLE, slot, {"rss_mb": round(rss_mb, 1), "limit_mb": model.rss_soft_mb}
+            )
+        # A slope needs most of a window of history, all of it after warm-up (READY), to mean anything.
+        covered = history[-1][0] - history[0][0] if history else 0.0
+        if model.leak_mb_per_min is not None and len(history) >= 5 and covered >= 0.8 * model.leak_window_s:
+            slope = leak_slope_mb_per_min(history)
+            if slope > model.leak_mb_per_min:
+                return Finding(
+                    "rss_leak",
+                    Action.RECYCLE,
+                    slot,
+                    {
+                        "mb_per_min": round(slope, 2),
+                        "limit_mb_per_min": model.leak_mb_per_min,
+                        "rss_mb": round(rss_mb, 1),
+                    },
+                )
+        return None
+
+    def forget_dead(self, live_pids: set[int]) -> None:
+        """Drop the history of processes that are gone."""
+        for pid in set(self.history) - live_pids:
+            del self.history[pid]

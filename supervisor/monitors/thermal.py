@@ -1,0 +1,69 @@
+"""Heat and clock: zone temperatures, throttle counters and cpufreq from sysfs (root configurable for tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor.monitors.findings import Action, Finding
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class ThermalWatch:
+    """Reports throttling as an event and a status field; it never restarts workers (that does not cool a CPU)."""
+
+    def __init__(self, sysfs_root: str) -> None:
+        self.root = Path(sysfs_root)
+        self.last_throttle_count: int | None = None
+        self.throttled = False
+        self.reading: dict[str, Any] = {}
+
+    def read(self) -> dict[str, Any]:
+        """Current temperatures (C), summed throttle events and the lowest cur/max frequency ratio."""
+        temps = [
+            t / 1000.0
+            for zone in sorted(self.root.glob("class/thermal/thermal_zone*/temp"))
+            if (t := _read_int(zone)) is not None
+        ]
+        if str(self.root) == "/sys" and hasattr(psutil, "sensors_temperatures"):
+            for entries in psutil.sensors_temperatures().values():
+                temps.extend(e.current for e in entries if e.current)
+        counts = [
+            c
+            for name in ("core_throttle_count", "package_throttle_count")
+            for path in self.root.glob(f"devices/system/cpu/cpu[0-9]*/thermal_throttle/{name}")
+            if (c := _read_int(path)) is not None
+        ]
+        ratios = []
+        for cpufreq in self.root.glob("devices/system/cpu/cpu[0-9]*/cpufreq"):
+            current, maximum = _read_int(cpufreq / "scaling_cur_freq"), _read_int(cpufreq / "cpuinfo_max_freq")
+            if current and maximum:
+                ratios.append(current / maximum)
+        return {
+            "max_temp_c": max(temps) if temps else None,
+            "throttle_events": sum(counts) if counts else None,
+            "min_freq_ratio": round(min(ratios), 3) if ratios else None,
+        }
+
+    def check(self, max_temp_c: float | None) -> Finding | None:
+        """A finding when throttling starts or ends."""
+        reading = self.read()
+        count = reading["throttle_events"]
+        new_events = count is not None and self.last_throttle_count is not None and count > self.last_throttle_count
+        self.last_throttle_count = count
+        too_hot = max_temp_c is not None and reading["max_temp_c"] is not None and reading["max_temp_c"] >= max_temp_c
+        throttled = new_events or too_hot
+        reading["throttled"] = throttled
+        self.reading = reading
+        if throttled == self.throttled:
+            return None
+        self.throttled = throttled
+        return Finding("thermal_throttle" if throttled else "thermal_recovered", Action.NOTE, None, reading)
