@@ -26,14 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.daemon import start_daemon  # noqa: E402
+from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client_messages import InferRequest, encode_infer  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.tensors import TensorDesc  # noqa: E402
 from supervisor.control import control_request  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
-
-SHAPES = {"tiny": ("x", (1, 16)), "resnet18": ("image", (1, 3, 224, 224)), "resnet50": ("image", (1, 3, 224, 224))}
 
 
 def client(endpoint: str, model: str, seconds: float, out: Any) -> None:
@@ -101,7 +99,6 @@ def main() -> int:
     parser.add_argument("--kill-every", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    name, shape = SHAPES[args.model]
     config = {
         "log_level": "warning",
         "oversubscribe": True,
@@ -111,13 +108,9 @@ def main() -> int:
         "restart_window_s": 10,
         "max_restarts": 1000,
         "models": {
-            args.model: {
-                "source": {"builtin": args.model},
-                "inputs": [{"name": name, "dtype": "float32", "shape": [None, *shape[1:]]}],
-                "workers": args.workers,
-                "queue_size": 4 * args.clients,
-                "warmup_iterations": 1,
-            }
+            args.model: builtin_entry(
+                args.model, workers=args.workers, queue_size=4 * args.clients, warmup_iterations=1
+            )
         },
     }
     runtime_dir = Path(tempfile.mkdtemp(prefix="infervisor-chaos-")) / "run"

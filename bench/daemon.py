@@ -13,6 +13,20 @@ from supervisor.control import ControlError, control_request
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: Input name and batch-1 shape of the built-ins the benchmarks drive.
+SHAPES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "tiny": ("x", (1, 16)),
+    "resnet18": ("image", (1, 3, 224, 224)),
+    "resnet50": ("image", (1, 3, 224, 224)),
+}
+
+
+def builtin_entry(model: str, **extra: Any) -> dict[str, Any]:
+    """A config.json model entry for a built-in with a dynamic batch dimension."""
+    name, shape = SHAPES[model]
+    inputs = [{"name": name, "dtype": "float32", "shape": [None, *shape[1:]]}]
+    return {"source": {"builtin": model}, "inputs": inputs, **extra}
+
 
 def start_daemon(
     config: dict[str, Any], runtime_dir: Path, env: dict[str, str] | None = None

@@ -24,14 +24,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.daemon import start_daemon  # noqa: E402
+from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.errors import InferenceError  # noqa: E402
 from supervisor.control import control_request  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
-
-SHAPES = {"tiny": ("x", (1, 16)), "resnet18": ("image", (1, 3, 224, 224)), "resnet50": ("image", (1, 3, 224, 224))}
 
 
 class Recorder:
@@ -101,17 +99,12 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--settle", type=float, default=8.0, help="seconds of steady load before and after")
     args = parser.parse_args()
-    name, shape = SHAPES[args.model]
     config: dict[str, Any] = {
         "log_level": "warning",
         "models": {
-            args.model: {
-                "source": {"builtin": args.model},
-                "inputs": [{"name": name, "dtype": "float32", "shape": [None, *shape[1:]]}],
-                "workers": args.workers,
-                "queue_size": 4 * args.clients,
-                "warmup_iterations": 2,
-            }
+            args.model: builtin_entry(
+                args.model, workers=args.workers, queue_size=4 * args.clients, warmup_iterations=2
+            )
         },
     }
     runtime_dir = Path(tempfile.mkdtemp(prefix="infervisor-rolling-")) / "run"

@@ -79,7 +79,6 @@ class Arbiter:
         self.announced_ready = False
         self.exit_code = 0
         self.next_housekeeping = 0.0
-        self.next_heartbeat = 0.0
         self.watchdog_every = self.notifier.watchdog_interval()
         self.next_watchdog = 0.0
         self.wake_r, self.wake_w = socket.socketpair()
@@ -274,7 +273,6 @@ class Arbiter:
 
     def murder(self, now: float) -> None:
         """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
-        interval = self.config.heartbeat_interval_ms / 1000.0
         for slot in self.all_slots():
             if slot.state not in LIVE_STATES or slot.process is None:
                 continue
@@ -287,16 +285,14 @@ class Arbiter:
                 budget = max(self.config.hang_min_s, self.config.hang_factor * slot.expected_ms / 1000.0)
                 if now - slot.progress_at > budget:
                     slot.kill(f"no reply within {budget:.1f} s (hung)")
-            elif slot.state is SlotState.SERVING and now - slot.last_heard > interval * self.config.heartbeat_liveness:
+            elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
                 slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
 
     def heartbeat(self, now: float) -> None:
-        """Send in-band heartbeats to connected workers, once per interval."""
-        if now < self.next_heartbeat:
-            return
-        self.next_heartbeat = now + self.config.heartbeat_interval_ms / 1000.0
+        """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
         for slot in self.all_slots():
-            if slot.state in (SlotState.SERVING, SlotState.DRAINING):
+            if slot.state in (SlotState.SERVING, SlotState.DRAINING) and now >= slot.next_heartbeat:
+                slot.next_heartbeat = now + slot.heartbeat_s
                 self.broker.send_control(slot, wm.Heartbeat())
 
     def pet_watchdog(self, now: float) -> None:
@@ -377,10 +373,10 @@ class Arbiter:
 
     def watch_files(self) -> None:
         """Watch config.json and every model file (a changed file restarts its model, rolling)."""
-        files = {self.config_path: _CONFIG_KEY}
+        files = {_CONFIG_KEY: self.config_path}
         for name, model in self.config.models.items():
             if model.source.path is not None:
-                files[Path(model.source.path)] = name
+                files[name] = Path(model.source.path)
         self.watcher.watch(files)
 
     def reject_config(self, reason: str, problems: list[str]) -> None:
@@ -447,7 +443,7 @@ class Arbiter:
         thermal = self.thermal.check(self.config.thermal_max_c)
         if thermal is not None:
             findings.append(thermal)
-            self.broker.shed = self.thermal.throttled and self.config.thermal_action == "shed"
+        self.broker.shed = self.thermal.throttled and self.config.thermal_action == "shed"
         live = {pid for s in self.all_slots() if (pid := s.pid) is not None}
         for watch in (self.memory, self.drift, self.age):
             watch.forget_dead(live)
@@ -504,7 +500,9 @@ class Arbiter:
             return
         if busy:
             log.warning("grace_expired", unanswered=busy)
-            self.broker.fail_all(ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request could finish")
+            self.broker.fail_all(
+                ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request could finish", self.all_slots()
+            )
         if self.kill_deadline is None:
             self.kill_deadline = now + _STOP_KILL_AFTER_S
             for slot in self.all_slots():

@@ -226,8 +226,12 @@ class Broker:
             queue.waiting.append(pending)
 
     def has_capacity(self, model: str) -> bool:
-        """False when every slot of the model has FAILED: queueing would only delay an error."""
-        return any(s.state is not SlotState.FAILED for s in self.slots.get(model, ()))
+        """False when every slot of the model has FAILED: queueing would only delay an error.
+
+        An empty pool (a drain-first rollout of a one-worker model) has capacity on its way.
+        """
+        slots = self.slots.get(model, [])
+        return not slots or any(s.state is not SlotState.FAILED for s in slots)
 
     def reply_error(self, client: Peer, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
         """Send an error reply to a client connection."""
@@ -263,7 +267,10 @@ class Broker:
         """The least loaded serving worker of `model` with room in its pipeline; ties go to the longest idle."""
         best: WorkerSlot | None = None
         slots = self.slots.get(model, [])
-        for slot in slots[: (len(slots) + 1) // 2] if self.shed else slots:
+        if self.shed:  # half of the workers that can serve, so shedding never routes to a dead one
+            serving = [s for s in slots if s.state is SlotState.SERVING]
+            slots = serving[: (len(serving) + 1) // 2]
+        for slot in slots:
             if not slot.can_take:
                 continue
             if best is None or (len(slot.inflight), slot.progress_at) < (len(best.inflight), best.progress_at):
@@ -357,14 +364,13 @@ class Broker:
         while queue is not None and queue.waiting:
             self.fail(queue.waiting.popleft(), code, message)
 
-    def fail_all(self, code: ErrorCode, message: str) -> None:
-        """Answer every queued and in-flight request with `code` (the end of a bounded shutdown)."""
+    def fail_all(self, code: ErrorCode, message: str, slots: list[WorkerSlot]) -> None:
+        """Answer every queued request, and every request these workers hold, with `code` (end of a bounded stop)."""
         for model in self.queues:
             self.fail_queued(model, code, message)
-        for slots in self.slots.values():
-            for slot in slots:
-                for request in self.take_inflight(slot):
-                    self.fail(request, code, message)
+        for slot in slots:
+            for request in self.take_inflight(slot):
+                self.fail(request, code, message)
 
     # ---- worker side ------------------------------------------------------------------------
 
@@ -434,7 +440,8 @@ class Broker:
         service_ms = (now - request.dispatched_at) * 1000.0
         slot.requests += 1
         slot.process_requests += 1
-        slot.latencies_ms.append(service_ms)
+        if reply.error_code is None:  # errors are fast and would fake a baseline
+            slot.latencies_ms.append(service_ms)
         if reply.error_code is not None:
             code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL
             self.fail(request, code, reply.message)

@@ -18,6 +18,10 @@ from protocol.tensors import TensorSpec
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
 THERMAL_ACTIONS = ("none", "shed")
+#: surge: the replacement warms beside the old worker (capacity stays N); drain_first: the old one
+#: drains and exits before its replacement starts (capacity N-1 for that slot; for boxes whose cores
+#: or memory cannot hold both at once).
+ROLLOUT_STRATEGIES = ("surge", "drain_first")
 SOURCE_KINDS = ("builtin", "torchscript", "exported", "python")
 _PYTHON_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -70,6 +74,7 @@ class ModelConfig:
     prefetch: int
     max_memory_mb: int | None
     # Recycling and monitors (all applied live):
+    rollout: str
     max_age_s: float | None
     max_requests: int | None
     recycle_jitter: float
@@ -145,6 +150,13 @@ class _Reader:
         value = obj.get(key, default)
         if not isinstance(value, bool):
             self.fail(_join(path, key), f"must be true or false, got {value!r}")
+            return default
+        return value
+
+    def fraction(self, obj: dict[str, Any], key: str, path: str, default: float, high: float) -> float:
+        value = self.number(obj, key, path, default, 0.0)
+        if value > high:
+            self.fail(_join(path, key), f"must be between 0 and {high}, got {value!r}")
             return default
         return value
 
@@ -228,8 +240,8 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
 
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
-    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "max_age_s", "max_requests",
-    "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
+    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "max_age_s",
+    "max_requests", "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
     "drift_window", "canary_interval_s", "canary_tolerance",
 }  # fmt: skip
 
@@ -246,6 +258,10 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
     if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, str) and o for o in outputs)):
         r.fail(f"{path}.outputs", "must be an array of output names or null")
         outputs = None
+    rollout = raw.get("rollout", "surge")
+    if rollout not in ROLLOUT_STRATEGIES:
+        r.fail(f"{path}.rollout", f"must be one of {', '.join(ROLLOUT_STRATEGIES)}, got {rollout!r}")
+        rollout = "surge"
     memory = raw.get("max_memory_mb")
     if memory is not None and (type(memory) is not int or memory < 512):
         r.fail(f"{path}.max_memory_mb", f"must be an integer >= 512 (MB) or null, got {memory!r}")
@@ -268,15 +284,17 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         max_retries=r.integer(raw, "max_retries", path, 2, 0, 10),
         prefetch=r.integer(raw, "prefetch", path, 1, 1, 16),
         max_memory_mb=memory,
+        rollout=rollout,
         max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
         max_requests=r.optional_integer(raw, "max_requests", path, 1),
-        recycle_jitter=min(0.5, r.number(raw, "recycle_jitter", path, 0.1, 0.0)),
+        recycle_jitter=r.fraction(raw, "recycle_jitter", path, 0.1, 0.5),
         rss_soft_mb=r.optional_integer(raw, "rss_soft_mb", path, 1),
         rss_hard_mb=r.optional_integer(raw, "rss_hard_mb", path, 1),
         leak_mb_per_min=r.optional_number(raw, "leak_mb_per_min", path, 0.001),
         leak_window_s=r.number(raw, "leak_window_s", path, 120.0, 1.0),
         drift_factor=r.optional_number(raw, "drift_factor", path, 1.01),
-        drift_window=r.integer(raw, "drift_window", path, 100, 5, 100_000),
+        # Baseline and recent window both live in the 2048-sample latency buffer.
+        drift_window=r.integer(raw, "drift_window", path, 100, 5, 1000),
         canary_interval_s=r.optional_number(raw, "canary_interval_s", path, 0.1),
         canary_tolerance=r.number(raw, "canary_tolerance", path, 1e-4, 0.0),
     )

@@ -17,7 +17,7 @@ WORKER_KEYS = frozenset({"heartbeat_interval_ms", "heartbeat_liveness"})
 DAEMON_KEYS = frozenset({"runtime_dir", "tcp_endpoint", "curve", "max_frame_bytes", "oversubscribe"})
 #: Model keys the broker applies at once.
 MODEL_LIVE_KEYS = frozenset(
-    {"queue_size", "max_retries", "prefetch", "max_age_s", "max_requests", "recycle_jitter", "rss_soft_mb",
+    {"queue_size", "max_retries", "prefetch", "rollout", "max_age_s", "max_requests", "recycle_jitter", "rss_soft_mb",
      "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor", "drift_window", "canary_interval_s",
      "canary_tolerance"}
 )  # fmt: skip

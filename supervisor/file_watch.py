@@ -20,15 +20,21 @@ class FileWatcher(FileSystemEventHandler):
     def __init__(self, wake: Callable[[], None]) -> None:
         self.wake = wake
         self.lock = threading.Lock()
-        self.keys: dict[str, str] = {}
+        self.keys: dict[str, set[str]] = {}
         self.changed: dict[str, float] = {}
         self.observer = Observer()
         self.observer.daemon = True
 
-    def watch(self, files: Mapping[Path, str]) -> None:
-        """Watch exactly these files; each change is reported under the file's key."""
+    def watch(self, files: Mapping[str, Path]) -> None:
+        """Watch exactly these files (key -> path); a change is reported under every key of that file.
+
+        Paths are resolved once, so re-pointing a symlink is not seen; write or rename the file itself.
+        """
+        keys: dict[str, set[str]] = {}
+        for key, path in files.items():
+            keys.setdefault(str(path.resolve()), set()).add(key)
         with self.lock:
-            self.keys = {str(path.resolve()): key for path, key in files.items()}
+            self.keys = keys
         self.observer.unschedule_all()
         for folder in sorted({str(Path(p).parent) for p in self.keys}):
             if Path(folder).is_dir():
@@ -38,11 +44,8 @@ class FileWatcher(FileSystemEventHandler):
         if event.event_type not in ("modified", "created", "moved", "closed"):
             return
         with self.lock:
-            hits = [
-                self.keys[p]
-                for p in (str(event.src_path), str(getattr(event, "dest_path", "") or ""))
-                if p in self.keys
-            ]
+            paths = (str(event.src_path), str(getattr(event, "dest_path", "") or ""))
+            hits = {key for p in paths for key in self.keys.get(p, ())}
             for key in hits:
                 self.changed[key] = time.monotonic()
         if hits:

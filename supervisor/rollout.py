@@ -29,6 +29,9 @@ class Replacement:
     reason: str
     successor: WorkerSlot | None = None
     started_at: float = 0.0
+    #: Drain-first only: where in the pool the replacement goes, and that it went straight there.
+    index: int = 0
+    in_pool: bool = False
 
 
 class Rollout:
@@ -64,40 +67,81 @@ class Rollout:
         return len(self.queue) + (self.current is not None)
 
     def advance(self, arbiter: Arbiter) -> None:
-        """Start the next replacement, promote a ready successor, or give up on a failed one."""
+        """Start the next replacement, settle a ready successor, or give up on a failed one."""
         if self.current is None:
-            if not self.queue:
-                return
-            self.current = self.queue.popleft()
-            self.start(arbiter, self.current)
+            while self.queue and self.current is None:
+                self.current = self.queue.popleft()
+                if not self.start(arbiter, self.current):
+                    self.current = None
             return
-        successor = self.current.successor
-        if successor is None:
-            return
-        if successor.state is SlotState.SERVING:
-            self.promote(arbiter, self.current, successor)
+        replacement = self.current
+        successor = replacement.successor
+        if successor is None:  # drain-first: waiting for the old worker to go
+            self.after_drain(arbiter, replacement)
+        elif successor.state is SlotState.SERVING:
+            self.promote(arbiter, replacement, successor)
         elif successor.state in (SlotState.BACKOFF, SlotState.FAILED, SlotState.STOPPED):
-            self.fail(arbiter, self.current, successor)
+            self.fail(arbiter, replacement, successor)
 
-    def start(self, arbiter: Arbiter, replacement: Replacement) -> None:
-        """Spawn the successor beside the old worker (it takes traffic only once READY)."""
+    def start(self, arbiter: Arbiter, replacement: Replacement) -> bool:
+        """Surge: spawn the successor beside the old worker. Drain-first: take the old one out of service first.
+
+        Returns False when there is nothing to replace any more (the worker was scaled away or its model removed).
+        """
+        name = replacement.old.model.name
+        pool = arbiter.slots.get(name)
+        if pool is None or replacement.old not in pool or name not in arbiter.config.models:
+            return False
+        # The model as configured now: a restart queued before a live change must not bring old values back.
+        replacement.model = arbiter.config.models[name]
+        replacement.started_at = time.monotonic()
+        if replacement.model.rollout == "drain_first":
+            replacement.index = pool.index(replacement.old)
+            pool.remove(replacement.old)
+            log.info(
+                "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy="drain_first"
+            )
+            arbiter.retire(replacement.old, f"replaced, drain first ({replacement.reason})")
+            return True
         successor = WorkerSlot(replacement.model, replacement.assignment)
         replacement.successor = successor
-        replacement.started_at = time.monotonic()
         arbiter.extra.append(successor)
-        log.info("rollout_step_started", slot=replacement.old.name, reason=replacement.reason, queued=len(self.queue))
+        log.info(
+            "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy="surge",
+            queued=len(self.queue),
+        )  # fmt: skip
+        arbiter.spawn(successor)
+        return True
+
+    def after_drain(self, arbiter: Arbiter, replacement: Replacement) -> None:
+        """Drain-first: once the old worker is gone, its replacement takes the slot and warms up in the pool."""
+        if replacement.old.state is not SlotState.STOPPED:
+            return
+        pool = arbiter.slots.get(replacement.model.name)
+        if pool is None:  # the model was removed meanwhile: nothing to bring back
+            self.current = None
+            return
+        successor = WorkerSlot(replacement.model, replacement.assignment)
+        replacement.successor = successor
+        replacement.in_pool = True
+        pool.insert(min(replacement.index, len(pool)), successor)
         arbiter.spawn(successor)
 
     def promote(self, arbiter: Arbiter, replacement: Replacement, successor: WorkerSlot) -> None:
-        """Move traffic to the successor and drain the old worker."""
-        pool = arbiter.slots.get(replacement.model.name, [])
-        arbiter.extra.remove(successor)
-        if replacement.old in pool:
-            pool[pool.index(replacement.old)] = successor
-            arbiter.retire(replacement.old, f"replaced ({replacement.reason})")
-        else:  # the old slot went away meanwhile (scaled down); the successor is not needed
-            arbiter.extra.append(successor)
-            arbiter.retire(successor, "its slot was removed during the rollout")
+        """Move traffic to the successor (surge) and drain the old worker; the step is done."""
+        if not replacement.in_pool:
+            pool = arbiter.slots.get(replacement.model.name, [])
+            arbiter.extra.remove(successor)
+            if replacement.old in pool:
+                pool[pool.index(replacement.old)] = successor
+                arbiter.retire(replacement.old, f"replaced ({replacement.reason})")
+            else:  # the old slot went away meanwhile (scaled down); the successor is not needed
+                arbiter.extra.append(successor)
+                arbiter.retire(successor, "its slot was removed during the rollout")
+        # Later replacements asked for the old worker now mean its successor.
+        for queued in self.queue:
+            if queued.old is replacement.old:
+                queued.old = successor
         self.completed += 1
         self.current = None
         log.info(
@@ -110,12 +154,18 @@ class Rollout:
         arbiter.broker.dispatch(replacement.model.name)
 
     def fail(self, arbiter: Arbiter, replacement: Replacement, successor: WorkerSlot) -> None:
-        """The replacement died before READY: keep the old worker serving and stop this model's rollout."""
-        self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); the old worker keeps serving"
+        """The replacement died before READY: stop this model's rollout and say so.
+
+        Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot stays in
+        the pool and backs off like any crashing worker.
+        """
+        keeps = "the old worker keeps serving" if not replacement.in_pool else "the slot backs off and retries"
+        self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); {keeps}"
         log.error("rollout_failed", slot=successor.name, how=successor.last_exit, reason=replacement.reason)
-        if successor.state is SlotState.BACKOFF:
-            successor.transition(SlotState.STOPPED, "replacement abandoned")
-        arbiter.extra.remove(successor)
-        arbiter.broker.forget(successor)
+        if not replacement.in_pool:
+            if successor.state is SlotState.BACKOFF:
+                successor.transition(SlotState.STOPPED, "replacement abandoned")
+            arbiter.extra.remove(successor)
+            arbiter.broker.forget(successor)
         self.current = None
         self.drop_model(replacement.model.name, "an earlier replacement of this model failed")

@@ -113,6 +113,10 @@ class WorkerSlot:
     ready_at: float = 0.0
     process_requests: int = 0
     last_canary_at: float = 0.0
+    #: Heartbeat period and liveness this process was launched with (a reload must not change them under it).
+    heartbeat_s: float = 0.5
+    liveness: int = 10
+    next_heartbeat: float = 0.0
     #: The newest monitor finding about this slot, for status.
     last_event: dict[str, object] | None = None
 
@@ -172,6 +176,8 @@ class WorkerSlot:
         self.kill_at = None
         self.threads_seen = None
         self.latencies_ms.clear()
+        self.heartbeat_s = config.heartbeat_interval_ms / 1000.0
+        self.liveness = config.heartbeat_liveness
         self.ready_at = 0.0
         self.process_requests = 0
         self.last_canary_at = 0.0

@@ -73,6 +73,10 @@ class Daemon:
         """The daemon's status document."""
         return control_request(self.runtime_dir, {"cmd": "status"}, timeout=10.0)
 
+    def control(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Any control-socket command."""
+        return control_request(self.runtime_dir, command, timeout=10.0)
+
     def try_status(self) -> dict[str, Any] | None:
         """Status, or None while the daemon is not answering yet."""
         if self.process.poll() is not None:

@@ -247,3 +247,23 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     result = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
     problems = [line for line in result.stderr.splitlines() if "infervisor.service" in line]
     assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_drain_first_rollout_replaces_the_only_worker_without_failing_requests(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """With rollout "drain_first" the old worker exits before its replacement starts; requests wait, none fail."""
+    config = {"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS, rollout="drain_first")}}
+    daemon = start_daemon(config)
+    pid = daemon.wait_ready()["models"]["tiny"]["workers"][0]["pid"]
+    with Load(daemon, "tiny", {"x": np.ones((1, 16), np.float32)}, clients=2) as load:
+        wait_for(lambda: load.ok > 20, 30, "load running")
+        assert daemon.control({"cmd": "restart"})["queued"] == 1
+        wait_for(lambda: daemon.status()["rollout"]["completed"] == 1, 60, "drain-first step done")
+        wait_for(lambda: _pool(daemon, "tiny")[0]["state"] == "serving", 120, "replacement serving")
+        served = load.ok
+        wait_for(lambda: load.ok > served + 20, 30, "serving again")
+    assert _pool(daemon, "tiny")[0]["pid"] != pid
+    assert load.failures == []
+    starts = [e for e in daemon.log_events() if e["event"] == "rollout_step_started"]
+    assert starts and starts[0]["strategy"] == "drain_first"

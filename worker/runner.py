@@ -91,7 +91,11 @@ class ModelRunner:
             if want.shape != got.shape:
                 return float("inf"), 1.0
             reference = want.astype(np.float64)
-            error = max(error, float(np.max(np.abs(got.astype(np.float64) - reference), initial=0.0)))
+            difference = np.abs(got.astype(np.float64) - reference)
+            # NaN compares false with everything, so a max would hide it: any non-finite change is a failure.
+            if not np.isfinite(difference).all():
+                return float("inf"), 1.0
+            error = max(error, float(np.max(difference, initial=0.0)))
             scale = max(scale, float(np.max(np.abs(reference), initial=0.0)))
         return error, scale
 

@@ -76,7 +76,11 @@ class WorkerLoop:
             self.serve_request(message, frames[1:])
         elif isinstance(message, wm.Canary):
             started = time.perf_counter()
-            error, scale = self.runner.canary()
+            try:
+                error, scale = self.runner.canary()
+            except Exception as exc:  # noqa: BLE001 - a model that cannot rerun its golden inputs fails the canary
+                log.error("canary_crashed", error=f"{type(exc).__name__}: {exc}")
+                error, scale = float("inf"), 1.0
             self.send(wm.CanaryResult(message.seq, error, scale, timed_ms(started)))
         elif isinstance(message, (wm.Stop, wm.Drain)):
             # Requests are served one at a time, so by the time DRAIN is read nothing is in hand.

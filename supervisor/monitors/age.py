@@ -13,21 +13,23 @@ class AgeWatch:
 
     def __init__(self, seed: int | None = None) -> None:
         self.random = random.Random(seed)
-        self.limits: dict[int, tuple[float | None, float | None]] = {}
+        #: pid -> (the settings the limits were drawn from, the drawn age limit, the drawn request limit)
+        self.limits: dict[int, tuple[tuple[float | None, int | None, float], float | None, float | None]] = {}
 
     def check(self, slot: WorkerSlot, now: float) -> Finding | None:
         """A finding when this worker reached its age or request limit."""
         model, pid = slot.model, slot.pid
         if pid is None or (model.max_age_s is None and model.max_requests is None):
             return None
-        if pid not in self.limits:
+        settings = (model.max_age_s, model.max_requests, model.recycle_jitter)
+        if pid not in self.limits or self.limits[pid][0] != settings:  # drawn again after a live change
             jitter = model.recycle_jitter
 
             def draw(limit: float | None) -> float | None:
                 return None if limit is None else limit * (1.0 + self.random.uniform(-jitter, jitter))
 
-            self.limits[pid] = (draw(model.max_age_s), draw(model.max_requests))
-        max_age, max_requests = self.limits[pid]
+            self.limits[pid] = (settings, draw(model.max_age_s), draw(model.max_requests))
+        _, max_age, max_requests = self.limits[pid]
         age = now - slot.ready_at
         if max_age is not None and age >= max_age:
             return Finding("max_age", Action.RECYCLE, slot, {"age_s": round(age, 1), "limit_s": round(max_age, 1)})
