@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from worker.models.init import default_init_skipped
+
 
 class EncoderLayer(nn.Module):
     """Post-norm self-attention plus feed-forward, each Linear its own module."""
@@ -52,6 +54,8 @@ class Encoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -66,4 +70,5 @@ class Encoder(nn.Module):
 
 def encoder() -> Encoder:
     """The MiniLM-L6-sized encoder (22.7 M parameters)."""
-    return Encoder()
+    with default_init_skipped(nn.Linear, nn.Embedding):
+        return Encoder()

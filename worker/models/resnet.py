@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.models.init import default_init_skipped
+
 
 class Bottleneck(nn.Module):
     """1x1-3x3-1x1 residual block, each ReLU its own module."""
@@ -100,9 +102,11 @@ class ResNet(nn.Module):
 
 def resnet50() -> ResNet:
     """ResNet-50 shape: bottleneck blocks [3, 4, 6, 3], 25.6 M parameters."""
-    return ResNet(Bottleneck, [3, 4, 6, 3])
+    with default_init_skipped(nn.Conv2d):
+        return ResNet(Bottleneck, [3, 4, 6, 3])
 
 
 def resnet18() -> ResNet:
     """ResNet-18 shape: basic blocks [2, 2, 2, 2], 11.7 M parameters."""
-    return ResNet(BasicBlock, [2, 2, 2, 2])
+    with default_init_skipped(nn.Conv2d):
+        return ResNet(BasicBlock, [2, 2, 2, 2])
