@@ -8,6 +8,9 @@ from typing import Any
 
 from protocol.tensors import TensorSpec
 
+#: Profiles a worker can build, in the order of the seed's stack (names are part of the config contract).
+PROFILE_NAMES = ("eager", "jit", "jit_onednn")
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -36,6 +39,9 @@ class LaunchSpec:
     stats_interval_ms: int = 2000
     max_frame_bytes: int = 256 * 1024 * 1024
     max_memory_mb: int | None = None
+    profiles: tuple[str, ...] = ("eager",)
+    #: min_cosine, max_abs_error (or None), top1: how close to eager a profile must stay.
+    tolerance: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -53,4 +59,5 @@ class LaunchSpec:
         )
         raw["output_names"] = tuple(raw["output_names"]) if raw.get("output_names") is not None else None
         raw["cpus"] = tuple(raw["cpus"])
+        raw["profiles"] = tuple(raw.get("profiles", ("eager",)))
         return cls(**raw)

@@ -29,6 +29,9 @@ class Ready:
     warmup_ms: float
     threads: int
     cpus: list[int]
+    profile: str
+    #: Why each profile before the serving one was skipped, "; "-separated (empty when the first served).
+    profile_notes: str
 
 
 @dataclass(frozen=True, slots=True)

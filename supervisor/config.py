@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
-from protocol.launch import ModelSource
+from protocol.launch import PROFILE_NAMES, ModelSource
 from protocol.tensors import TensorSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -75,6 +75,8 @@ class ModelConfig:
     max_memory_mb: int | None
     # Recycling and monitors (all applied live):
     rollout: str
+    profiles: tuple[str, ...]
+    tolerance: dict[str, Any]
     max_age_s: float | None
     max_requests: int | None
     recycle_jitter: float
@@ -238,9 +240,37 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def _read_profiles(r: _Reader, raw: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not raw or not all(isinstance(p, str) for p in raw):
+        r.fail(path, f"must be a non-empty array of profile names ({', '.join(PROFILE_NAMES)}), got {raw!r}")
+        return ("eager",)
+    for index, name in enumerate(raw):
+        if name not in PROFILE_NAMES:
+            r.fail(f"{path}[{index}]", f"unknown profile {name!r}; available: {', '.join(PROFILE_NAMES)}")
+    if len(set(raw)) != len(raw):
+        r.fail(path, "lists a profile twice")
+    return tuple(raw)
+
+
+def _read_tolerance(r: _Reader, raw: Any, path: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        r.fail(path, "must be an object with min_cosine, max_abs_error, top1")
+        return {}
+    r.check_keys(raw, path, {"min_cosine", "max_abs_error", "top1"})
+    cosine = r.number(raw, "min_cosine", path, 0.999, -1.0)
+    if cosine > 1.0:
+        r.fail(f"{path}.min_cosine", f"must be at most 1, got {cosine}")
+    return {
+        "min_cosine": cosine,
+        "max_abs_error": r.optional_number(raw, "max_abs_error", path, 0.0),
+        "top1": r.boolean(raw, "top1", path, False),
+    }
+
+
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
-    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "max_age_s",
+    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "profiles", "tolerance",
+    "max_age_s",
     "max_requests", "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
     "drift_window", "canary_interval_s", "canary_tolerance",
 }  # fmt: skip
@@ -285,6 +315,8 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         prefetch=r.integer(raw, "prefetch", path, 1, 1, 16),
         max_memory_mb=memory,
         rollout=rollout,
+        profiles=_read_profiles(r, raw.get("profiles", ["eager"]), f"{path}.profiles"),
+        tolerance=_read_tolerance(r, raw.get("tolerance", {}), f"{path}.tolerance"),
         max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
         max_requests=r.optional_integer(raw, "max_requests", path, 1),
         recycle_jitter=r.fraction(raw, "recycle_jitter", path, 0.1, 0.5),

@@ -23,7 +23,18 @@ MODEL_LIVE_KEYS = frozenset(
 )  # fmt: skip
 #: Model keys a worker is built from: changing one replaces that model's workers, one at a time.
 MODEL_ROLLING_KEYS = frozenset(
-    {"source", "inputs", "outputs", "threads", "cores_per_worker", "use_smt", "warmup_iterations", "max_memory_mb"}
+    {
+        "source",
+        "inputs",
+        "outputs",
+        "threads",
+        "cores_per_worker",
+        "use_smt",
+        "warmup_iterations",
+        "max_memory_mb",
+        "profiles",
+        "tolerance",
+    }
 )
 _IGNORED = frozenset({"models", "digest", "name", "workers"})
 

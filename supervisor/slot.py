@@ -117,6 +117,9 @@ class WorkerSlot:
     heartbeat_s: float = 0.5
     liveness: int = 10
     next_heartbeat: float = 0.0
+    #: The profile this process serves with, and why earlier ones in the chain were skipped.
+    profile: str | None = None
+    profile_notes: str = ""
     #: The newest monitor finding about this slot, for status.
     last_event: dict[str, object] | None = None
 
@@ -161,6 +164,8 @@ class WorkerSlot:
             heartbeat_liveness=config.heartbeat_liveness,
             max_frame_bytes=config.max_frame_bytes,
             max_memory_mb=self.model.max_memory_mb,
+            profiles=self.model.profiles,
+            tolerance=self.model.tolerance,
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", launch.to_json()],

@@ -51,6 +51,8 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),
         "ready_ms": round(slot.ready_ms, 1),
+        "profile": slot.profile,
+        "profile_skipped": [n for n in slot.profile_notes.split("; ") if n],
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
         "last_event": slot.last_event,

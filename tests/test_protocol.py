@@ -131,7 +131,9 @@ def _wm_reject(header: list[Any]) -> ProtocolError:
 
 
 #: One valid message of each type, the base the rejection tests change field by field.
-READY: Final = wm.Ready(worker_id="w", pid=10, load_ms=1.0, warmup_ms=2.0, threads=1, cpus=[0])
+READY: Final = wm.Ready(
+    worker_id="w", pid=10, load_ms=1.0, warmup_ms=2.0, threads=1, cpus=[0], profile="eager", profile_notes=""
+)
 REQUEST: Final = wm.Request(request_id=1, model="m", deadline=5.0, inputs=(TensorDesc("x", "float32", (1,)),))
 REPLY: Final = wm.Reply(
     request_id=1, error_code=None, message="", outputs=(), decode_ms=0.0, model_ms=0.0, encode_ms=0.0
@@ -544,7 +546,7 @@ def test_error_with_unknown_code_becomes_internal() -> None:
 
 
 WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
-    wm.Ready("m-0", 1234, 812.5, 40.25, 4, [0, 1, 2, 3]),
+    wm.Ready("m-0", 1234, 812.5, 40.25, 4, [0, 1, 2, 3], "jit", "jit_onednn: crashed"),
     wm.Heartbeat(),
     wm.Request(
         request_id=2**64 - 1,

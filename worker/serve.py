@@ -16,7 +16,10 @@ from protocol.constants import MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc, check_against_spec, check_frames
+from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.profiles.select import select_profile
+from worker.profiles.validate import Tolerance
 from worker.runner import ModelRunner, tensor_from_frame, timed_ms
 
 log = structlog.get_logger("worker")
@@ -146,6 +149,7 @@ def serve(launch: LaunchSpec) -> int:
         module = load_model(launch.source)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names)
+        selection = select_profile(runner, launch.profiles, Tolerance(**launch.tolerance), read_caps())
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
         runner.warm_up(max(1, launch.warmup_iterations))
@@ -165,10 +169,23 @@ def serve(launch: LaunchSpec) -> int:
     loop = WorkerLoop(launch, runner, socket)
     loop.send(
         wm.Ready(
-            launch.worker_id, os.getpid(), load_ms, warmup_ms, torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+            launch.worker_id,
+            os.getpid(),
+            load_ms,
+            warmup_ms,
+            torch.get_num_threads(),
+            sorted(os.sched_getaffinity(0)),
+            selection.profile,
+            "; ".join(selection.skipped),
         )
     )
-    log.info("worker_ready", load_ms=round(load_ms, 1), warmup_ms=round(warmup_ms, 1), threads=torch.get_num_threads())
+    log.info(
+        "worker_ready",
+        load_ms=round(load_ms, 1),
+        warmup_ms=round(warmup_ms, 1),
+        threads=torch.get_num_threads(),
+        profile=selection.profile,
+    )
     try:
         return loop.run()
     finally:

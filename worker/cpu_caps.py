@@ -1,0 +1,62 @@
+"""What this CPU can do, from /proc/cpuinfo (no torch), and which profiles that makes worth trying (seed 1, 2.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Flags that decide the strategy.
+WATCHED_FLAGS = (
+    "sse4_2", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CpuCaps:
+    """The watched flags this CPU has, and its model name."""
+
+    flags: frozenset[str]
+    model_name: str
+
+    @property
+    def tier(self) -> str:
+        """amx, avx512, avx2 or sse4_2 (or baseline): the instruction-set layer of the seed's stack."""
+        for tier, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"), ("sse4_2", "sse4_2")):
+            if flag in self.flags:
+                return tier
+        return "baseline"
+
+    def refusal(self, profile: str) -> str | None:
+        """Why `profile` is not worth trying here, or None when it is."""
+        if profile == "eager":
+            return None
+        if "avx2" not in self.flags and "avx512f" not in self.flags:
+            # Without AVX2 the oneDNN kernels behind jit/compile/int8 fall back to slow paths: tuned eager only.
+            return f"cpu tier {self.tier}: no AVX2, so only eager fp32 is worth running"
+        if profile == "bf16" and not {"amx_bf16", "avx512_bf16"} & self.flags:
+            return "no AMX or avx512_bf16: bf16 runs slower than fp32 (measured 3x on AVX-512)"
+        return None
+
+
+def parse_cpuinfo(text: str) -> CpuCaps:
+    """Flags and model name of the first processor block."""
+    flags: set[str] = set()
+    model_name = "unknown"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "flags" and not flags:
+            flags = set(value.split())
+        elif key == "model name" and model_name == "unknown":
+            model_name = value.strip()
+        elif not line.strip() and flags:
+            break
+    return CpuCaps(frozenset(flags) & frozenset(WATCHED_FLAGS), model_name)
+
+
+def read_caps(path: Path = Path("/proc/cpuinfo")) -> CpuCaps:
+    """This machine's capabilities (empty flags if cpuinfo cannot be read)."""
+    try:
+        return parse_cpuinfo(path.read_text())
+    except OSError:
+        return CpuCaps(frozenset(), "unknown")
