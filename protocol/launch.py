@@ -40,6 +40,7 @@ class LaunchSpec:
     max_frame_bytes: int = 256 * 1024 * 1024
     max_memory_mb: int | None = None
     profiles: tuple[str, ...] = ("eager",)
+    channels_last: bool = False
     #: min_cosine, max_abs_error (or None), top1: how close to eager a profile must stay.
     tolerance: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -77,6 +77,7 @@ class ModelConfig:
     rollout: str
     profiles: tuple[str, ...]
     tolerance: dict[str, Any]
+    channels_last: bool
     max_age_s: float | None
     max_requests: int | None
     recycle_jitter: float
@@ -270,6 +271,7 @@ def _read_tolerance(r: _Reader, raw: Any, path: str) -> dict[str, Any]:
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
     "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "profiles", "tolerance",
+    "channels_last",
     "max_age_s",
     "max_requests", "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
     "drift_window", "canary_interval_s", "canary_tolerance",
@@ -317,6 +319,7 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         rollout=rollout,
         profiles=_read_profiles(r, raw.get("profiles", ["eager"]), f"{path}.profiles"),
         tolerance=_read_tolerance(r, raw.get("tolerance", {}), f"{path}.tolerance"),
+        channels_last=r.boolean(raw, "channels_last", path, False),
         max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
         max_requests=r.optional_integer(raw, "max_requests", path, 1),
         recycle_jitter=r.fraction(raw, "recycle_jitter", path, 0.1, 0.5),

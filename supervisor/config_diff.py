@@ -34,6 +34,7 @@ MODEL_ROLLING_KEYS = frozenset(
         "max_memory_mb",
         "profiles",
         "tolerance",
+        "channels_last",
     }
 )
 _IGNORED = frozenset({"models", "digest", "name", "workers"})

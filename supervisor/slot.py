@@ -166,6 +166,7 @@ class WorkerSlot:
             max_memory_mb=self.model.max_memory_mb,
             profiles=self.model.profiles,
             tolerance=self.model.tolerance,
+            channels_last=self.model.channels_last,
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", launch.to_json()],

@@ -55,11 +55,13 @@ def test_unknown_profile_names_are_config_errors() -> None:
 def test_chain_serves_the_first_profile_that_matches_eager_and_reports_the_rest(
     start_daemon: Callable[..., Daemon],
 ) -> None:
-    """jit_onednn serves resnet18 within tolerance; an impossible tolerance falls back to eager and says why."""
+    """jit_onednn (channels_last) serves resnet18 within tolerance; an impossible tolerance falls back to eager."""
     config = {
         "oversubscribe": True,
         "models": {
-            "fast": model_entry({"builtin": "resnet18"}, IMAGE_INPUTS, profiles=["jit_onednn", "jit", "eager"]),
+            "fast": model_entry(
+                {"builtin": "resnet18"}, IMAGE_INPUTS, profiles=["jit_onednn", "jit", "eager"], channels_last=True
+            ),
             "strict": model_entry(
                 {"builtin": "resnet18"}, IMAGE_INPUTS, profiles=["jit", "eager"],
                 tolerance={"min_cosine": 1.0, "max_abs_error": 0.0},

@@ -39,7 +39,13 @@ def tensor_from_frame(desc: TensorDesc, buffer: Any) -> torch.Tensor:
 class ModelRunner:
     """One model's forward pass with the checks and conversions the wire needs."""
 
-    def __init__(self, module: Any, specs: Sequence[TensorSpec], output_names: Sequence[str] | None) -> None:
+    def __init__(
+        self, module: Any, specs: Sequence[TensorSpec], output_names: Sequence[str] | None, channels_last: bool = False
+    ) -> None:
+        # NHWC lets oneDNN skip layout reorders around every convolution (seed 1's memory-layout layer).
+        self.channels_last = channels_last
+        if channels_last and isinstance(module, torch.nn.Module):
+            module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # missing in stubs
         self.module = module
         self.specs = tuple(specs)
         self.output_names = tuple(output_names) if output_names else None
@@ -71,8 +77,11 @@ class ModelRunner:
 
     def forward(self, inputs: Mapping[str, torch.Tensor]) -> list[tuple[str, np.ndarray[Any, Any]]]:
         """Run the model in inference mode and name its outputs."""
+        args = [inputs[s.name] for s in self.specs]
+        if self.channels_last:
+            args = [a.contiguous(memory_format=torch.channels_last) if a.dim() == 4 else a for a in args]
         with torch.inference_mode():
-            result = self.module(*(inputs[s.name] for s in self.specs))
+            result = self.module(*args)
         return self._name_outputs(result)
 
     def warm_up(self, iterations: int) -> list[tuple[str, np.ndarray[Any, Any]]]:

@@ -148,7 +148,7 @@ def serve(launch: LaunchSpec) -> int:
     try:
         module = load_model(launch.source)
         names = launch.output_names or default_output_names(launch.source)
-        runner = ModelRunner(module, launch.inputs, names)
+        runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
         selection = select_profile(runner, launch.profiles, Tolerance(**launch.tolerance), read_caps())
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()

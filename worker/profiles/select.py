@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
+import torch
 
 from worker.cpu_caps import CpuCaps
 from worker.profiles.build import ProfileError, build_profile
@@ -45,7 +46,10 @@ def select_profile(runner: ModelRunner, chain: Sequence[str], tolerance: Toleran
             continue
         started = time.perf_counter()
         try:
-            runner.module = build_profile(name, eager, tuple(golden[1][s.name] for s in runner.specs))
+            example = tuple(golden[1][s.name] for s in runner.specs)
+            if runner.channels_last:
+                example = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in example)
+            runner.module = build_profile(name, eager, example)
             runner.forward(golden[1])  # the first runs of a scripted graph profile and specialise it
             failure = None
             cosine = 1.0
