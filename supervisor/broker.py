@@ -21,9 +21,10 @@ from protocol import worker_messages as wm
 from protocol.client_messages import RequestId, decode_infer, encode_error, encode_result
 from protocol.constants import CLIENT_SOCKET_NAME, WORKER_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
-from protocol.tensors import TensorDesc, check_against_spec
+from protocol.tensors import check_against_spec
 from supervisor.config import Config
 from supervisor.curve import ThreadAuthenticator, enable_curve_server
+from supervisor.pending import Peer, PendingRequest
 from supervisor.slot import SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -32,26 +33,6 @@ log = structlog.get_logger("supervisor")
 _BATCH = 256
 #: Per-peer queue limits inside ZeroMQ; our own bounded queues do the real admission control.
 _HWM = 10_000
-
-
-#: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
-Peer = tuple[Any, bytes]
-
-
-@dataclass(slots=True)
-class PendingRequest:
-    """An accepted request: it gets exactly one final reply, however many workers it outlives."""
-
-    internal_id: int
-    client: Peer
-    request_id: RequestId
-    model: str
-    inputs: tuple[TensorDesc, ...]
-    frames: list[Any]
-    accepted_at: float
-    deadline: float | None
-    losses: int = 0
-    dispatched_at: float = 0.0
 
 
 @dataclass

@@ -21,7 +21,7 @@ from supervisor.config import Config, ModelConfig
 from supervisor.planner import Assignment
 
 if TYPE_CHECKING:
-    from supervisor.broker import PendingRequest
+    from supervisor.pending import PendingRequest
 
 log = structlog.get_logger("supervisor")
 

@@ -1,0 +1,28 @@
+"""An accepted request as the broker holds it until its one final reply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.client_messages import RequestId
+from protocol.tensors import TensorDesc
+
+#: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
+Peer = tuple[Any, bytes]
+
+
+@dataclass(slots=True)
+class PendingRequest:
+    """An accepted request: it gets exactly one final reply, however many workers it outlives."""
+
+    internal_id: int
+    client: Peer
+    request_id: RequestId
+    model: str
+    inputs: tuple[TensorDesc, ...]
+    frames: list[Any]
+    accepted_at: float
+    deadline: float | None
+    losses: int = 0
+    dispatched_at: float = 0.0
