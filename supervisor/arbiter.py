@@ -158,10 +158,6 @@ class Arbiter:
             config_digest=self.config.digest,
             plan={s.name: list(s.assignment.cpus) for s in self.all_slots()},
         )
-        for slot in self.all_slots():
-            self.spawn(slot)
-        self.watch_files()
-        self.watcher.start()
         poller = zmq.Poller()
         for client_socket in self.broker.client_sockets:
             poller.register(client_socket, zmq.POLLIN)
@@ -169,6 +165,11 @@ class Arbiter:
         poller.register(self.control.socket, zmq.POLLIN)
         poller.register(self.wake_r.fileno(), zmq.POLLIN)
         try:
+            # Inside the try: whatever fails here, the workers already spawned are killed and reaped.
+            for slot in self.all_slots():
+                self.spawn(slot)
+            self.watch_files()
+            self.watcher.start()
             while not self.finished():
                 events = dict(poller.poll(int(_HOUSEKEEPING_S * 1000)))
                 if self.wake_r.fileno() in events:
@@ -206,7 +207,10 @@ class Arbiter:
                 self.reload_reason = self.reload_reason or "config file changed"
             elif key in self.slots:
                 self.restart(key, "model file changed on disk")
-        if self.reload_reason is not None:
+        # A drain-first step has taken a worker out of its pool and not yet put the replacement in;
+        # re-planning the pool now would see a hole and fill it twice. The reload waits for the step.
+        mid_drain = self.rollout.current is not None and self.rollout.current.successor is None
+        if self.reload_reason is not None and not mid_drain:
             reason, self.reload_reason = self.reload_reason, None
             self.reload_config(reason)
         self.monitor(now)
@@ -224,9 +228,17 @@ class Arbiter:
     # ---- process management -----------------------------------------------------------------
 
     def spawn(self, slot: WorkerSlot) -> None:
-        """Start the slot's process and accept its messages."""
+        """Start the slot's process and accept its messages; a failed fork/exec is retried later, not fatal."""
         self.broker.forget(slot)
-        slot.spawn(self.config, self.broker.worker_endpoint)
+        try:
+            slot.spawn(self.config, self.broker.worker_endpoint)
+        except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
+            log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
+            if slot.state is SlotState.STOPPED:
+                slot.transition(SlotState.STARTING, "spawn attempted")
+                slot.transition(SlotState.BACKOFF, f"spawn failed: {exc}")
+            slot.respawn_at = time.monotonic() + _BACKOFF_MAX_S
+            return
         self.broker.register(slot)
 
     def reap(self) -> None:
@@ -506,9 +518,13 @@ class Arbiter:
         if self.kill_deadline is None:
             self.kill_deadline = now + _STOP_KILL_AFTER_S
             for slot in self.all_slots():
-                if slot.state in (SlotState.SERVING, SlotState.STARTING, SlotState.DRAINING):
+                if slot.state in (SlotState.SERVING, SlotState.DRAINING):
                     self.broker.send_control(slot, wm.Stop())
                     slot.transition(SlotState.STOPPING, "supervisor stopping")
+                elif slot.state is SlotState.STARTING:
+                    # Still loading, not connected yet: a STOP could not reach it, so do not wait for one.
+                    slot.transition(SlotState.STOPPING, "supervisor stopping")
+                    slot.kill("stopped while starting")
                 elif slot.state is SlotState.BACKOFF:
                     slot.transition(SlotState.STOPPED, "supervisor stopping")
         elif now >= self.kill_deadline:
@@ -547,6 +563,8 @@ class Arbiter:
             if model is not None and model not in self.slots:
                 return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(self.slots)}"}
             return {"ok": True, "queued": self.restart(model, "operator command")}
+        if name in ("reload", "restart") and self.stopping:
+            return {"ok": False, "error": "the daemon is stopping"}
         if name == "reload":
             self.reload_reason = "operator command"
             return {"ok": True, "note": "reload queued; see `infervisor status` for the result"}

@@ -377,8 +377,11 @@ class Broker:
             message = wm.decode(frames[1].buffer)
         except ProtocolError as exc:
             self.count("worker_message_malformed", f"{slot.name}: {exc.message}")
-            # Workers answer in order, so a garbled message is the answer to the oldest request in hand.
-            if slot.inflight:
+            # Workers answer in order, so a garbled REPLY (a msgpack array whose first element is the
+            # REPLY type) is the answer to the oldest request in hand; other garbage is only counted.
+            header = frames[1].bytes
+            looks_like_reply = len(header) > 1 and 0x90 <= header[0] <= 0x9F and header[1] == wm.Reply.TYPE
+            if slot.inflight and looks_like_reply:
                 request = slot.inflight.pop(next(iter(slot.inflight)))
                 self.inflight_count -= 1
                 slot.progress_at = time.monotonic()

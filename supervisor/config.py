@@ -435,4 +435,6 @@ def load_config(path: Path) -> Config:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"(file): {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"]) from exc
     return parse_config(text, path.parent.resolve())

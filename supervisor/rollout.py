@@ -78,6 +78,8 @@ class Rollout:
         successor = replacement.successor
         if successor is None:  # drain-first: waiting for the old worker to go
             self.after_drain(arbiter, replacement)
+        elif replacement.in_pool and successor not in arbiter.slots.get(replacement.model.name, []):
+            self.current = None  # a scale-down or removal took the slot away: nothing left to replace
         elif successor.state is SlotState.SERVING:
             self.promote(arbiter, replacement, successor)
         elif successor.state in (SlotState.BACKOFF, SlotState.FAILED, SlotState.STOPPED):

@@ -628,3 +628,12 @@ def test_a_key_is_always_reported_under_the_same_path() -> None:
     (typed,) = _paths(_problems(_text(tcp_endpoint=5)))
     (malformed,) = _paths(_problems(_text(tcp_endpoint="nope")))
     assert typed == malformed
+
+
+def test_a_config_file_that_is_not_utf8_is_a_file_problem(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 are refused as a (file) problem, not an exception out of the daemon."""
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"models": \xff\xfe}')
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems[0].startswith("(file):") and "UTF-8" in caught.value.problems[0]

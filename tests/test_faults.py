@@ -287,3 +287,22 @@ def test_memory_bomb_request_is_an_error_and_the_worker_survives(start_daemon: C
         assert "allocate" in caught.value.message.lower()
         assert client.infer("faulty", command(ECHO, 3.0), timeout=30)["output"][0, 1] == 3.0
     assert _serving_pids(daemon, "faulty") == {pid}
+
+
+def test_an_inference_longer_than_the_heartbeat_window_is_not_mistaken_for_a_lost_supervisor(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """A 2 s request with a 0.5 s liveness window finishes, and the worker stays (its heartbeats were only queued)."""
+    config = {
+        "heartbeat_interval_ms": 100,
+        "heartbeat_liveness": 5,
+        "hang_min_s": 30,
+        "models": {"faulty": model_entry(FAULTY, FAULT_INPUTS)},
+    }
+    daemon = start_daemon(config, env={"PYTHONPATH": str(ROOT)})
+    pid = daemon.wait_ready()["models"]["faulty"]["workers"][0]["pid"]
+    with daemon.client() as client:
+        assert client.infer("faulty", command(SLEEP, 2.0), timeout=60)["output"].shape == (1, 2)
+        assert client.infer("faulty", command(ECHO, 1.0), timeout=30)["output"][0, 1] == 1.0
+    assert _serving_pids(daemon, "faulty") == {pid}
+    assert not [e for e in daemon.log_events() if e["event"] in ("supervisor_lost", "worker_exited")]

@@ -53,16 +53,18 @@ class WorkerLoop:
             try:
                 frames = self.socket.recv_multipart(copy=False)
             except zmq.Again:
-                pass
+                # Only an empty socket means silence: after a long inference the heartbeats are
+                # waiting unread, and the next receive takes them.
+                silent = time.monotonic() - self.last_heard
+                if silent > silence_limit:
+                    log.error("supervisor_lost", silent_s=round(silent, 3))
+                    return WorkerExitCode.SUPERVISOR_LOST
             else:
                 self.last_heard = time.monotonic()
                 outcome = self.handle(frames)
                 if outcome is not None:
                     return outcome
             now = time.monotonic()
-            if now - self.last_heard > silence_limit:
-                log.error("supervisor_lost", silent_s=round(now - self.last_heard, 3))
-                return WorkerExitCode.SUPERVISOR_LOST
             if now - self.last_stats >= self.launch.stats_interval_ms / 1000.0:
                 self.send_stats()
             elif now - self.last_sent >= self.interval:

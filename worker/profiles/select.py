@@ -67,6 +67,7 @@ def select_profile(runner: ModelRunner, chain: Sequence[str], tolerance: Toleran
             return Selection(name, skipped, build_ms, cosine)
         skipped.append(f"{name}: {failure}")
         runner.module = eager
+        torch.jit.enable_onednn_fusion(False)  # a process-wide flag: it must not outlive its profile
     runner.module = eager
     if "eager" not in chain:
         skipped.append("eager: last resort, no profile in the chain passed")
