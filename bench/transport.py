@@ -23,16 +23,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.daemon import start_daemon  # noqa: E402
+from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
-
-SPECS: dict[str, tuple[str, tuple[int, ...], list[dict[str, Any]]]] = {
-    "tiny": ("x", (1, 16), [{"name": "x", "dtype": "float32", "shape": [None, 16]}]),
-    "resnet18": ("image", (1, 3, 224, 224), [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]),
-    "resnet50": ("image", (1, 3, 224, 224), [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]),
-}
 
 
 def in_process(model: str, seconds: float, threads: int) -> list[float]:
@@ -43,7 +37,7 @@ def in_process(model: str, seconds: float, threads: int) -> list[float]:
 
     torch.set_num_threads(threads)
     module = build_builtin(model)
-    name, shape, _ = SPECS[model]
+    name, shape = SHAPES[model]
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     latencies: list[float] = []
     with torch.inference_mode():
@@ -68,7 +62,7 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
     from protocol.client_messages import InferRequest, encode_infer
     from protocol.tensors import TensorDesc
 
-    name, shape, _ = SPECS[model]
+    name, shape = SHAPES[model]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     latencies: list[float] = []
     errors = 0
@@ -186,15 +180,7 @@ def measure(model: str, clients: int, seconds: float, workers: int, prefetch: in
     config = {
         "log_level": "warning",
         "oversubscribe": True,
-        "models": {
-            model: {
-                "source": {"builtin": model},
-                "inputs": SPECS[model][2],
-                "workers": workers,
-                "queue_size": 1024,
-                "prefetch": prefetch,
-            }
-        },
+        "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
     }
     daemon = start_daemon(config, daemon_dir)
     try:
