@@ -450,6 +450,10 @@ class Arbiter:
                 slot.last_canary_at = now
                 self.canary_seq += 1
                 self.broker.send_control(slot, wm.Canary(self.canary_seq))
+        # A retiring worker still runs its last requests: one that balloons meanwhile must not escape the hard limit.
+        for slot in self.extra:
+            if slot.state is SlotState.DRAINING and (finding := self.memory.check(slot, now, hard_only=True)):
+                findings.append(finding)
         for slots in self.slots.values():
             findings.extend(self.drift.check_model([s for s in slots if s.state is SlotState.SERVING]))
         thermal = self.thermal.check(self.config.thermal_max_c)

@@ -15,11 +15,14 @@ import torch
 FAULT_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 2]}]
 
 # Far from the N(0, 1) values that warm-up feeds the model, so warm-up only ever echoes.
-ECHO, SEGFAULT, SLEEP, EXIT, ALLOCATE, LEAK, SLOW, CORRUPT = 0, 101, 102, 103, 104, 105, 106, 107
+ECHO, SEGFAULT, SLEEP, EXIT, ALLOCATE, LEAK, SLOW, CORRUPT, GROW = 0, 101, 102, 103, 104, 105, 106, 107, 108
 
 
 class Faulty(torch.nn.Module):
     """Echoes its input, or crashes, sleeps, exits, allocates, leaks, slows down or corrupts itself on request."""
+
+    #: GROW leaks this many MB per step, one step per 50 ms: a request whose memory climbs while it runs.
+    GROW_STEP_MB = 50
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +36,10 @@ class Faulty(torch.nn.Module):
             self.leaked.append(torch.ones(int(argument * 2**20) // 4))  # argument MB, kept for ever
         elif command == SLOW:
             self.delay = argument  # every later request takes this much longer
+        elif command == GROW:
+            for _ in range(int(argument) // self.GROW_STEP_MB):
+                self.leaked.append(torch.ones(self.GROW_STEP_MB * 2**20 // 4))
+                time.sleep(0.05)
         elif command == CORRUPT:
             self.offset += argument  # later outputs shift: a canary must notice
         if command == SEGFAULT:

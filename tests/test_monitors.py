@@ -12,7 +12,7 @@ import numpy as np
 
 from protocol import ErrorCode, InferenceError
 from tests.conftest import ROOT, Daemon, model_entry, wait_for
-from tests.fault_models import CORRUPT, ECHO, FAULT_INPUTS, LEAK, SLOW, command
+from tests.fault_models import CORRUPT, ECHO, FAULT_INPUTS, GROW, LEAK, SLOW, command
 from tests.slow_model import SLOW_INPUTS, rounds, write_slow_model
 
 FAULTY = {"python": "tests.fault_models:faulty"}
@@ -61,6 +61,30 @@ def test_soft_rss_limit_recycles_and_hard_limit_kills(start_daemon: Callable[...
             assert exc.code == ErrorCode.WORKER_LOST
         wait_for(_replaced(daemon, second), 120, "hard-limit kill and respawn")
     assert _fired(daemon, "rss_hard")[0]["action"] == "kill"
+
+
+def test_a_draining_worker_is_still_killed_past_the_hard_limit(start_daemon: Callable[..., Daemon]) -> None:
+    """A worker retired by a drain-first restart whose last request balloons is killed by rss_hard, not let finish."""
+    daemon, (pid,) = _start(start_daemon, rss_hard_mb=900, rollout="drain_first", max_retries=0)
+    codes: list[ErrorCode] = []
+
+    def grow() -> None:
+        with daemon.client() as client:
+            try:
+                client.infer("faulty", command(GROW, 2000.0), timeout=120)
+            except InferenceError as exc:
+                codes.append(exc.code)
+
+    sender = threading.Thread(target=grow)
+    sender.start()
+    wait_for(lambda: _pool(daemon)[0]["inflight"] > 0, 30, "the growing request dispatched")
+    assert daemon.control({"cmd": "restart"})["queued"] == 1
+    sender.join(120)
+    assert codes == [ErrorCode.WORKER_LOST]
+    (fired,) = [e for e in _fired(daemon, "rss_hard") if e["pid"] == pid]
+    states = [e["new"] for e in daemon.log_events() if e["event"] == "worker_state" and e.get("pid") == pid]
+    assert states == ["starting", "serving", "draining", "stopped"], states
+    assert fired["rss_mb"] > 900
 
 
 def test_leak_slope_recycles_a_leaking_worker(start_daemon: Callable[..., Daemon]) -> None:

@@ -29,8 +29,8 @@ class MemoryWatch:
     def __init__(self) -> None:
         self.history: dict[int, collections.deque[tuple[float, float]]] = {}
 
-    def check(self, slot: WorkerSlot, now: float) -> Finding | None:
-        """Sample one serving worker and judge it against its model's limits."""
+    def check(self, slot: WorkerSlot, now: float, hard_only: bool = False) -> Finding | None:
+        """Sample one worker and judge it against its model's limits (only the hard one for a retiring worker)."""
         model, pid = slot.model, slot.pid
         if pid is None:
             return None
@@ -44,6 +44,8 @@ class MemoryWatch:
             history.popleft()
         if model.rss_hard_mb is not None and rss_mb > model.rss_hard_mb:
             return Finding("rss_hard", Action.KILL, slot, {"rss_mb": round(rss_mb, 1), "limit_mb": model.rss_hard_mb})
+        if hard_only:
+            return None
         if model.rss_soft_mb is not None and rss_mb > model.rss_soft_mb:
             return Finding(
                 "rss_soft", Action.RECYCLE, slot, {"rss_mb": round(rss_mb, 1), "limit_mb": model.rss_soft_mb}
