@@ -15,6 +15,7 @@ from protocol.arrays import from_frame, to_frame
 from protocol.client_messages import InferRequest, decode_reply, encode_infer
 from protocol.constants import MAX_DEADLINE_MS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
+from protocol.sockets import send_frames
 
 
 class Client:
@@ -70,7 +71,7 @@ class Client:
         budget = deadline_ms if deadline_ms is not None else min(MAX_DEADLINE_MS, max(1, int(timeout * 1000)))
         header = encode_infer(InferRequest(request_id, model, tuple(d for d, _ in pairs), budget))
         frames: list[Any] = [b"", header, *(a for _, a in pairs)]
-        self._socket.send_multipart(frames, copy=False)
+        send_frames(self._socket, frames)
         give_up = time.monotonic() + timeout
         while True:
             remaining_ms = int((give_up - time.monotonic()) * 1000) + 1

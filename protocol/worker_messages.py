@@ -1,7 +1,9 @@
 """Supervisor-worker messages: typed dataclasses and the one codec that frames them.
 
 On the wire a message is a msgpack array `[type, field1, field2, ...]` in the dataclass's
-field order, followed by raw tensor frames for REQUEST and REPLY.
+field order. A REQUEST is followed by the client's own infer header and tensor frames, and a
+successful REPLY by the client result header and output frames, so the broker forwards both
+without re-encoding either.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Any, ClassVar, Union
 from protocol.codec import pack, unpack
 from protocol.constants import ErrorCode, WorkerMessageType
 from protocol.errors import ProtocolError
-from protocol.tensors import TensorDesc, parse_descs
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,28 +44,26 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """Supervisor -> worker: run the model on the tensor frames that follow."""
+    """Supervisor -> worker: run the model on the client request (header and tensor frames) that follows."""
 
     TYPE: ClassVar = WorkerMessageType.REQUEST
     request_id: int
-    model: str
     #: CLOCK_MONOTONIC seconds after which the answer is useless (same host, so the clock is shared).
     deadline: float | None
-    inputs: tuple[TensorDesc, ...]
+    #: CLOCK_MONOTONIC seconds when the broker accepted it, so the worker can report the whole time taken.
+    accepted_at: float
+    #: How long it waited in the broker's queue.
+    queue_ms: float
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """Worker -> supervisor: outputs (frames follow) or an error code and message."""
+    """Worker -> supervisor: success (the client result header and output frames follow) or an error code."""
 
     TYPE: ClassVar = WorkerMessageType.REPLY
     request_id: int
     error_code: str | None
     message: str
-    outputs: tuple[TensorDesc, ...]
-    decode_ms: float
-    model_ms: float
-    encode_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +157,6 @@ def _checker(hint: Any, where: str) -> Checker:
             raise wrong(value)
 
         return check_int_list
-    if origin is tuple:
-        allow_empty = where.endswith(".outputs")
-        return lambda value: parse_descs(value, where, allow_empty_dims=allow_empty)
     raise TypeError(f"no wire checker for {where}: {hint}")
 
 
@@ -172,12 +168,8 @@ _CHECKERS: dict[type[Any], tuple[Checker, ...]] = {
 
 
 def encode(message: WorkerMessage, frames: Sequence[Any] = ()) -> list[Any]:
-    """Frames for one message: the header, then the tensor frames (sent without copying)."""
-    header: list[Any] = [int(message.TYPE)]
-    for name in _FIELDS[type(message)]:
-        value = getattr(message, name)
-        header.append([d.to_wire() for d in value] if isinstance(value, tuple) else value)
-    return [pack(header), *frames]
+    """Frames for one message: the header, then the frames that travel with it (sent without copying)."""
+    return [pack([int(message.TYPE), *[getattr(message, name) for name in _FIELDS[type(message)]]]), *frames]
 
 
 def decode(header: bytes | memoryview) -> WorkerMessage:

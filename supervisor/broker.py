@@ -18,9 +18,10 @@ import structlog
 import zmq
 
 from protocol import worker_messages as wm
-from protocol.client_messages import RequestId, decode_infer, encode_error, encode_result
+from protocol.client_messages import RequestId, decode_infer, encode_error
 from protocol.constants import CLIENT_SOCKET_NAME, WORKER_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
+from protocol.sockets import NOBLOCK, send_frames
 from protocol.tensors import check_against_spec
 from supervisor.config import Config
 from supervisor.curve import ThreadAuthenticator, enable_curve_server
@@ -132,9 +133,10 @@ class Broker:
 
     def handle_clients(self, socket: zmq.Socket[Any]) -> None:
         """Take up to a batch of client messages from one client-facing socket."""
-        for _ in range(_BATCH):
-            # Checking EVENTS first avoids raising zmq.Again on every turn of a busy loop.
-            if not int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        for turn in range(_BATCH):
+            # The poll said readable, so the first receive cannot fail; after it, checking EVENTS
+            # avoids raising zmq.Again at the end of every batch.
+            if turn and not int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             client = (socket, frames[0].bytes)
@@ -186,8 +188,7 @@ class Broker:
             client=client,
             request_id=request.request_id,
             model=request.model,
-            inputs=request.inputs,
-            frames=tensor_frames,
+            frames=frames[2:],
             accepted_at=now,
             deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
         )
@@ -222,13 +223,13 @@ class Broker:
         """Deliver one reply; a client that left or stopped reading is counted, never waited for."""
         socket, identity = client
         try:
-            socket.send_multipart([identity, b"", *frames], zmq.NOBLOCK, copy=False)
+            send_frames(socket, [identity, b"", *frames], NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
             self.count("reply_undeliverable")
 
-    def finish(self, request: PendingRequest, code: ErrorCode | None, header: bytes, frames: list[Any]) -> None:
+    def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
         """Send the one final reply of a request and count it."""
         queue = self.queues.get(request.model)  # None once a reload removed the model
         if queue is not None and code is None:
@@ -274,9 +275,10 @@ class Broker:
 
     def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> bool:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
-        message = wm.Request(request.internal_id, request.model, request.deadline, request.inputs)
+        queue_ms = (time.monotonic() - request.accepted_at) * 1000.0
+        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms)
         try:
-            self.backend.send_multipart([slot.identity, *wm.encode(message, request.frames)], zmq.NOBLOCK, copy=False)
+            send_frames(self.backend, [slot.identity, *wm.encode(message, request.frames)], NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
@@ -357,8 +359,8 @@ class Broker:
 
     def handle_workers(self) -> None:
         """Take up to a batch of worker messages."""
-        for _ in range(_BATCH):
-            if not int(self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        for turn in range(_BATCH):
+            if turn and not int(self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
@@ -431,18 +433,15 @@ class Broker:
         if reply.error_code is not None:
             code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL
             self.fail(request, code, reply.message)
+        elif not frames:
+            self.count("worker_message_malformed", f"{slot.name}: a successful reply without a result header")
+            self.fail(request, ErrorCode.INTERNAL, "the worker sent a reply without a result header")
         elif request.deadline is not None and now >= request.deadline:
             # The client asked for no answer after its deadline; a late result would be one.
             self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
         else:
-            timing = {
-                "queue_ms": round((request.dispatched_at - request.accepted_at) * 1000.0, 3),
-                "decode_ms": round(reply.decode_ms, 3),
-                "model_ms": round(reply.model_ms, 3),
-                "encode_ms": round(reply.encode_ms, 3),
-                "total_ms": round((now - request.accepted_at) * 1000.0, 3),
-            }
-            self.finish(request, None, encode_result(request.request_id, request.model, reply.outputs, timing), frames)
+            # The worker wrote the client's result header itself: forwarded as is, never re-encoded.
+            self.finish(request, None, frames[0], frames[1:])
         self.after_reply(slot)
 
     def after_reply(self, slot: WorkerSlot) -> None:
@@ -456,7 +455,7 @@ class Broker:
     def send_control(self, slot: WorkerSlot, message: wm.WorkerMessage) -> bool:
         """Send a heartbeat/drain/stop to a worker; False if it is not connected."""
         try:
-            self.backend.send_multipart([slot.identity, *wm.encode(message)], zmq.NOBLOCK)
+            send_frames(self.backend, [slot.identity, *wm.encode(message)], NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.client_messages import RequestId
-from protocol.tensors import TensorDesc
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]
@@ -20,7 +19,7 @@ class PendingRequest:
     client: Peer
     request_id: RequestId
     model: str
-    inputs: tuple[TensorDesc, ...]
+    #: The client's header and tensor frames exactly as received: the worker gets them unchanged.
     frames: list[Any]
     accepted_at: float
     deadline: float | None

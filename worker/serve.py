@@ -12,10 +12,12 @@ import torch
 import zmq
 
 from protocol import worker_messages as wm
+from protocol.client_messages import decode_infer, encode_result
 from protocol.constants import MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
-from protocol.tensors import TensorDesc, check_against_spec, check_frames
+from protocol.sockets import send_frames
+from protocol.tensors import TensorDesc, check_against_spec
 from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
 from worker.profiles.select import select_profile
@@ -41,7 +43,7 @@ class WorkerLoop:
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
         """Send one message; any send counts as a heartbeat."""
-        self.socket.send_multipart(wm.encode(message, frames or []), copy=False)
+        send_frames(self.socket, wm.encode(message, frames or []))
         self.last_sent = time.monotonic()
 
     def run(self) -> int:
@@ -94,20 +96,27 @@ class WorkerLoop:
         return None
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
-        """Check, run and answer one request; a bad input or model error is a reply, never a crash."""
+        """Check, run and answer one client request; a bad input or model error is a reply, never a crash."""
         if request.deadline is not None and time.monotonic() >= request.deadline:
             # It waited in this worker's pipeline past its deadline: running it would be wasted work.
             self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the model ran")
             return
         started = time.perf_counter()
         self.requests += 1
-        decode_ms = model_ms = 0.0
         try:
-            buffers = [f.buffer for f in frames]
-            check_frames(request.inputs, [len(b) for b in buffers], self.launch.max_frame_bytes)
-            check_against_spec(request.inputs, self.runner.specs)
-            self.runner.check_values({d.name: b for d, b in zip(request.inputs, buffers, strict=True)})
-            inputs = {d.name: tensor_from_frame(d, b) for d, b in zip(request.inputs, buffers, strict=True)}
+            if not frames:
+                raise ProtocolError(ErrorCode.INTERNAL, "the request carries no client header")
+            buffers = [f.buffer for f in frames[1:]]
+            # The broker checked this header already; the worker checks again because it is about to
+            # point tensors at these frames, and must not trust any sender with that.
+            infer = decode_infer(frames[0].buffer, [len(b) for b in buffers], self.launch.max_frame_bytes)
+            if infer.model != self.launch.model:
+                raise ProtocolError(
+                    ErrorCode.INTERNAL, f"request for {infer.model!r} reached a {self.launch.model!r} worker"
+                )
+            check_against_spec(infer.inputs, self.runner.specs)
+            self.runner.check_values({d.name: b for d, b in zip(infer.inputs, buffers, strict=True)})
+            inputs = {d.name: tensor_from_frame(d, b) for d, b in zip(infer.inputs, buffers, strict=True)}
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(inputs)
@@ -120,13 +129,20 @@ class WorkerLoop:
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
         encode_started = time.perf_counter()
-        descs = tuple(TensorDesc(name, array.dtype.name, tuple(array.shape)) for name, array in outputs)
-        reply = wm.Reply(request.request_id, None, "", descs, decode_ms, model_ms, timed_ms(encode_started))
-        self.send(reply, [array for _, array in outputs])
+        descs = [TensorDesc(name, array.dtype.name, array.shape) for name, array in outputs]
+        timing = {
+            "queue_ms": round(request.queue_ms, 3),
+            "decode_ms": round(decode_ms, 3),
+            "model_ms": round(model_ms, 3),
+            "encode_ms": round(timed_ms(encode_started), 3),
+            "total_ms": round((time.monotonic() - request.accepted_at) * 1000.0, 3),
+        }
+        header = encode_result(infer.request_id, infer.model, descs, timing)
+        self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
         """Answer a request with an error code."""
-        self.send(wm.Reply(request_id, code.value, message[:MAX_MESSAGE_LEN], (), 0.0, 0.0, 0.0))
+        self.send(wm.Reply(request_id, code.value, message[:MAX_MESSAGE_LEN]))
 
     def send_stats(self) -> None:
         """Report what this process really runs with, so status can prove the pinning."""
