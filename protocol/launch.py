@@ -9,7 +9,9 @@ from typing import Any
 from protocol.tensors import TensorSpec
 
 #: Profiles a worker can build, in the order of the seed's stack (names are part of the config contract).
-PROFILE_NAMES = ("eager", "jit", "jit_onednn")
+PROFILE_NAMES = ("eager", "jit", "jit_onednn", "compile", "aoti", "int8_static", "int8_dynamic", "bf16")
+#: How a worker chooses among the profiles of its chain that meet the tolerance.
+PICK_MODES = ("first", "fastest")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,13 @@ class LaunchSpec:
     max_frame_bytes: int = 256 * 1024 * 1024
     max_memory_mb: int | None = None
     profiles: tuple[str, ...] = ("eager",)
+    #: first: the first profile of the chain that passes serves; fastest: every one is tried and timed.
+    pick: str = "first"
     channels_last: bool = False
+    #: Where compiled packages (and the fastest-pick decisions) are kept between restarts.
+    cache_dir: str | None = None
+    #: An .npz of calibration inputs for int8_static (random inputs when None).
+    calibration: str | None = None
     #: min_cosine, max_abs_error (or None), top1: how close to eager a profile must stay.
     tolerance: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -33,6 +33,8 @@ class Ready:
     profile: str
     #: Why each profile before the serving one was skipped, "; "-separated (empty when the first served).
     profile_notes: str
+    #: What building the serving profile did (compiled, loaded a cached package, timings), "; "-separated.
+    build_notes: str
 
 
 @dataclass(frozen=True, slots=True)

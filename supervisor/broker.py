@@ -408,7 +408,7 @@ class Broker:
         slot.progress_at = slot.ready_at = slot.last_canary_at = time.monotonic()
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
-        slot.profile, slot.profile_notes = ready.profile, ready.profile_notes
+        slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
         slot.transition(
             SlotState.SERVING,
             f"ready in {slot.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "

@@ -43,6 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--runtime-dir")
     demo.add_argument("--requests", type=int, default=50)
     demo.add_argument("--clients", type=int, default=2)
+    bench = sub.add_parser("bench", help="every optimisation profile of a built-in, in process and via the daemon")
+    bench.add_argument("--models", default="resnet50,encoder", help="built-ins, comma-separated")
+    bench.add_argument("--profiles", default="eager,jit,jit_onednn,compile,aoti,int8_static,int8_dynamic,bf16")
+    bench.add_argument("--threads", default="1,2", help="thread counts, comma-separated (one pinned core each)")
+    bench.add_argument("--batch", type=int, default=8, help="the second batch size measured")
+    bench.add_argument("--seconds", type=float, default=3.0, help="timing per measurement")
+    bench.add_argument("--channels-last", action="store_true")
+    bench.add_argument("--no-daemon", dest="daemon", action="store_false", help="in-process figures only")
+    bench.add_argument("--cache-dir", help="compiled packages (default: the daemon's cache directory)")
+    bench.add_argument("--timeout", type=float, default=1800.0, help="per child process / worker start")
+    bench.add_argument("--json", help="also write the rows here")
     return parser
 
 
@@ -65,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "bench":
+        from supervisor.commands.bench import run_bench
+
+        return run_bench(args)
     from supervisor.commands.demo import run_demo
 
     return run_demo(args)

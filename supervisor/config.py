@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
-from protocol.launch import PROFILE_NAMES, ModelSource
+from protocol.launch import PICK_MODES, PROFILE_NAMES, ModelSource
 from protocol.tensors import TensorSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -76,8 +76,11 @@ class ModelConfig:
     # Recycling and monitors (all applied live):
     rollout: str
     profiles: tuple[str, ...]
+    pick: str
     tolerance: dict[str, Any]
     channels_last: bool
+    #: Absolute path of the int8_static calibration set (.npz), or None for seeded random inputs.
+    calibration: str | None
     max_age_s: float | None
     max_requests: int | None
     recycle_jitter: float
@@ -97,6 +100,8 @@ class Config:
 
     models: dict[str, ModelConfig]
     runtime_dir: str | None
+    #: Compiled packages and fastest-pick decisions, kept across restarts (None: the default, see cache_dir.py).
+    cache_dir: str | None
     log_level: str
     tcp_endpoint: str | None
     curve: CurveConfig | None
@@ -271,7 +276,7 @@ def _read_tolerance(r: _Reader, raw: Any, path: str) -> dict[str, Any]:
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
     "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "profiles", "tolerance",
-    "channels_last",
+    "channels_last", "pick", "calibration",
     "max_age_s",
     "max_requests", "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
     "drift_window", "canary_interval_s", "canary_tolerance",
@@ -298,6 +303,16 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
     if memory is not None and (type(memory) is not int or memory < 512):
         r.fail(f"{path}.max_memory_mb", f"must be an integer >= 512 (MB) or null, got {memory!r}")
         memory = None
+    pick = raw.get("pick", "first")
+    if pick not in PICK_MODES:
+        r.fail(f"{path}.pick", f"must be one of {', '.join(PICK_MODES)}, got {pick!r}")
+        pick = "first"
+    calibration = r.optional_string(raw, "calibration", path)
+    if calibration is not None:
+        file = Path(calibration) if Path(calibration).is_absolute() else base / calibration
+        if not file.is_file():
+            r.fail(f"{path}.calibration", f"no such file: {file}")
+        calibration = str(file)
     threads = raw.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         r.fail(f"{path}.threads", f"must be a positive integer or null (= one per pinned cpu), got {threads!r}")
@@ -318,8 +333,10 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         max_memory_mb=memory,
         rollout=rollout,
         profiles=_read_profiles(r, raw.get("profiles", ["eager"]), f"{path}.profiles"),
+        pick=pick,
         tolerance=_read_tolerance(r, raw.get("tolerance", {}), f"{path}.tolerance"),
         channels_last=r.boolean(raw, "channels_last", path, False),
+        calibration=calibration,
         max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
         max_requests=r.optional_integer(raw, "max_requests", path, 1),
         recycle_jitter=r.fraction(raw, "recycle_jitter", path, 0.1, 0.5),
@@ -339,7 +356,7 @@ _TOP_KEYS = {
     "models", "runtime_dir", "log_level", "tcp_endpoint", "oversubscribe", "heartbeat_interval_ms",
     "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
     "max_frame_bytes", "restart_window_s", "max_restarts", "curve", "monitor_interval_s", "thermal_sysfs_root",
-    "thermal_action", "thermal_max_c",
+    "thermal_action", "thermal_max_c", "cache_dir",
 }  # fmt: skip
 
 
@@ -405,6 +422,7 @@ def parse_config(text: str, base: Path) -> Config:
     config = Config(
         models=models,
         runtime_dir=r.optional_string(raw, "runtime_dir", ""),
+        cache_dir=r.optional_string(raw, "cache_dir", ""),
         log_level=log_level,
         tcp_endpoint=tcp,
         curve=curve,

@@ -12,7 +12,7 @@ LIVE_KEYS = frozenset(
      "max_restarts", "monitor_interval_s", "thermal_sysfs_root", "thermal_action", "thermal_max_c"}
 )  # fmt: skip
 #: Top-level keys every worker was launched with: changing them restarts every model, rolling.
-WORKER_KEYS = frozenset({"heartbeat_interval_ms", "heartbeat_liveness"})
+WORKER_KEYS = frozenset({"heartbeat_interval_ms", "heartbeat_liveness", "cache_dir"})
 #: Top-level keys bound into sockets at start: they need a restart of the daemon itself.
 DAEMON_KEYS = frozenset({"runtime_dir", "tcp_endpoint", "curve", "max_frame_bytes", "oversubscribe"})
 #: Model keys the broker applies at once.
@@ -33,8 +33,10 @@ MODEL_ROLLING_KEYS = frozenset(
         "warmup_iterations",
         "max_memory_mb",
         "profiles",
+        "pick",
         "tolerance",
         "channels_last",
+        "calibration",
     }
 )
 _IGNORED = frozenset({"models", "digest", "name", "workers"})

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
 from protocol.constants import WorkerExitCode
 from protocol.launch import LaunchSpec
+from supervisor.cache_dir import resolve_cache_dir
 from supervisor.config import Config, ModelConfig
 from supervisor.planner import Assignment
 
@@ -59,11 +61,13 @@ _generations = itertools.count(1)
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def worker_environment(threads: int) -> dict[str, str]:
-    """The supervisor's environment with thread pools sized to the worker's core set."""
+def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
+    """The supervisor's environment with thread pools sized to the worker's core set, inductor's cache in ours."""
     env = dict(os.environ)
     for name in THREAD_ENV_VARS:
         env[name] = str(threads)
+    # torch.compile's own on-disk caches then survive reboots and are shared with our packages' lifetime.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
     return env
 
 
@@ -120,6 +124,7 @@ class WorkerSlot:
     #: The profile this process serves with, and why earlier ones in the chain were skipped.
     profile: str | None = None
     profile_notes: str = ""
+    build_notes: str = ""
     #: The newest monitor finding about this slot, for status.
     last_event: dict[str, object] | None = None
 
@@ -149,6 +154,7 @@ class WorkerSlot:
     def spawn(self, config: Config, endpoint: str) -> None:
         """Start a fresh interpreter for this slot (exec, never a fork of a torch process)."""
         generation = next(_generations)
+        cache_dir = resolve_cache_dir(config.cache_dir)
         worker_id = f"{self.model.name}.{self.assignment.slot}.{generation}"
         launch = LaunchSpec(
             worker_id=worker_id,
@@ -165,14 +171,17 @@ class WorkerSlot:
             max_frame_bytes=config.max_frame_bytes,
             max_memory_mb=self.model.max_memory_mb,
             profiles=self.model.profiles,
+            pick=self.model.pick,
             tolerance=self.model.tolerance,
             channels_last=self.model.channels_last,
+            cache_dir=str(cache_dir),
+            calibration=self.model.calibration,
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", launch.to_json()],
             stdin=subprocess.DEVNULL,
             close_fds=True,
-            env=worker_environment(self.assignment.threads),
+            env=worker_environment(self.assignment.threads, cache_dir),
             # Its own session: a Ctrl-C or a group-wide SIGTERM reaches the supervisor, which then
             # drains and stops workers in order instead of losing them mid-request.
             start_new_session=True,

@@ -48,7 +48,8 @@ class Daemon:
         self.tmp = tmp
         self.runtime_dir = tmp / "run"
         self.config_path = tmp / "config.json"
-        self.config_path.write_text(json.dumps(config, indent=2))
+        # Compiled packages go to a per-test cache unless the test shares one on purpose.
+        self.config_path.write_text(json.dumps({"cache_dir": str(tmp / "cache"), **config}, indent=2))
         self.log_path = tmp / "daemon.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(

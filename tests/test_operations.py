@@ -32,7 +32,7 @@ def _pool(daemon: Daemon, model: str) -> list[dict[str, Any]]:
 
 def _write_config(daemon: Daemon, config: dict[str, Any], atomic: bool = True) -> None:
     """Replace config.json the way editors and deploy tools do: a temp file renamed over it, or in place."""
-    text = json.dumps(config, indent=2)
+    text = json.dumps({"cache_dir": str(daemon.tmp / "cache"), **config}, indent=2)
     if atomic:
         temp = daemon.config_path.with_suffix(".tmp")
         temp.write_text(text)

@@ -10,11 +10,19 @@ import numpy as np
 import pytest
 import torch
 
+from protocol.launch import LaunchSpec, ModelSource
+from protocol.tensors import TensorSpec
 from supervisor.config import ConfigError, parse_config
-from tests.conftest import IMAGE_INPUTS, Daemon, model_entry
+from tests.conftest import IMAGE_INPUTS, TINY_INPUTS, Daemon, model_entry, wait_for
 from worker.cpu_caps import parse_cpuinfo, read_caps
 from worker.models import build_builtin
+from worker.profiles.build import BuildContext, ProfileError, build_profile
+from worker.profiles.cache import ArtifactCache, model_digest
+from worker.profiles.calibration import CalibrationError, load_calibration
+from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance, compare
+from worker.runner import ModelRunner
+from worker.serve import build_context
 
 SSE_ONLY = (
     "processor\t: 0\nmodel name\t: Intel(R) Celeron(R) J1900\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt\n\n"
@@ -81,3 +89,130 @@ def test_chain_serves_the_first_profile_that_matches_eager_and_reports_the_rest(
     with daemon.client() as client:
         np.testing.assert_allclose(client.infer("fast", {"image": x})["logits"], expected, rtol=1e-3, atol=1e-4)
         np.testing.assert_allclose(client.infer("strict", {"image": x})["logits"], expected, rtol=1e-4, atol=1e-5)
+
+
+def _tiny_runner() -> ModelRunner:
+    return ModelRunner(build_builtin("tiny"), (TensorSpec("x", "float32", (None, 16)),), ("y",))
+
+
+def _context(runner: ModelRunner, cache: Path, calibration: Path | None = None) -> BuildContext:
+    launch = LaunchSpec(
+        "t", "tiny", "ipc://unused", ModelSource("builtin", "tiny"), runner.specs, ("y",), (0,), 1,
+        profiles=("int8_static",), cache_dir=str(cache), calibration=str(calibration) if calibration else None,
+    )  # fmt: skip
+    return build_context(launch, runner)
+
+
+def test_model_digest_changes_with_any_weight_or_buffer() -> None:
+    """The cache key's model digest follows weights and buffers (BatchNorm's 0-d counter included)."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+
+    source = ModelSource("python", "tests.somewhere:factory")
+    before = model_digest(build(), source)
+    assert model_digest(build(), source) == before
+    for change in ("0.weight", "1.running_mean", "1.num_batches_tracked"):
+        module = build()
+        with torch.no_grad():
+            module.state_dict()[change].view(-1)[0] += 1
+        assert model_digest(module, source) != before, change
+
+
+def test_calibration_set_must_match_the_input_spec(tmp_path: Path) -> None:
+    """An .npz calibration set is split into batch-1 samples; a wrong shape or missing input is named."""
+    specs = (TensorSpec("x", "float32", (None, 16)),)
+    good = tmp_path / "good.npz"
+    np.savez(good, x=np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32))
+    samples = load_calibration(good, specs)
+    assert len(samples) == 5 and samples[0][0].shape == (1, 16)
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros((5, 8), np.float32))
+    with pytest.raises(CalibrationError, match=r"expected x float32\[\*,16\]"):
+        load_calibration(wrong, specs)
+    missing = tmp_path / "missing.npz"
+    np.savez(missing, y=np.zeros((5, 16), np.float32))
+    with pytest.raises(CalibrationError, match="lacks arrays for inputs"):
+        load_calibration(missing, specs)
+
+
+def test_pick_fastest_times_the_chain_and_reuses_its_decision(tmp_path: Path) -> None:
+    """pick=fastest validates and times every profile, serves the fastest, and a restart builds only that one."""
+    runner = _tiny_runner()
+    chain = ("eager", "jit")
+    first = select_profile(runner, chain, Tolerance(), read_caps(), _context(runner, tmp_path), "fastest")
+    assert first.profile in chain and any(n.startswith("fastest of ") for n in first.notes)
+    (other,) = [p for p in chain if p != first.profile]
+    assert first.skipped == [s for s in first.skipped if s.startswith(f"{other}: passed, ")] and first.skipped
+    again_runner = _tiny_runner()
+    again = select_profile(again_runner, chain, Tolerance(), read_caps(), _context(again_runner, tmp_path), "fastest")
+    assert again.profile == first.profile and "decided earlier" in again.notes[-1]
+
+
+def test_a_module_called_at_two_places_gets_a_quantization_hint(tmp_path: Path) -> None:
+    """PT2E cannot annotate one ReLU module used twice; the skip reason says to give each call site its own."""
+
+    class SharedRelu(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(3, 8, 3)
+            self.conv2 = torch.nn.Conv2d(8, 8, 3)
+            self.relu = torch.nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.relu(self.conv2(self.relu(self.conv1(x))))
+
+    specs = (TensorSpec("image", "float32", (None, 3, 16, 16)),)
+    runner = ModelRunner(SharedRelu().eval(), specs, None)
+    context = BuildContext(runner.module, (torch.randn(1, 3, 16, 16),), specs, "digest", cache=ArtifactCache(tmp_path))
+    with pytest.raises(ProfileError, match="give each call site its own module instance"):
+        build_profile("int8_static", context)
+
+
+def test_int8_is_compiled_once_then_loaded_and_too_strict_a_tolerance_falls_back(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """int8_static serves within cosine 0.98; a restart loads the cached package; max_abs_error 0 falls back."""
+    calibration = tmp_path / "calibration.npz"
+    np.savez(calibration, x=np.random.default_rng(1).standard_normal((32, 16)).astype(np.float32))
+    config = {
+        "oversubscribe": True,
+        "cache_dir": str(tmp_path / "cache"),
+        "models": {
+            "q": model_entry(
+                {"builtin": "tiny"}, TINY_INPUTS, profiles=["int8_static", "eager"],
+                tolerance={"min_cosine": 0.98}, calibration=str(calibration),
+            ),
+            "strict": model_entry(
+                {"builtin": "tiny"}, TINY_INPUTS, profiles=["int8_static", "eager"],
+                tolerance={"min_cosine": 0.98, "max_abs_error": 0.0}, calibration=str(calibration),
+            ),
+        },
+    }  # fmt: skip
+    daemon = start_daemon(config)
+    status = daemon.wait_ready(timeout=300)
+    (q,) = status["models"]["q"]["workers"]
+    (strict,) = status["models"]["strict"]["workers"]
+    assert q["profile"] == "int8_static", q
+    assert strict["profile"] == "eager" and "max abs error" in strict["profile_skipped"][0], strict
+    # Both models share one package: the same weights, spec and calibration make the same key.
+    assert len(list((tmp_path / "cache").glob("int8_static-*.pt2"))) == 1
+    assert not any("random" in n for n in q["profile_build"]), q["profile_build"]
+    x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
+    with torch.inference_mode():
+        expected = build_builtin("tiny")(torch.from_numpy(x)).numpy()
+    with daemon.client() as client:
+        got = client.infer("q", {"x": x})["y"]
+    cosine = float((got * expected).sum() / np.linalg.norm(got) / np.linalg.norm(expected))
+    assert cosine > 0.98 and not np.array_equal(got, expected)
+    assert daemon.control({"cmd": "restart", "model": "q"})["queued"] == 1
+
+    def replaced() -> bool:
+        serving = [w["pid"] for w in daemon.status()["models"]["q"]["workers"] if w["state"] == "serving"]
+        return bool(serving) and q["pid"] not in serving
+
+    wait_for(replaced, 180, "q restarted")
+    (again,) = [w for w in daemon.status()["models"]["q"]["workers"] if w["state"] == "serving"]
+    assert again["profile"] == "int8_static"
+    assert any(n.startswith("loaded cached package") for n in again["profile_build"]), again["profile_build"]

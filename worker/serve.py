@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -20,6 +21,8 @@ from protocol.sockets import send_frames
 from protocol.tensors import TensorDesc, check_against_spec
 from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.profiles.build import PACKAGED, BuildContext
+from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
 from worker.runner import ModelRunner, tensor_from_frame, timed_ms
@@ -158,6 +161,24 @@ class WorkerLoop:
         )
 
 
+def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
+    """What profile building needs: the example inputs, and for cached artifacts the model's digest."""
+    example = tuple(runner.example_inputs()[s.name] for s in runner.specs)
+    if launch.channels_last:
+        example = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in example)
+    # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is cached under the digest.
+    cached = launch.pick == "fastest" or any(p in PACKAGED for p in launch.profiles)
+    return BuildContext(
+        module=runner.module,
+        example=example,
+        specs=runner.specs,
+        digest=model_digest(runner.module, launch.source) if cached else "",
+        channels_last=launch.channels_last,
+        cache=ArtifactCache(Path(launch.cache_dir)) if launch.cache_dir else None,
+        calibration=Path(launch.calibration) if launch.calibration else None,
+    )
+
+
 def serve(launch: LaunchSpec) -> int:
     """Load and warm the model, announce READY, then run the serving loop."""
     structlog.contextvars.bind_contextvars(worker_id=launch.worker_id, model=launch.model)
@@ -167,7 +188,14 @@ def serve(launch: LaunchSpec) -> int:
         module = load_model(launch.source)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
-        selection = select_profile(runner, launch.profiles, Tolerance(**launch.tolerance), read_caps())
+        selection = select_profile(
+            runner,
+            launch.profiles,
+            Tolerance(**launch.tolerance),
+            read_caps(),
+            build_context(launch, runner),
+            launch.pick,
+        )
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
         runner.warm_up(max(1, launch.warmup_iterations))
@@ -195,6 +223,7 @@ def serve(launch: LaunchSpec) -> int:
             sorted(os.sched_getaffinity(0)),
             selection.profile,
             "; ".join(selection.skipped),
+            "; ".join(selection.notes),
         )
     )
     log.info(

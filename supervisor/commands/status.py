@@ -26,7 +26,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"endpoint {status['endpoints']['client']}",
     ]
     header = (
-        f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'profile':<10} {'rss MB':>7} {'reqs':>7} "
+        f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'profile':<12} {'rss MB':>7} {'reqs':>7} "
         f"{'p50 ms':>8} {'p99 ms':>8}  last exit"
     )
     for name, model in status["models"].items():
@@ -41,10 +41,14 @@ def format_status(status: dict[str, Any]) -> str:
             cores = ",".join(str(c) for c in w["cores"])
             lines.append(
                 f"  {w['slot']:>4} {w['pid'] or '-':>7} {w['state']:<9} {cores:<10} {w['threads']:>3} "
-                f"{w.get('profile') or '-':<10} "
+                f"{w.get('profile') or '-':<12} "
                 f"{_mb(w['rss']):>7} {w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  "
                 f"{w['last_exit'] or ''}"
             )
+            # Why this profile serves: what building it did, and why the others of the chain do not.
+            for label, notes in (("built", w.get("profile_build")), ("skipped", w.get("profile_skipped"))):
+                if notes:
+                    lines.append(f"  {'':>4} {label}: " + "; ".join(notes))
     return "\n".join(lines)
 
 

@@ -1,19 +1,54 @@
-"""Builds one profile of a model: eager, jit (trace/script + freeze + optimize_for_inference), jit_onednn."""
+"""Builds one profile of a model: the named transformation that turns the loaded module into what serves.
+
+eager (as loaded), jit (trace/script + freeze + optimize_for_inference), jit_onednn (frozen + oneDNN
+fusion), compile (torch.compile, inductor, freezing), aoti (torch.export + AOTInductor package),
+int8_static / int8_dynamic (PT2E with X86InductorQuantizer, then an AOTInductor package) and bf16
+(autocast). Packages are cached on disk; see cache.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from protocol.launch import PROFILE_NAMES as PROFILES
+from protocol.tensors import TensorSpec
+from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
+from worker.profiles.calibration import Inputs, load_calibration, random_calibration
+from worker.profiles.export import ExportError, compile_package, export, load_package, quantize
 
-Inputs = tuple[torch.Tensor, ...]
+#: Profiles whose build product is an AOTInductor package, cached between restarts.
+PACKAGED = ("aoti", "int8_static", "int8_dynamic")
 
 
 class ProfileError(Exception):
     """The profile cannot be built for this model; the message says why."""
+
+
+@dataclass
+class BuildContext:
+    """What building a profile needs besides its name."""
+
+    module: Any
+    example: Inputs
+    specs: tuple[TensorSpec, ...]
+    #: sha256 of the model (weights and code); part of every cache key.
+    digest: str
+    channels_last: bool = False
+    cache: ArtifactCache | None = None
+    calibration: Path | None = None
+
+
+@dataclass
+class Built:
+    """A built profile: what serves, and what building it did (compiled, loaded from cache, ...)."""
+
+    callable: Callable[..., Any]
+    notes: list[str] = field(default_factory=list)
 
 
 def _frozen_script(module: Any, example: Inputs, optimize: bool) -> Any:
@@ -31,14 +66,68 @@ def _frozen_script(module: Any, example: Inputs, optimize: bool) -> Any:
         return torch.jit.optimize_for_inference(frozen) if optimize else frozen
 
 
-def build_profile(name: str, module: Any, example: Inputs) -> Callable[..., Any]:
-    """The callable that serves `name`; ProfileError when it cannot be built."""
+def _autocast_bf16(module: Any) -> Callable[..., Any]:
+    """The module under CPU bf16 autocast (outputs go back to float32 on the wire)."""
+
+    def run(*args: torch.Tensor) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return module(*args)
+
+    return run
+
+
+def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
+    if context.calibration is None:
+        notes.append("calibrated on seeded random inputs (no calibration set configured)")
+        return random_calibration(context.example), "random"
+    return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
+
+
+def _packaged(name: str, context: BuildContext) -> Built:
+    """Export (and quantize) the module into an AOTInductor package, or load the cached one."""
+    notes: list[str] = []
+    calibration: list[Inputs] = []
+    calibration_id = ""
+    if name == "int8_static":
+        calibration, calibration_id = _calibration_set(context, notes)
+    options = {"channels_last": context.channels_last, "calibration": calibration_id}
+    key = artifact_key(context.digest, name, context.specs, options)
+
+    def build(path: Path) -> None:
+        program = export(context.module, context.example, context.specs)
+        if name == "aoti":
+            compile_package(program, context.example, context.specs, path)
+            return
+        quantized = quantize(program, calibration or [context.example], dynamic=name == "int8_dynamic")
+        compile_package(quantized, context.example, context.specs, path)
+
+    if context.cache is None:
+        raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
+    path = context.cache.path_for(name, key)
+    hit = context.cache.get_or_build(path, key, build)
+    notes.append(f"{'loaded cached' if hit else 'compiled and cached'} package {path.name}")
+    return Built(load_package(path), notes)
+
+
+def build_profile(name: str, context: BuildContext) -> Built:
+    """What serves `name`; ProfileError when it cannot be built."""
     torch.jit.enable_onednn_fusion(name == "jit_onednn")
-    if name == "eager":
-        return module  # type: ignore[no-any-return]
     if name not in PROFILES:
         raise ProfileError(f"profile {name!r} is not implemented; available: {', '.join(PROFILES)}")
     try:
-        return _frozen_script(module, example, optimize=name == "jit")  # type: ignore[no-any-return]
-    except Exception as exc:  # noqa: BLE001 - tracing a user model can fail in many ways; each is a skip reason
-        raise ProfileError(f"{name} failed to build: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        if name == "eager":
+            return Built(context.module)
+        if name == "bf16":
+            return Built(_autocast_bf16(context.module))
+        if name == "compile":
+            # Compiled lazily: the selection's first golden run pays for it (inductor's on-disk
+            # cache, kept under cache_dir, makes a restart's compile shorter but not free).
+            return Built(torch.compile(context.module, backend="inductor", options={"freezing": True}))
+        if name in PACKAGED:
+            return _packaged(name, context)
+        return Built(_frozen_script(context.module, context.example, optimize=name == "jit"))
+    except ProfileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - building from a user model can fail in many ways; each is a skip reason
+        detail = str(exc) if isinstance(exc, ExportError) else f"{type(exc).__name__}: {str(exc)[:300]}"
+        raise ProfileError(f"{name} failed to build: {detail}") from exc

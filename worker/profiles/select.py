@@ -1,30 +1,54 @@
-"""Walks a model's profile chain: the first profile that builds, runs and matches eager on golden inputs serves."""
+"""Walks a model's profile chain: a profile serves only if it builds, runs and matches eager on golden inputs.
+
+pick "first": the first such profile of the chain serves (the chain is the operator's order of
+preference, and later entries are the fallbacks). pick "fastest": every profile of the chain is
+built, validated and timed, and the fastest serves; that decision is kept in the artifact cache so
+a restarted worker builds only the winner.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
 
 from worker.cpu_caps import CpuCaps
-from worker.profiles.build import ProfileError, build_profile
+from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.validate import Tolerance, compare
 from worker.runner import ModelRunner
 
 log = structlog.get_logger("worker")
 
+#: Timing a candidate for pick "fastest": at least this many runs, and more until this long has passed.
+_TIMING_RUNS = 5
+_TIMING_S = 0.5
+
 
 @dataclass
 class Selection:
-    """The profile that serves, and why each earlier one in the chain did not."""
+    """The profile that serves, why each other one does not, and what building it did."""
 
     profile: str
     skipped: list[str] = field(default_factory=list)
     build_ms: float = 0.0
     cosine: float = 1.0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Candidate:
+    name: str
+    built: Built
+    cosine: float
+    build_ms: float
+    median_ms: float = 0.0
 
 
 def _golden_batches(runner: ModelRunner) -> list[int]:
@@ -32,44 +56,168 @@ def _golden_batches(runner: ModelRunner) -> list[int]:
     return [1, 2] if any(d is None for spec in runner.specs for d in spec.shape) else [1]
 
 
-def select_profile(runner: ModelRunner, chain: Sequence[str], tolerance: Tolerance, caps: CpuCaps) -> Selection:
-    """Install the first passing profile of `chain` on the runner; eager is the last resort."""
-    eager = runner.module
-    batches = _golden_batches(runner)
-    golden = {b: runner.example_inputs(batch=b) for b in batches}
-    reference = {b: [a for _, a in runner.forward(golden[b])] for b in batches}
-    skipped: list[str] = []
-    for name in chain:
-        refusal = caps.refusal(name)
+def _median_ms(run: Callable[[], Any]) -> float:
+    times: list[float] = []
+    stop = time.perf_counter() + _TIMING_S
+    while len(times) < _TIMING_RUNS or (time.perf_counter() < stop and len(times) < 200):
+        started = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - started) * 1000.0)
+    return sorted(times)[len(times) // 2]
+
+
+class _Trial:
+    """Builds and validates candidates against the eager reference on the golden inputs."""
+
+    def __init__(self, runner: ModelRunner, context: BuildContext, tolerance: Tolerance, caps: CpuCaps) -> None:
+        self.runner = runner
+        self.context = context
+        self.tolerance = tolerance
+        self.caps = caps
+        self.eager = runner.module
+        self.batches = _golden_batches(runner)
+        self.golden = {b: runner.example_inputs(batch=b) for b in self.batches}
+        self.reference = {b: [a for _, a in runner.forward(self.golden[b])] for b in self.batches}
+
+    def attempt(self, name: str) -> _Candidate | str:
+        """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
+        refusal = self.caps.refusal(name)
         if refusal is not None:
-            skipped.append(f"{name}: {refusal}")
-            continue
+            return refusal
         started = time.perf_counter()
         try:
-            example = tuple(golden[1][s.name] for s in runner.specs)
-            if runner.channels_last:
-                example = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in example)
-            runner.module = build_profile(name, eager, example)
-            runner.forward(golden[1])  # the first runs of a scripted graph profile and specialise it
+            built = build_profile(name, self.context)
+            self.runner.module = built.callable
+            self.runner.forward(self.golden[self.batches[0]])  # first runs compile or specialise a graph
             failure = None
             cosine = 1.0
-            for batch in batches:
-                agreement = compare(reference[batch], [a for _, a in runner.forward(golden[batch])])
+            for batch in self.batches:
+                agreement = compare(self.reference[batch], [a for _, a in self.runner.forward(self.golden[batch])])
                 cosine = min(cosine, agreement.cosine)
-                failure = failure or agreement.failure(tolerance)
+                failure = failure or agreement.failure(self.tolerance)
         except ProfileError as exc:
             failure = str(exc)
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
             failure = f"{name} crashed on golden inputs: {type(exc).__name__}: {str(exc)[:300]}"
-        if failure is None:
-            build_ms = (time.perf_counter() - started) * 1000.0
-            log.info("profile_selected", profile=name, build_ms=round(build_ms, 1), cosine=cosine, skipped=skipped)
-            return Selection(name, skipped, build_ms, cosine)
-        skipped.append(f"{name}: {failure}")
-        runner.module = eager
-        torch.jit.enable_onednn_fusion(False)  # a process-wide flag: it must not outlive its profile
-    runner.module = eager
+        if failure is not None:
+            self.reset()
+            return failure
+        return _Candidate(name, built, cosine, (time.perf_counter() - started) * 1000.0)
+
+    def time(self, candidate: _Candidate) -> float:
+        """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
+        self.runner.module = candidate.built.callable
+        torch.jit.enable_onednn_fusion(candidate.name == "jit_onednn")
+        golden = self.golden[self.batches[0]]
+        return _median_ms(lambda: self.runner.forward(golden))
+
+    def reset(self) -> None:
+        """Back to eager, with the process-wide oneDNN fusion flag off."""
+        self.runner.module = self.eager
+        torch.jit.enable_onednn_fusion(False)
+
+    def install(self, candidate: _Candidate) -> None:
+        """Serve the candidate."""
+        self.runner.module = candidate.built.callable
+        torch.jit.enable_onednn_fusion(candidate.name == "jit_onednn")
+
+
+def _decision_path(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+    if context.cache is None:
+        return None
+    key = {
+        "model": context.digest,
+        "chain": list(chain),
+        "tolerance": asdict(tolerance),
+        "threads": torch.get_num_threads(),
+        "channels_last": context.channels_last,
+        "calibration": str(context.calibration),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return context.cache.root / f"pick-{name}.json"
+
+
+def select_profile(
+    runner: ModelRunner,
+    chain: Sequence[str],
+    tolerance: Tolerance,
+    caps: CpuCaps,
+    context: BuildContext,
+    pick: str = "first",
+) -> Selection:
+    """Install the chosen profile of `chain` on the runner; eager is the last resort."""
+    trial = _Trial(runner, context, tolerance, caps)
+    skipped: list[str] = []
+    if pick == "fastest":
+        decided = _decided(trial, context, chain, tolerance)
+        if decided is not None:
+            return decided
+        return _pick_fastest(trial, context, chain, tolerance)
+    for name in chain:
+        outcome = trial.attempt(name)
+        if isinstance(outcome, _Candidate):
+            log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), skipped=skipped)
+            return Selection(name, skipped, outcome.build_ms, outcome.cosine, outcome.built.notes)
+        skipped.append(f"{name}: {outcome}")
+    return _last_resort(trial, chain, skipped)
+
+
+def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Selection:
+    trial.reset()
     if "eager" not in chain:
         skipped.append("eager: last resort, no profile in the chain passed")
     log.warning("profile_fallback_to_eager", skipped=skipped)
     return Selection("eager", skipped)
+
+
+def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
+    """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
+    path = _decision_path(context, chain, tolerance)
+    if path is None or not path.exists():
+        return None
+    try:
+        decision = json.loads(path.read_text())
+        name, timings = str(decision["profile"]), dict(decision["timings_ms"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    outcome = trial.attempt(name)
+    if not isinstance(outcome, _Candidate):
+        log.warning("cached_pick_failed", profile=name, reason=outcome)
+        return None
+    notes = [*outcome.built.notes, f"fastest of {_timing_text(timings)} (decided earlier, {path.name})"]
+    log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
+    return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
+
+
+def _timing_text(timings: dict[str, float]) -> str:
+    return ", ".join(f"{n} {ms:.3g} ms" for n, ms in sorted(timings.items(), key=lambda item: item[1]))
+
+
+def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection:
+    skipped: list[str] = []
+    passed: list[_Candidate] = []
+    for name in chain:
+        outcome = trial.attempt(name)
+        if isinstance(outcome, _Candidate):
+            outcome.median_ms = trial.time(outcome)
+            passed.append(outcome)
+        else:
+            skipped.append(f"{name}: {outcome}")
+        trial.reset()
+    if not passed:
+        return _last_resort(trial, chain, skipped)
+    best = min(passed, key=lambda c: c.median_ms)
+    timings = {c.name: round(c.median_ms, 4) for c in passed}
+    skipped += [f"{c.name}: passed, {c.median_ms:.3g} ms (slower)" for c in passed if c is not best]
+    trial.install(best)
+    path = _decision_path(context, chain, tolerance)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"profile": best.name, "timings_ms": timings, "skipped": skipped}))
+        temporary.replace(path)
+    notes = [*best.built.notes, f"fastest of {_timing_text(timings)}"]
+    log.info("profile_selected", profile=best.name, pick="fastest", timings_ms=timings, skipped=skipped)
+    return Selection(best.name, skipped, best.build_ms, best.cosine, notes)

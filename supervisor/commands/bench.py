@@ -1,0 +1,177 @@
+"""`infervisor bench`: every optimisation profile of a built-in, in process and through the daemon, as one table.
+
+The supervisor never imports torch: the in-process half runs in `python -m worker.bench` children
+(pinned like workers), and the daemon half starts `infervisor serve` with one worker per profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from protocol.client import Client
+from protocol.constants import CLIENT_SOCKET_NAME
+from supervisor.cache_dir import resolve_cache_dir
+from supervisor.commands.infer import random_inputs
+from supervisor.control import ControlError, control_request
+from supervisor.status import percentile
+
+
+def in_process(
+    model: str, threads: int, args: argparse.Namespace, cache_dir: Path
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The input spec and one row per profile, from a pinned `python -m worker.bench` child."""
+    command = [
+        sys.executable, "-m", "worker.bench", "--model", model, "--profiles", args.profiles,
+        "--threads", str(threads), "--batch", str(args.batch), "--seconds", str(args.seconds),
+        "--cache-dir", str(cache_dir),
+    ]  # fmt: skip
+    if args.channels_last:
+        command.append("--channels-last")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"worker.bench failed ({done.returncode}): {done.stderr[-2000:]}")
+    return lines[0]["inputs"], lines[1:]
+
+
+def _serving(
+    process: subprocess.Popen[bytes], runtime_dir: Path, old_pid: int | None, timeout: float
+) -> dict[str, Any]:
+    """The one worker once it serves (a different process than old_pid)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {process.returncode}")
+        try:
+            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2.0)
+        except ControlError:
+            status = None
+        workers = [w for m in (status or {}).get("models", {}).values() for w in m["workers"]]
+        ready = [w for w in workers if w["state"] == "serving" and w["pid"] != old_pid]
+        if ready:
+            return dict(ready[0])
+        time.sleep(0.05)
+    raise RuntimeError(f"no serving worker within {timeout:.0f} s")
+
+
+def through_daemon(
+    model: str, profile: str, threads: int, spec: list[Any], args: argparse.Namespace, cache_dir: Path
+) -> dict[str, Any]:
+    """Cold start (first and restarted worker) and batch-1 round trip of one profile served by the daemon."""
+    tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
+    inputs = [{"name": n, "dtype": d, "shape": s} for n, d, s in spec]
+    model_entry = {
+        "source": {"builtin": model}, "inputs": inputs, "workers": 1, "cores_per_worker": threads,
+        "profiles": [profile], "channels_last": args.channels_last,
+        # The bench reports accuracy itself; the daemon must serve the profile even where it would refuse it.
+        "tolerance": {"min_cosine": -1.0},
+    }  # fmt: skip
+    config = {
+        "log_level": "warning",
+        "oversubscribe": True,
+        "cache_dir": str(cache_dir),
+        "models": {model: model_entry},
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    runtime_dir = tmp / "run"
+    with (tmp / "daemon.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "serve", "--config", str(tmp / "config.json"),
+             "--runtime-dir", str(runtime_dir)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        first = _serving(process, runtime_dir, None, args.timeout)
+        control_request(runtime_dir, {"cmd": "restart"})
+        again = _serving(process, runtime_dir, first["pid"], args.timeout)
+        arrays = random_inputs(inputs, 1)
+        latencies: list[float] = []
+        with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
+            for _ in range(3):
+                client.infer(model, arrays, timeout=60)
+            stop = time.monotonic() + args.seconds
+            while time.monotonic() < stop or len(latencies) < 5:
+                started = time.perf_counter()
+                client.infer(model, arrays, timeout=60)
+                latencies.append((time.perf_counter() - started) * 1000.0)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    return {
+        "ready_s": round(first["ready_ms"] / 1000.0, 2),
+        "restart_ready_s": round(again["ready_ms"] / 1000.0, 2),
+        "restart_build": again["profile_build"],
+        "daemon_p50_ms": percentile(latencies, 50),
+        "daemon_p95_ms": percentile(latencies, 95),
+        "daemon_p99_ms": percentile(latencies, 99),
+    }
+
+
+def _cell(value: Any, width: int, digits: int = 2) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width}.{digits}f}" if isinstance(value, float) else f"{value:>{width}}"
+
+
+def format_table(rows: list[dict[str, Any]], batch: int) -> str:
+    """The screen table: one line per model, thread count and profile."""
+    lines = [
+        f"{'model':<9} {'thr':>3} {'profile':<12} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'qps':>8} "
+        f"{'b' + str(batch) + ' qps':>8} {'speedup':>7} {'cosine':>8} {'max err':>8} {'build s':>7} "
+        f"{'ready s':>7} {'restart':>7} {'daemon p50':>10} {'added':>6}"
+    ]
+    for r in rows:
+        head = f"{r['model']:<9} {r['threads']:>3} {r['profile']:<12}"
+        if "skipped" in r:
+            lines.append(f"{head} skipped: {r['skipped'][:150]}")
+            continue
+        added = r["daemon_p50_ms"] - r["p50_ms"] if r.get("daemon_p50_ms") is not None else None
+        lines.append(
+            f"{head} {_cell(r['p50_ms'], 8)} {_cell(r['p95_ms'], 8)} {_cell(r['p99_ms'], 8)} {_cell(r['qps'], 8, 1)} "
+            f"{_cell(r['batch_qps'], 8, 1)} {_cell(r.get('speedup'), 7)} {_cell(r['cosine'], 8, 5)} "
+            f"{r['max_abs_error']:>8.2g} {_cell(r['build_s'], 7, 1)} {_cell(r.get('ready_s'), 7, 1)} "
+            f"{_cell(r.get('restart_ready_s'), 7, 1)} {_cell(r.get('daemon_p50_ms'), 10)} {_cell(added, 6)}"
+        )
+    return "\n".join(lines)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Measure, print the table, write the JSON."""
+    cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(None)
+    allowed = len(os.sched_getaffinity(0))
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            if threads > allowed:
+                print(f"skipping {threads} threads: only {allowed} CPUs are allowed here", file=sys.stderr)
+                continue
+            spec, measured = in_process(model, threads, args, cache_dir)
+            eager = next((r["p50_ms"] for r in measured if r["profile"] == "eager" and "p50_ms" in r), None)
+            for row in measured:
+                row.update(model=model, threads=threads)
+                if "p50_ms" not in row:
+                    rows.append(row)
+                    continue
+                row["speedup"] = round(eager / row["p50_ms"], 2) if eager else None
+                if args.daemon:
+                    row.update(through_daemon(model, row["profile"], threads, spec, args, cache_dir))
+                rows.append(row)
+                print(format_table([row], args.batch).splitlines()[1], file=sys.stderr, flush=True)
+    print(format_table(rows, args.batch))
+    print(
+        f"p50/p95/p99 and qps: batch 1 in process; b{args.batch} qps: batch {args.batch}; speedup: eager p50 / p50 at "
+        "the same threads; build s: building the profile in process (compile, or load from the cache); ready s / "
+        "restart: daemon worker spawn to READY, first start and after a restart; added: daemon p50 - in-process p50"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
