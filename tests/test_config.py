@@ -637,3 +637,20 @@ def test_a_config_file_that_is_not_utf8_is_a_file_problem(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert caught.value.problems[0].startswith("(file):") and "UTF-8" in caught.value.problems[0]
+
+
+def test_optimisation_keys_are_read_and_checked(tmp_path: Path) -> None:
+    """pick, calibration (resolved against the config's folder) and cache_dir parse; bad values name their path."""
+    calibration = tmp_path / "calib.npz"
+    calibration.write_bytes(b"")
+    config = parse_config(
+        _text(_model(pick="fastest", calibration="calib.npz", profiles=["int8_static", "aoti", "eager"]),
+              cache_dir="/var/tmp/iv-cache"),
+        tmp_path,
+    )  # fmt: skip
+    model = config.models["m"]
+    assert (model.pick, model.calibration, config.cache_dir) == ("fastest", str(calibration), "/var/tmp/iv-cache")
+    assert model.profiles == ("int8_static", "aoti", "eager")
+    _assert_problem_at(_text(_model(pick="quickest")), "models.m.pick")
+    _assert_problem_at(_text(_model(calibration="nowhere.npz")), "models.m.calibration")
+    _assert_problem_at(_text(cache_dir=""), "cache_dir")

@@ -267,3 +267,28 @@ def test_drain_first_rollout_replaces_the_only_worker_without_failing_requests(
     assert load.failures == []
     starts = [e for e in daemon.log_events() if e["event"] == "rollout_step_started"]
     assert starts and starts[0]["strategy"] == "drain_first"
+
+
+def test_switching_the_profile_chain_rolls_the_model_with_no_failed_request(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """Editing profiles from eager to [aoti, eager] under load replaces the worker; it serves aoti; nothing fails."""
+    config = {"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    daemon = start_daemon(config)
+    (old,) = daemon.wait_ready()["models"]["tiny"]["workers"]
+    assert old["profile"] == "eager"
+    x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
+    with Load(daemon, "tiny", {"x": x}, clients=2) as load:
+        config["models"]["tiny"]["profiles"] = ["aoti", "eager"]
+        _write_config(daemon, config)
+
+        def serving_aoti() -> bool:
+            pool = [w for w in _pool(daemon, "tiny") if w["state"] == "serving"]
+            return bool(pool) and all(w["profile"] == "aoti" and w["pid"] != old["pid"] for w in pool)
+
+        wait_for(serving_aoti, 180, "the aoti worker serving")
+        served_before_end = load.ok
+        wait_for(lambda: load.ok > served_before_end + 20, 60, "requests served by the aoti worker")
+    assert load.failures == [] and load.ok > 0
+    (new,) = _pool(daemon, "tiny")
+    assert any(n.startswith("compiled and cached package aoti-") for n in new["profile_build"]), new
