@@ -196,8 +196,12 @@ def test_int8_is_compiled_once_then_loaded_and_too_strict_a_tolerance_falls_back
     (strict,) = status["models"]["strict"]["workers"]
     assert q["profile"] == "int8_static", q
     assert strict["profile"] == "eager" and "max abs error" in strict["profile_skipped"][0], strict
-    # Both models share one package: the same weights, spec and calibration make the same key.
-    assert len(list((tmp_path / "cache").glob("int8_static-*.pt2"))) == 1
+    # Both models share the packages (batch-1 static and dynamic): same weights, spec and calibration, same keys.
+    assert len(list((tmp_path / "cache").glob("int8_static-*.pt2"))) == 2
+    assert sorted(n.rsplit("(", 1)[-1] for n in q["profile_build"] if "package" in n) == [
+        "dynamic shapes)",
+        "static shapes)",
+    ]
     assert not any("random" in n for n in q["profile_build"]), q["profile_build"]
     x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
     with torch.inference_mode():

@@ -108,6 +108,20 @@ class PackageRunner:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+class ShapeDispatch:
+    """The package compiled for exactly the example's shapes when the inputs have them, else the dynamic one."""
+
+    def __init__(self, static: Any, static_shapes: list[tuple[int, ...]], dynamic: Any) -> None:
+        self.static = static
+        self.static_shapes = static_shapes
+        self.dynamic = dynamic
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if [tuple(t.shape) for t in inputs] == self.static_shapes:
+            return self.static(*inputs)
+        return self.dynamic(*inputs)
+
+
 def load_package(path: Path) -> Any:
     """The callable of a compiled package.
 
