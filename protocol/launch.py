@@ -49,6 +49,8 @@ class LaunchSpec:
     cache_dir: str | None = None
     #: An .npz of calibration inputs for int8_static (random inputs when None).
     calibration: str | None = None
+    #: An .npz of inputs every profile is checked on against eager (seeded random inputs when None).
+    validation: str | None = None
     #: min_cosine, max_abs_error (or None), top1: how close to eager a profile must stay.
     tolerance: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -81,6 +81,8 @@ class ModelConfig:
     channels_last: bool
     #: Absolute path of the int8_static calibration set (.npz), or None for seeded random inputs.
     calibration: str | None
+    #: Absolute path of the inputs profiles are checked on (.npz), or None for seeded random inputs.
+    validation: str | None
     max_age_s: float | None
     max_requests: int | None
     recycle_jitter: float
@@ -276,11 +278,22 @@ def _read_tolerance(r: _Reader, raw: Any, path: str) -> dict[str, Any]:
 _MODEL_KEYS = {
     "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
     "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "profiles", "tolerance",
-    "channels_last", "pick", "calibration",
+    "channels_last", "pick", "calibration", "validation",
     "max_age_s",
     "max_requests", "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
     "drift_window", "canary_interval_s", "canary_tolerance",
 }  # fmt: skip
+
+
+def _read_data_file(r: _Reader, raw: dict[str, Any], key: str, path: str, base: Path) -> str | None:
+    """An .npz path (relative to config.json's folder) that must exist, as an absolute path."""
+    value = r.optional_string(raw, key, path)
+    if value is None:
+        return None
+    file = Path(value) if Path(value).is_absolute() else base / value
+    if not file.is_file():
+        r.fail(f"{path}.{key}", f"no such file: {file}")
+    return str(file)
 
 
 def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | None:
@@ -307,12 +320,8 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
     if pick not in PICK_MODES:
         r.fail(f"{path}.pick", f"must be one of {', '.join(PICK_MODES)}, got {pick!r}")
         pick = "first"
-    calibration = r.optional_string(raw, "calibration", path)
-    if calibration is not None:
-        file = Path(calibration) if Path(calibration).is_absolute() else base / calibration
-        if not file.is_file():
-            r.fail(f"{path}.calibration", f"no such file: {file}")
-        calibration = str(file)
+    calibration = _read_data_file(r, raw, "calibration", path, base)
+    validation = _read_data_file(r, raw, "validation", path, base)
     threads = raw.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         r.fail(f"{path}.threads", f"must be a positive integer or null (= one per pinned cpu), got {threads!r}")
@@ -337,6 +346,7 @@ def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | No
         tolerance=_read_tolerance(r, raw.get("tolerance", {}), f"{path}.tolerance"),
         channels_last=r.boolean(raw, "channels_last", path, False),
         calibration=calibration,
+        validation=validation,
         max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
         max_requests=r.optional_integer(raw, "max_requests", path, 1),
         recycle_jitter=r.fraction(raw, "recycle_jitter", path, 0.1, 0.5),

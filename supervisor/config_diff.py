@@ -37,6 +37,7 @@ MODEL_ROLLING_KEYS = frozenset(
         "tolerance",
         "channels_last",
         "calibration",
+        "validation",
     }
 )
 _IGNORED = frozenset({"models", "digest", "name", "workers"})

@@ -176,6 +176,7 @@ class WorkerSlot:
             channels_last=self.model.channels_last,
             cache_dir=str(cache_dir),
             calibration=self.model.calibration,
+            validation=self.model.validation,
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", launch.to_json()],

@@ -13,7 +13,7 @@ import torch
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
 from supervisor.config import ConfigError, parse_config
-from tests.conftest import IMAGE_INPUTS, TINY_INPUTS, Daemon, model_entry, wait_for
+from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, TINY_INPUTS, Daemon, model_entry, wait_for
 from worker.cpu_caps import parse_cpuinfo, read_caps
 from worker.models import build_builtin
 from worker.profiles.build import BuildContext, ProfileError, build_profile
@@ -220,3 +220,43 @@ def test_int8_is_compiled_once_then_loaded_and_too_strict_a_tolerance_falls_back
     (again,) = [w for w in daemon.status()["models"]["q"]["workers"] if w["state"] == "serving"]
     assert again["profile"] == "int8_static"
     assert any(n.startswith("loaded cached package") for n in again["profile_build"]), again["profile_build"]
+
+
+def test_the_int8_gate_on_real_minilm_weights_refuses_what_random_weights_would_hide(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Real MiniLM: int8 loses measurable accuracy, so cosine 0.999 keeps eager while 0.98 serves int8, per sentence."""
+    minilm = pytest.importorskip("worker.models.minilm")
+    try:
+        minilm.model_dir()
+    except ImportError:
+        pytest.skip("the optional extra `minilm` is not installed")
+    calibration, validation = minilm.write_sets(tmp_path / "data")
+    entry = {
+        "source": {"python": "worker.models.minilm:minilm"}, "inputs": ENCODER_INPUTS, "outputs": ["embedding"],
+        "warmup_iterations": 1, "profiles": ["int8_static", "eager"],
+        "calibration": str(calibration), "validation": str(validation),
+    }  # fmt: skip
+    config = {
+        "oversubscribe": True,
+        "worker_start_timeout_s": 600,
+        "models": {
+            "strict": {**entry, "tolerance": {"min_cosine": 0.999}},
+            "int8": {**entry, "tolerance": {"min_cosine": 0.98}},
+        },
+    }
+    daemon = start_daemon(config)
+    status = daemon.wait_ready(timeout=600)
+    (strict,) = status["models"]["strict"]["workers"]
+    (int8,) = status["models"]["int8"]["workers"]
+    assert strict["profile"] == "eager" and "cosine" in strict["profile_skipped"][0], strict
+    assert int8["profile"] == "int8_static", int8
+    sentences = minilm.tokenize(minilm.VALIDATION_SENTENCES)
+    with torch.inference_mode():
+        expected = minilm.minilm()(*(torch.from_numpy(sentences[n]) for n in ("input_ids", "attention_mask"))).numpy()
+    with daemon.client() as client:
+        got = client.infer("int8", sentences, timeout=120)["embedding"]
+        exact = client.infer("strict", sentences, timeout=120)["embedding"]
+    per_sentence = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert 0.98 <= per_sentence.min() < 0.9999, per_sentence
+    np.testing.assert_allclose(exact, expected, rtol=1e-4, atol=1e-5)

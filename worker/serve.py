@@ -23,6 +23,7 @@ from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
 from worker.profiles.build import PACKAGED, BuildContext
 from worker.profiles.cache import ArtifactCache, model_digest
+from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
 from worker.runner import ModelRunner, tensor_from_frame, timed_ms
@@ -176,6 +177,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
         channels_last=launch.channels_last,
         cache=ArtifactCache(Path(launch.cache_dir)) if launch.cache_dir else None,
         calibration=Path(launch.calibration) if launch.calibration else None,
+        validation=Path(launch.validation) if launch.validation else None,
     )
 
 
@@ -195,6 +197,7 @@ def serve(launch: LaunchSpec) -> int:
             read_caps(),
             build_context(launch, runner),
             launch.pick,
+            load_calibration(Path(launch.validation), runner.specs) if launch.validation else None,
         )
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()

@@ -41,6 +41,8 @@ class BuildContext:
     channels_last: bool = False
     cache: ArtifactCache | None = None
     calibration: Path | None = None
+    #: Only part of the fastest-pick decision's key: the profiles were checked on it.
+    validation: Path | None = None
 
 
 @dataclass

@@ -21,11 +21,14 @@ import torch
 
 from worker.cpu_caps import CpuCaps
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
+from worker.profiles.calibration import Inputs
 from worker.profiles.validate import Tolerance, compare
 from worker.runner import ModelRunner
 
 log = structlog.get_logger("worker")
 
+#: Validation samples checked one by one when the batch dim is fixed.
+_MAX_CASES = 16
 #: Timing a candidate for pick "fastest": at least this many runs, and more until this long has passed.
 _TIMING_RUNS = 5
 _TIMING_S = 0.5
@@ -51,9 +54,23 @@ class _Candidate:
     median_ms: float = 0.0
 
 
-def _golden_batches(runner: ModelRunner) -> list[int]:
-    # A dynamic batch dimension is checked at 2 as well: tracing can bake batch 1 into a graph.
-    return [1, 2] if any(d is None for spec in runner.specs for d in spec.shape) else [1]
+def _golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> list[dict[str, torch.Tensor]]:
+    """The inputs every profile is checked on: batch 1, and a batch of several when the batch dim is dynamic.
+
+    Seeded random inputs by default; the model's validation set when one is configured (random
+    inputs say little about a quantized model with real weights). A dynamic batch is checked at
+    more than 1 as well: tracing can bake batch 1 into a graph, and packages keep a batch-1 variant.
+    """
+    names = [spec.name for spec in runner.specs]
+    dynamic = any(d is None for spec in runner.specs for d in spec.shape)
+    if not validation:
+        batches = [1, 2] if dynamic else [1]
+        return [runner.example_inputs(batch=b) for b in batches]
+    samples = [dict(zip(names, sample, strict=True)) for sample in validation[:_MAX_CASES]]
+    if not dynamic:
+        return samples
+    together = {name: torch.cat([sample[name] for sample in samples]) for name in names}
+    return [samples[0], together] if len(samples) > 1 else [samples[0]]
 
 
 def _median_ms(run: Callable[[], Any]) -> float:
@@ -69,15 +86,21 @@ def _median_ms(run: Callable[[], Any]) -> float:
 class _Trial:
     """Builds and validates candidates against the eager reference on the golden inputs."""
 
-    def __init__(self, runner: ModelRunner, context: BuildContext, tolerance: Tolerance, caps: CpuCaps) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        context: BuildContext,
+        tolerance: Tolerance,
+        caps: CpuCaps,
+        validation: Sequence[Inputs] | None = None,
+    ) -> None:
         self.runner = runner
         self.context = context
         self.tolerance = tolerance
         self.caps = caps
         self.eager = runner.module
-        self.batches = _golden_batches(runner)
-        self.golden = {b: runner.example_inputs(batch=b) for b in self.batches}
-        self.reference = {b: [a for _, a in runner.forward(self.golden[b])] for b in self.batches}
+        self.cases = _golden_cases(runner, validation)
+        self.reference = [[a for _, a in runner.forward(case)] for case in self.cases]
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
@@ -88,11 +111,11 @@ class _Trial:
         try:
             built = build_profile(name, self.context)
             self.runner.module = built.callable
-            self.runner.forward(self.golden[self.batches[0]])  # first runs compile or specialise a graph
+            self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
             failure = None
             cosine = 1.0
-            for batch in self.batches:
-                agreement = compare(self.reference[batch], [a for _, a in self.runner.forward(self.golden[batch])])
+            for case, reference in zip(self.cases, self.reference, strict=True):
+                agreement = compare(reference, [a for _, a in self.runner.forward(case)])
                 cosine = min(cosine, agreement.cosine)
                 failure = failure or agreement.failure(self.tolerance)
         except ProfileError as exc:
@@ -108,7 +131,7 @@ class _Trial:
         """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
         self.runner.module = candidate.built.callable
         torch.jit.enable_onednn_fusion(candidate.name == "jit_onednn")
-        golden = self.golden[self.batches[0]]
+        golden = self.cases[0]
         return _median_ms(lambda: self.runner.forward(golden))
 
     def reset(self) -> None:
@@ -132,6 +155,7 @@ def _decision_path(context: BuildContext, chain: Sequence[str], tolerance: Toler
         "threads": torch.get_num_threads(),
         "channels_last": context.channels_last,
         "calibration": str(context.calibration),
+        "validation": str(context.validation),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
@@ -146,9 +170,10 @@ def select_profile(
     caps: CpuCaps,
     context: BuildContext,
     pick: str = "first",
+    validation: Sequence[Inputs] | None = None,
 ) -> Selection:
     """Install the chosen profile of `chain` on the runner; eager is the last resort."""
-    trial = _Trial(runner, context, tolerance, caps)
+    trial = _Trial(runner, context, tolerance, caps, validation)
     skipped: list[str] = []
     if pick == "fastest":
         decided = _decided(trial, context, chain, tolerance)
@@ -159,7 +184,8 @@ def select_profile(
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
             log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), skipped=skipped)
-            return Selection(name, skipped, outcome.build_ms, outcome.cosine, outcome.built.notes)
+            notes = [*outcome.built.notes, _built_in(outcome)]
+            return Selection(name, skipped, outcome.build_ms, outcome.cosine, notes)
         skipped.append(f"{name}: {outcome}")
     return _last_resort(trial, chain, skipped)
 
@@ -186,9 +212,17 @@ def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], toleran
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
         return None
-    notes = [*outcome.built.notes, f"fastest of {_timing_text(timings)} (decided earlier, {path.name})"]
+    notes = [
+        *outcome.built.notes,
+        _built_in(outcome),
+        f"fastest of {_timing_text(timings)} (decided earlier, {path.name})",
+    ]
     log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
     return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
+
+
+def _built_in(candidate: _Candidate) -> str:
+    return f"built and checked against eager in {candidate.build_ms:.0f} ms (cosine {candidate.cosine:.5f})"
 
 
 def _timing_text(timings: dict[str, float]) -> str:
@@ -210,7 +244,9 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
         return _last_resort(trial, chain, skipped)
     best = min(passed, key=lambda c: c.median_ms)
     timings = {c.name: round(c.median_ms, 4) for c in passed}
-    skipped += [f"{c.name}: passed, {c.median_ms:.3g} ms (slower)" for c in passed if c is not best]
+    skipped += [
+        f"{c.name}: passed (cosine {c.cosine:.5f}), {c.median_ms:.3g} ms (slower)" for c in passed if c is not best
+    ]
     trial.install(best)
     path = _decision_path(context, chain, tolerance)
     if path is not None:
@@ -218,6 +254,6 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps({"profile": best.name, "timings_ms": timings, "skipped": skipped}))
         temporary.replace(path)
-    notes = [*best.built.notes, f"fastest of {_timing_text(timings)}"]
+    notes = [*best.built.notes, _built_in(best), f"fastest of {_timing_text(timings)}"]
     log.info("profile_selected", profile=best.name, pick="fastest", timings_ms=timings, skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)

@@ -39,18 +39,27 @@ class Agreement:
 
 
 def compare(reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]]) -> Agreement:
-    """Cosine over all outputs flattened, largest absolute difference, and argmax agreement per row."""
+    """The worst per-sample cosine, the largest absolute difference, and argmax agreement per row.
+
+    Cosine is taken per sample (row of the batch, all outputs joined) and the minimum is kept: one
+    flattened cosine over a batch would let seven good answers hide a bad eighth.
+    """
     if len(reference) != len(candidate) or any(r.shape != c.shape for r, c in zip(reference, candidate, strict=False)):
         return Agreement(0.0, float("inf"), False)
-    want = np.concatenate([r.astype(np.float64).ravel() for r in reference])
-    got = np.concatenate([c.astype(np.float64).ravel() for c in candidate])
+    rows = {r.shape[0] for r in reference if r.ndim >= 1}
+    per_row = len(rows) == 1 and all(r.ndim >= 1 for r in reference) and rows.pop() > 0
+    count = reference[0].shape[0] if per_row else 1
+    want = np.concatenate([r.astype(np.float64).reshape(count, -1) for r in reference], axis=1)
+    got = np.concatenate([c.astype(np.float64).reshape(count, -1) for c in candidate], axis=1)
     if not np.isfinite(got).all():
         return Agreement(0.0, float("inf"), False)
-    norms = float(np.linalg.norm(want) * np.linalg.norm(got))
-    cosine = float(want @ got / norms) if norms > 0 else float(np.array_equal(want, got))
+    norms = np.linalg.norm(want, axis=1) * np.linalg.norm(got, axis=1)
+    dots = np.einsum("ij,ij->i", want, got)
+    exact = np.array([np.array_equal(w, g) for w, g in zip(want, got, strict=True)], dtype=np.float64)
+    cosines = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), exact)
     top1 = all(
         bool((r.reshape(r.shape[0], -1).argmax(1) == c.reshape(c.shape[0], -1).argmax(1)).all())
         for r, c in zip(reference, candidate, strict=True)
         if r.ndim >= 1 and r.shape[0] > 0 and r.size > 0
     )
-    return Agreement(cosine, float(np.max(np.abs(want - got), initial=0.0)), top1)
+    return Agreement(float(cosines.min(initial=1.0)), float(np.max(np.abs(want - got), initial=0.0)), top1)
