@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir", help="compiled packages (default: the daemon's cache directory)")
     bench.add_argument("--timeout", type=float, default=1800.0, help="per child process / worker start")
     bench.add_argument("--json", help="also write the rows here")
+    doctor = sub.add_parser("doctor", help="the ten-point performance checklist on this box: pass / warn / fail")
+    doctor.add_argument("--config", default="configs/default.json")
+    doctor.add_argument("--constraints", help="constraints.json of the delivery (see configs/constraints.example.json)")
+    doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
+    doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
+    doctor.add_argument("--json", action="store_true")
     return parser
 
 
@@ -76,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "doctor":
+        from supervisor.commands.doctor import run_doctor
+
+        return run_doctor(args)
     if args.command == "bench":
         from supervisor.commands.bench import run_bench
 

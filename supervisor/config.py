@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, PROFILE_NAMES, ModelSource
 from protocol.tensors import TensorSpec
+from supervisor.fields import FieldReader
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
@@ -124,71 +124,7 @@ class Config:
     digest: str
 
 
-def _join(path: str, key: str) -> str:
-    """`models.m` + `workers` -> `models.m.workers`; top-level keys have no prefix."""
-    return f"{path}.{key}" if path else key
-
-
-class _Reader:
-    """Reads typed values out of a JSON object, collecting problems instead of stopping at the first."""
-
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-
-    def fail(self, path: str, why: str) -> None:
-        self.problems.append(f"{path}: {why}")
-
-    def check_keys(self, obj: dict[str, Any], path: str, allowed: set[str]) -> None:
-        for key in sorted(set(obj) - allowed):
-            self.fail(_join(path, key), f"unknown key (allowed: {', '.join(sorted(allowed))})")
-
-    def integer(self, obj: dict[str, Any], key: str, path: str, default: int, low: int, high: int = 2**62) -> int:
-        value = obj.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            self.fail(_join(path, key), f"must be an integer in [{low}, {high}], got {value!r}")
-            return default
-        return value
-
-    def number(self, obj: dict[str, Any], key: str, path: str, default: float, low: float) -> float:
-        value = obj.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
-            self.fail(_join(path, key), f"must be a finite number >= {low}, got {value!r}")
-            return default
-        return float(value)
-
-    def boolean(self, obj: dict[str, Any], key: str, path: str, default: bool) -> bool:
-        value = obj.get(key, default)
-        if not isinstance(value, bool):
-            self.fail(_join(path, key), f"must be true or false, got {value!r}")
-            return default
-        return value
-
-    def fraction(self, obj: dict[str, Any], key: str, path: str, default: float, high: float) -> float:
-        value = self.number(obj, key, path, default, 0.0)
-        if value > high:
-            self.fail(_join(path, key), f"must be between 0 and {high}, got {value!r}")
-            return default
-        return value
-
-    def optional_number(self, obj: dict[str, Any], key: str, path: str, low: float) -> float | None:
-        if obj.get(key) is None:
-            return None
-        return self.number(obj, key, path, low, low)
-
-    def optional_integer(self, obj: dict[str, Any], key: str, path: str, low: int) -> int | None:
-        if obj.get(key) is None:
-            return None
-        return self.integer(obj, key, path, low, low)
-
-    def optional_string(self, obj: dict[str, Any], key: str, path: str) -> str | None:
-        value = obj.get(key)
-        if value is not None and (not isinstance(value, str) or not value):
-            self.fail(_join(path, key), f"must be a non-empty string or null, got {value!r}")
-            return None
-        return value
-
-
-def _read_source(r: _Reader, raw: Any, path: str, base: Path) -> ModelSource:
+def _read_source(r: FieldReader, raw: Any, path: str, base: Path) -> ModelSource:
     if not isinstance(raw, dict) or len(raw) != 1:
         r.fail(path, f"must be an object with exactly one of {', '.join(SOURCE_KINDS)}")
         return ModelSource("builtin", "invalid")
@@ -212,7 +148,7 @@ def _read_source(r: _Reader, raw: Any, path: str, base: Path) -> ModelSource:
     return ModelSource("builtin", "invalid")
 
 
-def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
+def _read_inputs(r: FieldReader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
     if not isinstance(raw, list) or not raw:
         r.fail(path, "must be a non-empty array of {name, dtype, shape}")
         return ()
@@ -248,7 +184,7 @@ def _read_inputs(r: _Reader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _read_profiles(r: _Reader, raw: Any, path: str) -> tuple[str, ...]:
+def _read_profiles(r: FieldReader, raw: Any, path: str) -> tuple[str, ...]:
     if not isinstance(raw, list) or not raw or not all(isinstance(p, str) for p in raw):
         r.fail(path, f"must be a non-empty array of profile names ({', '.join(PROFILE_NAMES)}), got {raw!r}")
         return ("eager",)
@@ -260,7 +196,7 @@ def _read_profiles(r: _Reader, raw: Any, path: str) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def _read_tolerance(r: _Reader, raw: Any, path: str) -> dict[str, Any]:
+def _read_tolerance(r: FieldReader, raw: Any, path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         r.fail(path, "must be an object with min_cosine, max_abs_error, top1")
         return {}
@@ -285,7 +221,7 @@ _MODEL_KEYS = {
 }  # fmt: skip
 
 
-def _read_data_file(r: _Reader, raw: dict[str, Any], key: str, path: str, base: Path) -> str | None:
+def _read_data_file(r: FieldReader, raw: dict[str, Any], key: str, path: str, base: Path) -> str | None:
     """An .npz path (relative to config.json's folder) that must exist, as an absolute path."""
     value = r.optional_string(raw, key, path)
     if value is None:
@@ -296,7 +232,7 @@ def _read_data_file(r: _Reader, raw: dict[str, Any], key: str, path: str, base: 
     return str(file)
 
 
-def _read_model(r: _Reader, name: str, raw: Any, base: Path) -> ModelConfig | None:
+def _read_model(r: FieldReader, name: str, raw: Any, base: Path) -> ModelConfig | None:
     path = f"models.{name}"
     if not _MODEL_NAME.fullmatch(name) or len(name) > MAX_NAME_LEN:
         r.fail(path, "model names use letters, digits, '_', '.', '-' and start with a letter or digit")
@@ -370,7 +306,7 @@ _TOP_KEYS = {
 }  # fmt: skip
 
 
-def _read_curve(r: _Reader, raw: Any, base: Path) -> CurveConfig | None:
+def _read_curve(r: FieldReader, raw: Any, base: Path) -> CurveConfig | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -401,7 +337,7 @@ def parse_config(text: str, base: Path) -> Config:
         raise ConfigError(["(file): JSON nested too deeply"]) from exc
     if not isinstance(raw, dict):
         raise ConfigError(["(file): must be a JSON object"])
-    r = _Reader()
+    r = FieldReader()
     r.check_keys(raw, "", _TOP_KEYS)
     models_raw = raw.get("models")
     models: dict[str, ModelConfig] = {}

@@ -1,0 +1,150 @@
+"""The Model-Optimizer toolkit: constraints.json validation and the doctor's checks on fake machines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.config import Config, parse_config
+from supervisor.toolkit.constraints import ConstraintsError, load_constraints, parse_constraints
+from supervisor.toolkit.doctor import Machine, Status, run_checks
+from tests.conftest import ROOT
+from tests.test_planner import make_sysfs
+
+EXAMPLE = ROOT / "configs" / "constraints.example.json"
+XEON = "processor\t: 0\nmodel name\t: Test Xeon\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512_vnni\n\n"
+CELERON = "processor\t: 0\nmodel name\t: Test Celeron\nflags\t\t: fpu sse4_2\n\n"
+
+
+def _constraints(**changes: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = json.loads(EXAMPLE.read_text())
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        raw[section][key] = value
+    return raw
+
+
+def _config(workers: int = 2, profiles: tuple[str, ...] = ("eager",), **model: Any) -> Config:
+    entry = {
+        "source": {"builtin": "tiny"},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}],
+        "workers": workers,
+        "profiles": list(profiles),
+        **model,
+    }
+    return parse_config(json.dumps({"models": {"m": entry}}), ROOT)
+
+
+def _machine(tmp_path: Path, cpuinfo: str = XEON, governor: str | None = None, cpu_max: str | None = None) -> Machine:
+    sysfs = make_sysfs(tmp_path, 1, 2, 1)
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "cpuinfo").write_text(cpuinfo)
+    (proc / "meminfo").write_text("MemTotal:  4194304 kB\nMemAvailable:  2097152 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/box.slice/infervisor.service\n")
+    if governor is not None:
+        for cpu in (0, 1):
+            folder = sysfs / f"devices/system/cpu/cpu{cpu}/cpufreq"
+            folder.mkdir(parents=True)
+            (folder / "scaling_governor").write_text(governor + "\n")
+    if cpu_max is not None:
+        folder = sysfs / "fs/cgroup/box.slice"
+        folder.mkdir(parents=True)
+        (folder / "cpu.max").write_text(cpu_max + "\n")
+    probe = {"mkldnn": True, "openmp": True, "capability": "AVX512"}
+    return Machine(sysfs=sysfs, proc=proc, allowed_cpus={0, 1}, torch_probe=lambda: probe)
+
+
+def _by_name(config: Config, machine: Machine, constraints_raw: dict[str, Any] | None = None) -> dict[str, Any]:
+    constraints = parse_constraints(json.dumps(constraints_raw)) if constraints_raw else None
+    return {c.name: c for c in run_checks(config, constraints, machine)}
+
+
+def test_the_example_constraints_parse() -> None:
+    """configs/constraints.example.json is valid and carries all four rows and the accuracy budget."""
+    constraints = load_constraints(EXAMPLE)
+    assert constraints.hardware.memory_mb == 8192 and constraints.sla.p99_ms == 40.0
+    assert constraints.sla.accuracy.min_cosine == 0.98 and constraints.sla.accuracy.top1
+    assert constraints.data.inputs[0].dims == ((1, 8), 3, 224, 224)
+    assert constraints.operations.restart_acceptable
+
+
+@pytest.mark.parametrize(
+    ("change", "path"),
+    [
+        ({"hardware__memory_mb": 10}, "hardware.memory_mb"),
+        ({"hardware__storage": "tape"}, "hardware.storage"),
+        ({"sla__p99_ms": "fast"}, "sla.p99_ms"),
+        ({"sla__accuracy": {"min_cosine": 2}}, "sla.accuracy.min_cosine"),
+        ({"sla__accuracy": {"cosine": 0.9}}, "sla.accuracy.cosine"),
+        ({"data__inputs": [{"name": "image", "shape": [[8, 1], 3]}]}, "data.inputs[0].shape[0]"),
+        ({"data__typical_batch": 0}, "data.typical_batch"),
+        ({"operations__restart_acceptable": "yes"}, "operations.restart_acceptable"),
+        ({"hardware__colour": "blue"}, "hardware.colour"),
+    ],
+)
+def test_a_bad_constraint_names_its_key(change: dict[str, Any], path: str) -> None:
+    """Every mistake is reported with the JSON path of the key that holds it."""
+    with pytest.raises(ConstraintsError) as caught:
+        parse_constraints(json.dumps(_constraints(**change)))
+    assert any(p.startswith(f"{path}:") for p in caught.value.problems), caught.value.problems
+
+
+def test_a_missing_promise_is_required() -> None:
+    """An SLA without its P99 cannot be checked against: the file is refused."""
+    raw = _constraints()
+    del raw["sla"]["p99_ms"]
+    with pytest.raises(ConstraintsError, match=r"sla\.p99_ms: is required"):
+        parse_constraints(json.dumps(raw))
+
+
+def test_doctor_passes_a_well_set_machine(tmp_path: Path) -> None:
+    """Performance governor, no quota, enough memory, disjoint cores: every check passes."""
+    checks = _by_name(_config(), _machine(tmp_path, governor="performance"))
+    assert {n: c.status for n, c in checks.items() if c.status is not Status.PASS} == {}
+    assert len(checks) == 12
+
+
+def test_doctor_warns_and_fails_with_a_fix_each(tmp_path: Path) -> None:
+    """A powersave governor and a fractional quota warn; too little memory for the target fails; each has a fix."""
+    machine = _machine(tmp_path, governor="powersave", cpu_max="150000 100000")
+    tight = _constraints(hardware__memory_mb=512)
+    checks = _by_name(_config(workers=1, rss_hard_mb=800), machine, tight)
+    assert checks["CPU governor"].status is Status.WARN and "frequency-set" not in checks["CPU governor"].fix
+    assert checks["cgroup CPU limit"].status is Status.WARN and "whole number" in checks["cgroup CPU limit"].fix
+    assert checks["memory headroom"].status is Status.FAIL and "512 MB" in checks["memory headroom"].detail
+    assert all(c.fix for c in checks.values() if c.status is not Status.PASS)
+
+
+def test_doctor_fails_a_quota_below_the_pinned_cores_and_an_impossible_plan(tmp_path: Path) -> None:
+    """One CPU of quota for two pinned workers fails; three one-core workers on two cores fail the plan."""
+    checks = _by_name(_config(workers=2), _machine(tmp_path, cpu_max="100000 100000"))
+    assert checks["cgroup CPU limit"].status is Status.FAIL
+    plan = _by_name(_config(workers=3), _machine(tmp_path / "b"))
+    assert plan["threads vs cpuset"].status is Status.FAIL and plan["NUMA"].status is Status.FAIL
+
+
+def test_doctor_warns_about_profiles_this_cpu_will_skip(tmp_path: Path) -> None:
+    """An SSE4.2-only box with a jit chain: the profiles that will be skipped are named."""
+    checks = _by_name(_config(profiles=("jit", "eager")), _machine(tmp_path, cpuinfo=CELERON))
+    assert checks["instruction set"].status is Status.WARN and "jit (" in checks["instruction set"].detail
+
+
+def test_doctor_command_exits_non_zero_on_a_fail(tmp_path: Path) -> None:
+    """`infervisor doctor` prints every check and exits 1 when one fails (here: a 256 MB target box)."""
+    constraints = tmp_path / "constraints.json"
+    constraints.write_text(json.dumps(_constraints(hardware__memory_mb=256)))
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "doctor", "--config", str(ROOT / "configs" / "default.json"),
+         "--constraints", str(constraints), "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=180, check=False,
+    )  # fmt: skip
+    checks = json.loads(done.stdout)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert {c["name"]: c["status"] for c in checks}["memory headroom"] == "fail"
+    assert [c["name"] for c in checks][:2] == ["instruction set", "torch version"]
