@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     doctor.add_argument("--json", action="store_true")
+    from supervisor.commands.optimize import add_parser as add_optimize
+
+    add_optimize(sub)
     return parser
 
 
@@ -82,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "optimize":
+        from supervisor.commands.optimize import run_optimize
+
+        return run_optimize(args)
     if args.command == "doctor":
         from supervisor.commands.doctor import run_doctor
 

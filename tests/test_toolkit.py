@@ -148,3 +148,49 @@ def test_doctor_command_exits_non_zero_on_a_fail(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert {c["name"]: c["status"] for c in checks}["memory headroom"] == "fail"
     assert [c["name"] for c in checks][:2] == ["instruction set", "torch version"]
+
+
+def _optimize(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "optimize", *argv],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )  # fmt: skip
+
+
+def _tiny_config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    entry = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
+    path.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"tiny": entry}}, indent=2) + "\n")
+    return path
+
+
+def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tmp_path: Path) -> None:
+    """--dry-run measures each profile in its own process, ranks those in budget, and only shows the diff."""
+    config = _tiny_config(tmp_path)
+    before = config.read_text()
+    report = tmp_path / "report.json"
+    done = _optimize("--model", "tiny", "--config", str(config), "--profiles", "eager,jit,bf16",
+                     "--seconds", "0.3", "--dry-run", "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "VERDICT: the SLA can be met on this box" in done.stdout
+    assert config.read_text() == before
+    rows = {r["profile"]: r for r in json.loads(report.read_text())["rows"]}
+    assert set(rows) == {"eager", "jit", "bf16"}
+    assert all(r["rss_mb"] > 50 and r["cold_start_s"] > 0 and r["p99_ms"] >= r["p50_ms"] for r in rows.values())
+    assert rows["eager"]["cosine"] == 1.0 and '+      "profiles": [' in done.stdout
+
+
+def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path: Path) -> None:
+    """An impossible P99: verdict "cannot be met", exit 1; bf16 is outside a 0.999999 budget; the chain is written."""
+    config = _tiny_config(tmp_path)
+    constraints = tmp_path / "constraints.json"
+    raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
+    constraints.write_text(json.dumps(raw))
+    done = _optimize("--model", "tiny", "--config", str(config), "--constraints", str(constraints),
+                     "--profiles", "eager,jit,bf16", "--seconds", "0.3")  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "VERDICT: the SLA cannot be met on this box." in done.stdout and "P99" in done.stdout
+    assert any(line.startswith("bf16") and " OUT " in line for line in done.stdout.splitlines()), done.stdout
+    written = parse_config(config.read_text(), tmp_path).models["tiny"]
+    assert written.profiles[-1] == "eager" and "bf16" not in written.profiles
+    assert written.tolerance["min_cosine"] == 0.999999

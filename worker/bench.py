@@ -1,9 +1,12 @@
-"""In-process half of `infervisor bench`: every profile of one built-in, timed on pinned cores.
+"""In-process half of `infervisor bench` and `infervisor optimize`: profiles of one model, timed on pinned cores.
 
     python -m worker.bench --model resnet50 --profiles eager,jit --threads 2 --batch 8 --seconds 3 --cache-dir D
+    python -m worker.bench --launch LAUNCH_JSON --profiles int8_static --started-at EPOCH ...
 
 Prints one JSON object per line: first the model's input spec, then one row per profile. The process
 pins itself to its first `threads` CPUs and sizes the thread pools before torch is imported, like a worker.
+With --launch (a worker's LaunchSpec) any model source works, and its calibration and validation sets
+are used; --started-at (the parent's time.time() when it spawned this process) adds the cold start.
 """
 
 from __future__ import annotations
@@ -47,28 +50,41 @@ def _timed(run: Any, seconds: float) -> list[float]:
     return latencies
 
 
-def measure(args: argparse.Namespace, profile: str) -> dict[str, Any]:
-    """Build one profile on a fresh model, check it against eager at batch 1, time it at batch 1 and --batch."""
+def launch_of(args: argparse.Namespace) -> LaunchSpec:
+    """The worker launch spec to measure: given as JSON, or made for a built-in."""
+    if args.launch:
+        return LaunchSpec.from_json(args.launch)
+    specs = BUILTIN_SPECS[args.model]
+    return LaunchSpec(
+        "bench", args.model, "", ModelSource("builtin", args.model), specs, None, (), args.threads,
+        channels_last=args.channels_last, cache_dir=args.cache_dir,
+    )  # fmt: skip
+
+
+def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[str, Any]:
+    """Build one profile on a fresh model, check it against eager, time it at batch 1 and --batch."""
+    import psutil
     import torch
 
     from worker.cpu_caps import read_caps
-    from worker.models import build_builtin
+    from worker.loader import load_model
     from worker.profiles.build import ProfileError, build_profile
+    from worker.profiles.calibration import load_calibration
+    from worker.profiles.select import golden_cases
     from worker.profiles.validate import compare
     from worker.runner import ModelRunner
     from worker.serve import build_context
 
-    specs = BUILTIN_SPECS[args.model]
-    runner = ModelRunner(build_builtin(args.model), specs, None, args.channels_last)
+    launch = LaunchSpec.from_json(json.dumps({**json.loads(launch.to_json()), "profiles": [profile]}))
+    runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
     refusal = read_caps().refusal(profile)
     if refusal is not None:
         return {"profile": profile, "skipped": refusal}
-    launch = LaunchSpec(
-        "bench", args.model, "", ModelSource("builtin", args.model), specs, None, (), args.threads,
-        profiles=(profile,), channels_last=args.channels_last, cache_dir=args.cache_dir,
-    )  # fmt: skip
+    validation = load_calibration(Path(launch.validation), launch.inputs) if launch.validation else None
+    cases = golden_cases(runner, validation)
+    references = [[a for _, a in runner.forward(case)] for case in cases]
     one, many = runner.example_inputs(1), runner.example_inputs(args.batch)
-    reference = [a for _, a in runner.forward(one)]
+    rss_before = psutil.Process().memory_info().rss
     started = time.perf_counter()
     try:
         built = build_profile(profile, build_context(launch, runner))
@@ -79,7 +95,10 @@ def measure(args: argparse.Namespace, profile: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a crashing profile is a row of the table, not the end of the bench
         return {"profile": profile, "skipped": f"crashed: {type(exc).__name__}: {str(exc)[:200]}"}
     build_s = time.perf_counter() - started
-    agreement = compare(reference, [a for _, a in runner.forward(one)])
+    cold_start_s = time.time() - args.started_at if args.started_at else None
+    agreements = [
+        compare(ref, [a for _, a in runner.forward(case)]) for case, ref in zip(cases, references, strict=True)
+    ]
     single = _timed(lambda: runner.forward(one), args.seconds)
     runner.forward(many)  # a dynamic-shape graph may specialise on its first batch of this size
     batched = _timed(lambda: runner.forward(many), args.seconds)
@@ -87,40 +106,48 @@ def measure(args: argparse.Namespace, profile: str) -> dict[str, Any]:
     return {
         "profile": profile,
         "build_s": round(build_s, 2),
+        "cold_start_s": round(cold_start_s, 2) if cold_start_s is not None else None,
         "build_notes": built.notes,
-        "cosine": round(agreement.cosine, 6),
-        "max_abs_error": float(f"{agreement.max_abs_error:.3g}"),
+        "cosine": round(min(a.cosine for a in agreements), 6),
+        "max_abs_error": float(f"{max(a.max_abs_error for a in agreements):.3g}"),
+        "top1": all(a.top1_agree for a in agreements),
+        "checked_on": "validation set" if validation else "seeded random inputs",
         **_percentiles(single),
         "qps": round(1000.0 * len(single) / sum(single), 1),
         "batch": args.batch,
         "batch_p50_ms": _percentiles(batched)["p50_ms"],
         "batch_qps": round(1000.0 * args.batch * len(batched) / sum(batched), 1),
+        "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+        "rss_added_mb": round((psutil.Process().memory_info().rss - rss_before) / 2**20, 1),
     }
 
 
 def main() -> int:
     """Pin, size the thread pools, then measure each profile and print JSON lines."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=sorted(BUILTIN_SPECS))
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", choices=sorted(BUILTIN_SPECS))
+    source.add_argument("--launch", help="a worker LaunchSpec as JSON (any model source)")
     parser.add_argument("--profiles", default=",".join(PROFILE_NAMES))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--started-at", type=float, help="the parent's time.time() at spawn, for the cold start")
     args = parser.parse_args()
     cpus = sorted(os.sched_getaffinity(0))[: args.threads]
     os.sched_setaffinity(0, cpus)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(len(cpus))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.cache_dir) / "inductor"))
+    launch = launch_of(args)
     import torch
 
     torch.set_num_threads(len(cpus))
-    specs = BUILTIN_SPECS[args.model]
-    print(json.dumps({"inputs": [[s.name, s.dtype, list(s.shape)] for s in specs], "cpus": cpus}), flush=True)
+    print(json.dumps({"inputs": [[s.name, s.dtype, list(s.shape)] for s in launch.inputs], "cpus": cpus}), flush=True)
     for profile in args.profiles.split(","):
-        print(json.dumps(measure(args, profile)), flush=True)
+        print(json.dumps(measure(args, launch, profile)), flush=True)
     return 0
 
 

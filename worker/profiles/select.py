@@ -54,7 +54,7 @@ class _Candidate:
     median_ms: float = 0.0
 
 
-def _golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> list[dict[str, torch.Tensor]]:
+def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> list[dict[str, torch.Tensor]]:
     """The inputs every profile is checked on: batch 1, and a batch of several when the batch dim is dynamic.
 
     Seeded random inputs by default; the model's validation set when one is configured (random
@@ -99,7 +99,7 @@ class _Trial:
         self.tolerance = tolerance
         self.caps = caps
         self.eager = runner.module
-        self.cases = _golden_cases(runner, validation)
+        self.cases = golden_cases(runner, validation)
         self.reference = [[a for _, a in runner.forward(case)] for case in self.cases]
 
     def attempt(self, name: str) -> _Candidate | str:
