@@ -132,7 +132,15 @@ def _wm_reject(header: list[Any]) -> ProtocolError:
 
 #: One valid message of each type, the base the rejection tests change field by field.
 READY: Final = wm.Ready(
-    worker_id="w", pid=10, load_ms=1.0, warmup_ms=2.0, threads=1, cpus=[0], profile="eager", profile_notes=""
+    worker_id="w",
+    pid=10,
+    load_ms=1.0,
+    warmup_ms=2.0,
+    threads=1,
+    cpus=[0],
+    profile="eager",
+    profile_notes="",
+    build_notes="",
 )
 REQUEST: Final = wm.Request(request_id=1, deadline=5.0, accepted_at=4.0, queue_ms=0.5)
 REPLY: Final = wm.Reply(request_id=1, error_code=None, message="")
@@ -546,7 +554,7 @@ def test_error_with_unknown_code_becomes_internal() -> None:
 
 
 WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
-    wm.Ready("m-0", 1234, 812.5, 40.25, 4, [0, 1, 2, 3], "jit", "jit_onednn: crashed"),
+    wm.Ready("m-0", 1234, 812.5, 40.25, 4, [0, 1, 2, 3], "jit", "jit_onednn: crashed", "compiled and cached package"),
     wm.Heartbeat(),
     wm.Request(request_id=2**64 - 1, deadline=12345.678, accepted_at=12345.0, queue_ms=0.25),
     wm.Request(request_id=0, deadline=None, accepted_at=0.0, queue_ms=0.0),

@@ -47,6 +47,11 @@ def _machine(tmp_path: Path, cpuinfo: str = XEON, governor: str | None = None, c
     (proc / "cpuinfo").write_text(cpuinfo)
     (proc / "meminfo").write_text("MemTotal:  4194304 kB\nMemAvailable:  2097152 kB\n")
     (proc / "self" / "cgroup").write_text("0::/box.slice/infervisor.service\n")
+    for index, (level, kind, size) in enumerate([("1", "Data", "48K"), ("2", "Unified", "1024K")]):
+        folder = sysfs / f"devices/system/cpu/cpu0/cache/index{index}"
+        folder.mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(value + "\n")
     if governor is not None:
         for cpu in (0, 1):
             folder = sysfs / f"devices/system/cpu/cpu{cpu}/cpufreq"
@@ -108,6 +113,8 @@ def test_doctor_passes_a_well_set_machine(tmp_path: Path) -> None:
     checks = _by_name(_config(), _machine(tmp_path, governor="performance"))
     assert {n: c.status for n, c in checks.items() if c.status is not Status.PASS} == {}
     assert len(checks) == 12
+    assert "Test Xeon, tier avx512" in checks["instruction set"].detail
+    assert "caches L1d 48K, L2 1024K" in checks["instruction set"].detail
 
 
 def test_doctor_warns_and_fails_with_a_fix_each(tmp_path: Path) -> None:

@@ -66,6 +66,17 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def cache_sizes(machine: Machine) -> str:
+    """The first CPU's caches from sysfs, e.g. `L1d 48K, L1i 32K, L2 1024K, L3 32768K` (empty when not exposed)."""
+    parts = []
+    for index in sorted((machine.sysfs / "devices/system/cpu/cpu0/cache").glob("index*")):
+        level, kind, size = (_read(index / name) for name in ("level", "type", "size"))
+        if level and size:
+            suffix = {"Data": "d", "Instruction": "i"}.get(kind or "", "")
+            parts.append(f"L{level}{suffix} {size}")
+    return ", ".join(parts)
+
+
 def check_instruction_set(config: Config, constraints: Constraints | None, machine: Machine) -> Check:
     """The CPU's tier against every profile the config's chains name."""
     caps = parse_cpuinfo(_read(machine.proc / "cpuinfo") or "")
@@ -73,6 +84,8 @@ def check_instruction_set(config: Config, constraints: Constraints | None, machi
         {f"{p} ({caps.refusal(p)})" for m in config.models.values() for p in m.profiles if caps.refusal(p)}
     )
     where = f"{caps.model_name}, tier {caps.tier}, flags {' '.join(sorted(caps.flags)) or 'none'}"
+    caches = cache_sizes(machine)
+    where += f", caches {caches}" if caches else ""
     if constraints and constraints.hardware.cpu_model and constraints.hardware.cpu_model != caps.model_name:
         return Check(
             "instruction set", Status.WARN, f"{where}; the constraints name {constraints.hardware.cpu_model!r}",
