@@ -50,6 +50,8 @@ class WorkerMessageType(enum.IntEnum):
     STOP = 7
     CANARY = 8
     CANARY_RESULT = 9
+    PROFILE = 10
+    PROFILE_RESULT = 11
 
 
 class WorkerExitCode(enum.IntEnum):

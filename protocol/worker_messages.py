@@ -113,9 +113,31 @@ class CanaryResult:
     ms: float
 
 
-WorkerMessage = Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Supervisor -> worker: run your next `requests` requests under torch.profiler and report the top operators."""
+
+    TYPE: ClassVar = WorkerMessageType.PROFILE
+    seq: int
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """Worker -> supervisor: the profiled operators as JSON text (a list of {name, calls, self_ms, total_ms})."""
+
+    TYPE: ClassVar = WorkerMessageType.PROFILE_RESULT
+    seq: int
+    requests: int
+    operators: str
+
+
+WorkerMessage = (
+    Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult
+)
 _CLASSES: dict[int, type[Any]] = {
-    cls.TYPE: cls for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult)
+    cls.TYPE: cls
+    for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult)
 }
 Checker = Callable[[Any], Any]
 

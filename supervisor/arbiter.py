@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -90,6 +91,7 @@ class Arbiter:
         self.next_monitor = 0.0
         self.canary_seq = 0
         self.broker.on_canary = self.on_canary
+        self.broker.on_profile = self.on_profile
 
     def plan(self, config: Config) -> dict[str, list[Assignment]]:
         """Core assignments per model, from the topology and the cpus this process may use."""
@@ -466,6 +468,26 @@ class Arbiter:
         for finding in findings:
             self.act(finding)
 
+    def on_profile(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
+        """Keep a worker's torch.profiler report for status (malformed operator JSON is kept as an error)."""
+        try:
+            operators = json.loads(result.operators)
+        except ValueError:
+            operators = {"error": "the worker sent operators that are not JSON"}
+        slot.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
+        log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests)
+
+    def start_profile(self, model: str, requests: int) -> dict[str, Any]:
+        """Ask one serving worker of `model` to profile its next requests; the report appears in its status."""
+        serving = [s for s in self.slots.get(model, []) if s.state is SlotState.SERVING]
+        if not serving:
+            return {"ok": False, "error": f"model {model[:128]!r} has no serving worker"}
+        self.canary_seq += 1
+        slot = serving[0]
+        if not self.broker.send_control(slot, wm.Profile(self.canary_seq, requests)):
+            return {"ok": False, "error": f"{slot.name} is not connected"}
+        return {"ok": True, "slot": slot.assignment.slot, "pid": slot.pid, "seq": self.canary_seq}
+
     def on_canary(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
         """Judge a canary: outputs on the golden inputs must still match this worker's own warm-up outputs."""
         limit = slot.model.canary_tolerance * max(1.0, result.scale)
@@ -569,7 +591,13 @@ class Arbiter:
             return {"ok": True, "queued": self.restart(model, "operator command")}
         if name in ("reload", "restart") and self.stopping:
             return {"ok": False, "error": "the daemon is stopping"}
+        if name == "profile":
+            model, requests = command.get("model"), command.get("requests", 50)
+            if not isinstance(model, str) or type(requests) is not int or not 1 <= requests <= 10_000:
+                return {"ok": False, "error": "profile needs model (a string) and requests (1..10000)"}
+            return self.start_profile(model, requests)
         if name == "reload":
             self.reload_reason = "operator command"
             return {"ok": True, "note": "reload queued; see `infervisor status` for the result"}
-        return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: status, ping, restart, reload"}
+        known = "status, ping, restart, reload, profile"
+        return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}

@@ -77,6 +77,8 @@ class Broker:
         self.counters: collections.Counter[str] = collections.Counter()
         #: Set by the arbiter: where canary results go.
         self.on_canary: Callable[[WorkerSlot, wm.CanaryResult], None] | None = None
+        #: Set by the arbiter: where profiling reports go.
+        self.on_profile: Callable[[WorkerSlot, wm.ProfileResult], None] | None = None
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
         self.shed = False
 
@@ -399,6 +401,8 @@ class Broker:
             slot.threads_seen = message.threads
         elif isinstance(message, wm.CanaryResult) and self.on_canary is not None:
             self.on_canary(slot, message)
+        elif isinstance(message, wm.ProfileResult) and self.on_profile is not None:
+            self.on_profile(slot, message)
 
     def on_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
         """A warm worker: start routing to it."""

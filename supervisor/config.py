@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, PROFILE_NAMES, ModelSource
 from protocol.tensors import TensorSpec
@@ -232,6 +234,37 @@ def _read_data_file(r: FieldReader, raw: dict[str, Any], key: str, path: str, ba
     return str(file)
 
 
+def _check_data_file(r: FieldReader, file: str | None, specs: tuple[TensorSpec, ...], where: str) -> None:
+    """A calibration/validation .npz holds one array per input, samples along dim 0, each sample fitting the spec."""
+    if file is None or not Path(file).is_file():
+        return
+    if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
+        r.fail(where, "needs inputs whose first dim is the batch (null or 1): samples are taken along it")
+        return
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as exc:
+        r.fail(where, f"cannot read {file} as .npz: {exc}")
+        return
+    samples = set()
+    for spec in specs:
+        array = arrays.get(spec.name)
+        if array is None:
+            r.fail(where, f"{file} has no array {spec.name!r} (it has {sorted(arrays)})")
+            continue
+        fits = (
+            array.ndim == len(spec.shape)
+            and array.dtype.name == spec.dtype
+            and all(want is None or want == got for want, got in zip(spec.shape[1:], array.shape[1:], strict=False))
+        )
+        if not fits:
+            r.fail(where, f"array {spec.name!r} is {array.dtype.name}{list(array.shape)}; expected {spec.describe()}")
+        samples.add(array.shape[0] if array.ndim else 0)
+    if len(samples) > 1 or 0 in samples:
+        r.fail(where, "its arrays must share a non-empty first (sample) dimension")
+
+
 def _read_model(r: FieldReader, name: str, raw: Any, base: Path) -> ModelConfig | None:
     path = f"models.{name}"
     if not _MODEL_NAME.fullmatch(name) or len(name) > MAX_NAME_LEN:
@@ -256,8 +289,11 @@ def _read_model(r: FieldReader, name: str, raw: Any, base: Path) -> ModelConfig 
     if pick not in PICK_MODES:
         r.fail(f"{path}.pick", f"must be one of {', '.join(PICK_MODES)}, got {pick!r}")
         pick = "first"
+    inputs = _read_inputs(r, raw.get("inputs"), f"{path}.inputs")
     calibration = _read_data_file(r, raw, "calibration", path, base)
     validation = _read_data_file(r, raw, "validation", path, base)
+    _check_data_file(r, calibration, inputs, f"{path}.calibration")
+    _check_data_file(r, validation, inputs, f"{path}.validation")
     threads = raw.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         r.fail(f"{path}.threads", f"must be a positive integer or null (= one per pinned cpu), got {threads!r}")
@@ -265,7 +301,7 @@ def _read_model(r: FieldReader, name: str, raw: Any, base: Path) -> ModelConfig 
     return ModelConfig(
         name=name,
         source=_read_source(r, raw.get("source"), f"{path}.source", base),
-        inputs=_read_inputs(r, raw.get("inputs"), f"{path}.inputs"),
+        inputs=inputs,
         outputs=tuple(outputs) if outputs else None,
         workers=r.integer(raw, "workers", path, 1, 1, 256),
         cores_per_worker=r.integer(raw, "cores_per_worker", path, 1, 1, 1024),

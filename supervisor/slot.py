@@ -125,6 +125,8 @@ class WorkerSlot:
     profile: str | None = None
     profile_notes: str = ""
     build_notes: str = ""
+    #: The last torch.profiler report of this process: seq, requests profiled, top operators.
+    last_profile: dict[str, object] | None = None
     #: The newest monitor finding about this slot, for status.
     last_event: dict[str, object] | None = None
 

@@ -54,6 +54,7 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "profile": slot.profile,
         "profile_skipped": [n for n in slot.profile_notes.split("; ") if n],
         "profile_build": [n for n in slot.build_notes.split("; ") if n],
+        "last_profile": slot.last_profile,
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
         "last_event": slot.last_event,

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
 import pytest
 
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
@@ -644,7 +645,9 @@ def test_a_config_file_that_is_not_utf8_is_a_file_problem(tmp_path: Path) -> Non
 def test_optimisation_keys_are_read_and_checked(tmp_path: Path) -> None:
     """pick, calibration (resolved against the config's folder) and cache_dir parse; bad values name their path."""
     calibration = tmp_path / "calib.npz"
-    calibration.write_bytes(b"")
+    np.savez(calibration, x=np.zeros((4, 16), np.float32))
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros((4, 8), np.float32))
     config = parse_config(
         _text(_model(pick="fastest", calibration="calib.npz", profiles=["int8_static", "aoti", "eager"]),
               cache_dir="/var/tmp/iv-cache"),
@@ -655,4 +658,7 @@ def test_optimisation_keys_are_read_and_checked(tmp_path: Path) -> None:
     assert model.profiles == ("int8_static", "aoti", "eager")
     _assert_problem_at(_text(_model(pick="quickest")), "models.m.pick")
     _assert_problem_at(_text(_model(calibration="nowhere.npz")), "models.m.calibration")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(_text(_model(validation="wrong.npz")), tmp_path)
+    assert any(p.startswith("models.m.validation: array 'x' is float32[4, 8]") for p in caught.value.problems)
     _assert_problem_at(_text(cache_dir=""), "cache_dir")

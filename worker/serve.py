@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,9 @@ from worker.runner import ModelRunner, tensor_from_frame, timed_ms
 
 log = structlog.get_logger("worker")
 
+#: Operators reported by a profiling session.
+_PROFILE_TOP = 15
+
 
 class WorkerLoop:
     """Owns the DEALER socket to the supervisor and the model runner."""
@@ -44,6 +48,10 @@ class WorkerLoop:
         self.last_heard = time.monotonic()
         self.last_stats = 0.0
         self.process = psutil.Process()
+        #: A torch.profiler session over the next `profile_left` requests (the PROFILE message), or None.
+        self.profiler: Any = None
+        self.profile_request: wm.Profile | None = None
+        self.profile_left = 0
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
         """Send one message; any send counts as a heartbeat."""
@@ -93,6 +101,8 @@ class WorkerLoop:
                 log.error("canary_crashed", error=f"{type(exc).__name__}: {exc}")
                 error, scale = float("inf"), 1.0
             self.send(wm.CanaryResult(message.seq, error, scale, timed_ms(started)))
+        elif isinstance(message, wm.Profile):
+            self.start_profile(message)
         elif isinstance(message, (wm.Stop, wm.Drain)):
             # Requests are served one at a time, so by the time DRAIN is read nothing is in hand.
             log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)
@@ -100,7 +110,44 @@ class WorkerLoop:
         return None
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
+        """Answer one request, inside a profiling session when one is open."""
+        self.answer(request, frames)
+        if self.profiler is not None:
+            self.profile_left -= 1
+            if self.profile_left <= 0:
+                self.finish_profile()
+
+    def start_profile(self, message: wm.Profile) -> None:
+        """Profile the next requests (a session already open is closed without a report)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+        self.profiler = profile(activities=[ProfilerActivity.CPU])
+        self.profiler.__enter__()
+        self.profile_request, self.profile_left = message, max(1, message.requests)
+
+    def finish_profile(self) -> None:
+        """Close the session and send the operators that took the most CPU themselves."""
+        profiler, request = self.profiler, self.profile_request
+        self.profiler, self.profile_request = None, None
+        profiler.__exit__(None, None, None)
+        averages = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        operators = [
+            {
+                "name": str(e.key)[:120],
+                "calls": int(e.count),
+                "self_ms": round(e.self_cpu_time_total / 1000.0, 3),
+                "total_ms": round(e.cpu_time_total / 1000.0, 3),
+            }
+            for e in averages[:_PROFILE_TOP]
+        ]
+        if request is not None:
+            self.send(wm.ProfileResult(request.seq, request.requests, json.dumps(operators)))
+
+    def answer(self, request: wm.Request, frames: list[Any]) -> None:
         """Check, run and answer one client request; a bad input or model error is a reply, never a crash."""
+        received = time.monotonic()
         if request.deadline is not None and time.monotonic() >= request.deadline:
             # It waited in this worker's pipeline past its deadline: running it would be wasted work.
             self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the model ran")
@@ -136,10 +183,14 @@ class WorkerLoop:
         descs = [TensorDesc(name, array.dtype.name, array.shape) for name, array in outputs]
         timing = {
             "queue_ms": round(request.queue_ms, 3),
+            # Broker dispatch to this worker's receive, including any wait behind earlier requests in its pipeline.
+            "dispatch_ms": round((received - request.accepted_at) * 1000.0 - request.queue_ms, 3),
             "decode_ms": round(decode_ms, 3),
             "model_ms": round(model_ms, 3),
             "encode_ms": round(timed_ms(encode_started), 3),
             "total_ms": round((time.monotonic() - request.accepted_at) * 1000.0, 3),
+            # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
+            "accepted_clock_ms": round(request.accepted_at * 1000.0, 3),
         }
         header = encode_result(infer.request_id, infer.model, descs, timing)
         self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +94,8 @@ def through_daemon(
         first = _serving(process, runtime_dir, None, args.timeout)
         control_request(runtime_dir, {"cmd": "restart"})
         again = _serving(process, runtime_dir, first["pid"], args.timeout)
+        if again["profile"] != profile:  # a build that failed in the daemon would otherwise be labelled `profile`
+            raise RuntimeError(f"the daemon served {again['profile']} instead of {profile}: {again['profile_skipped']}")
         arrays = random_inputs(inputs, 1)
         latencies: list[float] = []
         with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
@@ -105,7 +108,12 @@ def through_daemon(
                 latencies.append((time.perf_counter() - started) * 1000.0)
     finally:
         process.send_signal(signal.SIGTERM)
-        process.wait(60)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     return {
         "ready_s": round(first["ready_ms"] / 1000.0, 2),
         "restart_ready_s": round(again["ready_ms"] / 1000.0, 2),
@@ -163,7 +171,11 @@ def run_bench(args: argparse.Namespace) -> int:
                     continue
                 row["speedup"] = round(eager / row["p50_ms"], 2) if eager else None
                 if args.daemon:
-                    row.update(through_daemon(model, row["profile"], threads, spec, args, cache_dir))
+                    try:
+                        row.update(through_daemon(model, row["profile"], threads, spec, args, cache_dir))
+                    except RuntimeError as exc:  # one profile the daemon could not serve is a note, not the end
+                        row["daemon_error"] = str(exc)[:300]
+                        print(f"{model} {row['profile']}: daemon: {exc}", file=sys.stderr, flush=True)
                 rows.append(row)
                 print(format_table([row], args.batch).splitlines()[1], file=sys.stderr, flush=True)
     print(format_table(rows, args.batch))

@@ -38,7 +38,10 @@ def _child(launch: LaunchSpec, profile: str, args: argparse.Namespace, cache_dir
         "--threads", str(args.threads), "--batch", str(args.batch), "--seconds", str(args.seconds),
         "--cache-dir", str(cache_dir), "--started-at", repr(time.time()),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"profile": profile, "skipped": f"measurement took longer than --timeout {args.timeout:.0f} s"}
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or len(rows) < 2:
         return {"profile": profile, "skipped": f"measurement failed ({done.returncode}): {done.stderr[-300:]}"}

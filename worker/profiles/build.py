@@ -101,7 +101,8 @@ def _packaged(name: str, context: BuildContext) -> Built:
         raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
     cache = context.cache
     static_specs = tuple(
-        TensorSpec(s.name, s.dtype, tuple(t.shape)) for s, t in zip(context.specs, context.example, strict=True)
+        TensorSpec(s.name, s.dtype, tuple(t.shape), s.allow_non_finite)
+        for s, t in zip(context.specs, context.example, strict=True)
     )
 
     def package(specs: tuple[TensorSpec, ...], shapes: str) -> Any:
@@ -124,9 +125,8 @@ def _packaged(name: str, context: BuildContext) -> Built:
     static = package(static_specs, "static")
     if static_specs == context.specs:
         return Built(static, notes)
-    return Built(
-        ShapeDispatch(static, [tuple(t.shape) for t in context.example], package(context.specs, "dynamic")), notes
-    )
+    dynamic = package(context.specs, "dynamic")
+    return Built(ShapeDispatch(static, [tuple(t.shape) for t in context.example], dynamic, context.specs), notes)
 
 
 def build_profile(name: str, context: BuildContext) -> Built:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import os
@@ -43,7 +44,12 @@ def model_digest(module: Any, source: ModelSource) -> str:
         _hash_file(digest, Path(code_file))
     state = module.state_dict() if hasattr(module, "state_dict") else {}
     for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
+        value = state[name]
+        if not isinstance(value, torch.Tensor) or value.is_quantized or value.layout != torch.strided:
+            # Packed params, dtypes, extra state: their repr is what identifies them (stable per torch version).
+            digest.update(f"{name}:{value!r}".encode())
+            continue
+        tensor = value.detach().cpu().contiguous()
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         # Flattened first: a 0-d buffer (BatchNorm's counter) cannot be viewed as bytes.
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
@@ -57,15 +63,43 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: Bumped whenever how infervisor exports, quantizes or compiles changes: old packages are then not reused.
+CACHE_FORMAT = 2
+
+
+def _cpu_flags_digest() -> str:
+    """The full flag list of this CPU: inductor compiles for the exact machine (-march=native), not a tier."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.partition(":")[2] for line in text.splitlines() if line.startswith("flags")), "")
+    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+
+
+def _torchao_version() -> str | None:
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def artifact_key(model: str, profile: str, specs: tuple[TensorSpec, ...], options: dict[str, Any]) -> dict[str, Any]:
-    """What a compiled artifact depends on, as a JSON-able map (its sha256 names the file)."""
+    """What a compiled artifact depends on, as a JSON-able map (its sha256 names the file).
+
+    The full CPU flag list is part of it: a cache directory copied to another box (an image, NFS)
+    never hands that box a package built for other flags, where it could die of SIGILL.
+    """
     return {
+        "format": CACHE_FORMAT,
         "model": model,
         "profile": profile,
         "inputs": [[s.name, s.dtype, list(s.shape)] for s in specs],
         "options": options,
         "torch": torch.__version__,
+        "torchao": _torchao_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": _cpu_flags_digest(),
     }
 
 

@@ -37,8 +37,14 @@ def traceable_example(example: Inputs, specs: Sequence[TensorSpec]) -> Inputs:
 
 
 def dynamic_shapes(specs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:
-    """Export's dynamic_shapes for the spec: AUTO lets export tie together dims the model relates."""
-    return tuple({i: torch.export.Dim.AUTO for i, d in enumerate(s.shape) if d is None} for s in specs)
+    """Export's dynamic_shapes for the spec.
+
+    DYNAMIC, not AUTO: AUTO silently bakes a dim the model forces to one size into a constant, and a
+    package does not check input shapes at run time (a wrong size reads out of bounds). DYNAMIC makes
+    export refuse instead, which skips the profile with the reason. Related dims (input_ids and
+    attention_mask sharing a batch) are still tied together by export.
+    """
+    return tuple({i: torch.export.Dim.DYNAMIC for i, d in enumerate(s.shape) if d is None} for s in specs)
 
 
 def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.export.ExportedProgram:
@@ -109,16 +115,26 @@ class PackageRunner:
 
 
 class ShapeDispatch:
-    """The package compiled for exactly the example's shapes when the inputs have them, else the dynamic one."""
+    """The package compiled for exactly the example's shapes when the inputs have them, else the dynamic one.
 
-    def __init__(self, static: Any, static_shapes: list[tuple[int, ...]], dynamic: Any) -> None:
+    The dynamic package was exported at size 2, so export gave its dynamic dims the range [2, inf):
+    a size of 1 there is only served at the example's shapes, and is refused (not run) otherwise.
+    """
+
+    def __init__(self, static: Any, static_shapes: list[tuple[int, ...]], dynamic: Any, specs: Sequence[TensorSpec]):
         self.static = static
         self.static_shapes = static_shapes
         self.dynamic = dynamic
+        self.dynamic_dims = [[i for i, d in enumerate(s.shape) if d is None] for s in specs]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        if [tuple(t.shape) for t in inputs] == self.static_shapes:
+        shapes = [tuple(t.shape) for t in inputs]
+        if shapes == self.static_shapes:
             return self.static(*inputs)
+        if any(shape[i] < 2 for shape, dims in zip(shapes, self.dynamic_dims, strict=True) for i in dims):
+            raise ValueError(
+                f"this compiled profile serves a size of 1 in a dynamic dim only at shapes {self.static_shapes}"
+            )
         return self.dynamic(*inputs)
 
 

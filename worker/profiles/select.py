@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -64,7 +66,8 @@ def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> li
     names = [spec.name for spec in runner.specs]
     dynamic = any(d is None for spec in runner.specs for d in spec.shape)
     if not validation:
-        batches = [1, 2] if dynamic else [1]
+        # 3, not 2: packages are exported at 2, so only another size shows a batch baked into the graph.
+        batches = [1, 3] if dynamic else [1]
         return [runner.example_inputs(batch=b) for b in batches]
     samples = [dict(zip(names, sample, strict=True)) for sample in validation[:_MAX_CASES]]
     if not dynamic:
@@ -231,29 +234,43 @@ def _timing_text(timings: dict[str, float]) -> str:
 
 def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection:
     skipped: list[str] = []
-    passed: list[_Candidate] = []
+    slower: list[str] = []
+    timings: dict[str, float] = {}
+    best: _Candidate | None = None
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
             outcome.median_ms = trial.time(outcome)
-            passed.append(outcome)
+            timings[name] = round(outcome.median_ms, 4)
+            # Only the fastest so far stays alive: every candidate holds its own weights (or packages).
+            loser = outcome if best is not None and outcome.median_ms >= best.median_ms else best
+            best = outcome if loser is not outcome else best
+            if loser is not None:
+                slower.append(f"{loser.name}: passed (cosine {loser.cosine:.5f}), {loser.median_ms:.3g} ms (slower)")
         else:
             skipped.append(f"{name}: {outcome}")
         trial.reset()
-    if not passed:
+    if best is None:
         return _last_resort(trial, chain, skipped)
-    best = min(passed, key=lambda c: c.median_ms)
-    timings = {c.name: round(c.median_ms, 4) for c in passed}
-    skipped += [
-        f"{c.name}: passed (cosine {c.cosine:.5f}), {c.median_ms:.3g} ms (slower)" for c in passed if c is not best
-    ]
+    skipped += slower
     trial.install(best)
-    path = _decision_path(context, chain, tolerance)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"profile": best.name, "timings_ms": timings, "skipped": skipped}))
-        temporary.replace(path)
+    _remember(
+        _decision_path(context, chain, tolerance), {"profile": best.name, "timings_ms": timings, "skipped": skipped}
+    )
     notes = [*best.built.notes, _built_in(best), f"fastest of {_timing_text(timings)}"]
     log.info("profile_selected", profile=best.name, pick="fastest", timings_ms=timings, skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)
+
+
+def _remember(path: Path | None, decision: dict[str, object]) -> None:
+    """Store a fastest-pick decision atomically; siblings may write the same one at once, and losing it is harmless."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(decision, file)
+        os.replace(temporary, path)
+    except OSError as exc:  # a full or read-only cache only costs the next restart a new pick
+        log.warning("pick_not_remembered", path=str(path), error=str(exc))

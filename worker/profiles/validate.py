@@ -49,6 +49,8 @@ def compare(reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[An
     rows = {r.shape[0] for r in reference if r.ndim >= 1}
     per_row = len(rows) == 1 and all(r.ndim >= 1 for r in reference) and rows.pop() > 0
     count = reference[0].shape[0] if per_row else 1
+    if per_row and sum(r.size for r in reference) == count:
+        count = 1  # one value per sample: a per-row cosine would only compare signs, so the batch is one vector
     want = np.concatenate([r.astype(np.float64).reshape(count, -1) for r in reference], axis=1)
     got = np.concatenate([c.astype(np.float64).reshape(count, -1) for c in candidate], axis=1)
     if not np.isfinite(got).all():
