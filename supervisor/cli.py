@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     doctor.add_argument("--json", action="store_true")
     from supervisor.commands.optimize import add_parser as add_optimize
+    from supervisor.commands.probe import add_parser as add_probe
 
     add_optimize(sub)
+    add_probe(sub)
     return parser
 
 
@@ -85,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "probe":
+        from supervisor.commands.probe import run_probe
+
+        return run_probe(args)
     if args.command == "optimize":
         from supervisor.commands.optimize import run_optimize
 

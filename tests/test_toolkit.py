@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import pytest
 from supervisor.config import Config, parse_config
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints, parse_constraints
 from supervisor.toolkit.doctor import Machine, Status, run_checks
-from tests.conftest import ROOT
+from supervisor.toolkit.probe import STAGES, Sample, parse_perf_stat, stage_table, where_time_goes
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 from tests.test_planner import make_sysfs
 
 EXAMPLE = ROOT / "configs" / "constraints.example.json"
@@ -201,3 +203,59 @@ def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path:
     written = parse_config(config.read_text(), tmp_path).models["tiny"]
     assert written.profiles[-1] == "eager" and "bf16" not in written.profiles
     assert written.tolerance["min_cosine"] == 0.999999
+
+
+def test_stage_split_sums_to_the_round_trip_and_names_the_biggest() -> None:
+    """Client clocks plus the reply's timing split a round trip into stages that add up exactly."""
+    timing = {"accepted_clock_ms": 1000.5, "queue_ms": 0.2, "dispatch_ms": 0.3, "decode_ms": 0.1,
+              "model_ms": 5.0, "encode_ms": 0.1, "total_ms": 5.7}  # fmt: skip
+    sample = Sample(sent_clock_ms=1000.0, received_clock_ms=1007.0, timing=timing)
+    stages = sample.stages()
+    assert stages["send"] == pytest.approx(0.5) and stages["reply"] == pytest.approx(0.8)
+    assert sum(stages[s] for s in STAGES) == pytest.approx(stages["round_trip"]) == pytest.approx(7.0)
+    table = stage_table([sample, Sample(1000.0, 1009.0, {**timing, "model_ms": 7.0, "total_ms": 7.7})])
+    assert table["model"]["p50_ms"] == 5.0 and table["model"]["p99_ms"] == 7.0
+    assert where_time_goes(table).startswith("model (worker: forward pass) takes")
+
+
+def test_perf_stat_output_gives_rates_or_says_why_not() -> None:
+    """Counted events give IPC and miss rates; a VM without a PMU gives the reason instead of numbers."""
+    counted = "\n".join(
+        f"{value},,{event},1000,100.00,,"
+        for event, value in (("cycles", 1000), ("instructions", 2500), ("cache-references", 200),
+                             ("cache-misses", 10), ("branches", 400), ("branch-misses", 4))
+    )  # fmt: skip
+    rates = parse_perf_stat(counted)
+    assert rates["available"] and (rates["ipc"], rates["cache_miss_rate"], rates["branch_miss_rate"]) == (
+        2.5,
+        0.05,
+        0.01,
+    )
+    hidden = parse_perf_stat("<not supported>,,cycles,0,100.00,,\n<not supported>,,instructions,0,100.00,,")
+    assert not hidden["available"] and "cycles <not supported>" in hidden["why"]
+
+
+def test_probe_against_a_live_daemon_reports_stages_counters_and_operators(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """`infervisor probe` under a bounded load: every stage's percentiles, counters or why not, the worker's ops."""
+    daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
+    daemon.wait_ready()
+    assert "no serving worker" in daemon.control({"cmd": "profile", "model": "nope"})["error"]
+    assert "requests (1..10000)" in daemon.control({"cmd": "profile", "model": "tiny", "requests": 0})["error"]
+    report = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "probe", "--model", "tiny", "--runtime-dir", str(daemon.runtime_dir),
+         "--qps", "50", "--duration", "2", "--profile-requests", "10", "--json", str(report)],
+        capture_output=True, text=True, cwd=ROOT, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = json.loads(report.read_text())
+    assert probe["errors"] == 0 and probe["samples"] >= 90
+    assert set(probe["stages"]) == {*STAGES, "round_trip"}
+    assert all(probe["stages"][s]["p50_ms"] <= probe["stages"][s]["p99.9_ms"] for s in STAGES)
+    assert "available" in probe["counters"] and (probe["counters"]["available"] or probe["counters"]["why"])
+    assert probe["profiled_requests"] == 10 and any(
+        "linear" in op["name"] or "addmm" in op["name"] for op in probe["operators"]
+    )
+    assert "where the time goes:" in done.stdout

@@ -1,0 +1,182 @@
+"""`infervisor probe`: the three probes of seed 2 under one bounded load against a running daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from protocol.client import Client
+from protocol.constants import CLIENT_SOCKET_NAME
+from protocol.errors import InferenceError
+from supervisor.commands.infer import random_inputs
+from supervisor.control import ControlError, control_request
+from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.toolkit.probe import (
+    STAGE_MEANING,
+    STAGES,
+    Sample,
+    parse_perf_stat,
+    perf_stat_command,
+    run_perf,
+    stage_table,
+    where_time_goes,
+)
+
+
+def paced_load(
+    endpoint: str, model: str, inputs: dict[str, Any], qps: float, seconds: float, clients: int
+) -> tuple[list[Sample], int]:
+    """`clients` threads sending at `qps` in total for `seconds` (bounded in time and count); samples and errors."""
+    samples: list[Sample] = []
+    errors = [0]
+    lock = threading.Lock()
+    start = time.monotonic() + 0.2
+    interval = clients / qps
+    count = max(1, int(qps * seconds / clients))
+
+    def run(offset: int) -> None:
+        with Client(endpoint) as client:
+            for k in range(count):
+                due = start + (offset / clients + k) * interval
+                time.sleep(max(0.0, due - time.monotonic()))
+                sent = time.monotonic() * 1000.0
+                try:
+                    _, timing = client.infer_with_timing(model, inputs, timeout=30)
+                except InferenceError:
+                    with lock:
+                        errors[0] += 1
+                    continue
+                received = time.monotonic() * 1000.0
+                with lock:
+                    samples.append(Sample(sent, received, timing))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 60)
+    return samples, errors[0]
+
+
+def _wait_profile(runtime_dir: Path, model: str, seq: int, timeout: float) -> dict[str, Any] | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = control_request(runtime_dir, {"cmd": "status"})
+        for worker in status["models"][model]["workers"]:
+            report = worker.get("last_profile")
+            if report and report.get("seq") == seq:
+                return dict(report)
+        time.sleep(0.2)
+    return None
+
+
+def _profile(
+    runtime_dir: Path, endpoint: str, model: str, inputs: dict[str, Any], requests: int
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Ask one worker to profile, feed it that many requests (every worker gets some), collect its report."""
+    started = control_request(runtime_dir, {"cmd": "profile", "model": model, "requests": requests})
+    if not started.get("ok"):
+        return started, None
+    status = control_request(runtime_dir, {"cmd": "status"})
+    workers = max(1, sum(1 for w in status["models"][model]["workers"] if w["state"] == "serving"))
+    with Client(endpoint) as client:
+        for _ in range(requests * workers):
+            try:
+                client.infer(model, inputs, timeout=30)
+            except InferenceError:
+                continue
+    return started, _wait_profile(runtime_dir, model, int(started["seq"]), 30.0)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Stages, counters, operators, and the one-line answer."""
+    table = report["stages"]
+    lines = [f"{report['samples']} requests at {report['qps']:g} QPS for {report['duration_s']:g} s, "
+             f"{report['errors']} errors", "",
+             f"{'stage':<11} {'P50 ms':>9} {'P99 ms':>9} {'P99.9 ms':>9}  what"]  # fmt: skip
+    for stage in (*STAGES, "round_trip"):
+        row = table[stage]
+        lines.append(
+            f"{stage:<11} {row['p50_ms']:>9.3f} {row['p99_ms']:>9.3f} {row['p99.9_ms']:>9.3f}  "
+            f"{STAGE_MEANING.get(stage, 'client send -> client receive')}"
+        )
+    lines += ["", f"where the time goes: {report['verdict']}", ""]
+    counters = report["counters"]
+    if counters.get("available"):
+        lines.append(
+            f"hardware counters (workers): IPC {counters['ipc']}, cache-miss rate {counters['cache_miss_rate']}, "
+            f"branch-miss rate {counters['branch_miss_rate']}"
+        )
+    else:
+        lines.append(f"hardware counters: not available: {counters['why']}")
+    profile = report.get("operators")
+    if profile:
+        where = f"worker pid {report['profiled_pid']} over {report['profiled_requests']} requests"
+        lines += ["", f"torch.profiler in {where}:", f"  {'self ms':>9} {'total ms':>9} {'calls':>6}  operator"]
+        lines += [
+            f"  {op['self_ms']:>9.3f} {op['total_ms']:>9.3f} {op['calls']:>6}  {op['name']}" for op in profile[:10]
+        ]
+    else:
+        lines.append("torch.profiler: no report from the worker (it served fewer requests than asked?)")
+    return "\n".join(lines)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """Probe, print, write JSON; exit 2 when the daemon or the model is not there."""
+    runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
+    try:
+        status = control_request(runtime_dir, {"cmd": "status"})
+    except ControlError as exc:
+        print(f"infervisor probe: {exc}")
+        return 2
+    model = status["models"].get(args.model)
+    if model is None:
+        print(f"infervisor probe: no model {args.model!r}; serving {sorted(status['models'])}")
+        return 2
+    pids = [w["pid"] for w in model["workers"] if w["state"] == "serving"]
+    if not pids:
+        print(f"infervisor probe: {args.model} has no serving worker")
+        return 2
+    perf = run_perf(perf_stat_command(pids, args.duration))
+    inputs = random_inputs(model["inputs"], args.batch)
+    endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
+    samples, errors = paced_load(endpoint, args.model, inputs, args.qps, args.duration, args.clients)
+    counters: dict[str, Any] = {"available": False, "why": "perf is not installed"}
+    if perf is not None:
+        _, stderr = perf.communicate(timeout=args.duration + 30)
+        counters = parse_perf_stat(stderr)
+    # The profiler runs after the timed load: starting it stalls the worker, and its overhead would be timed.
+    started, operators = _profile(runtime_dir, endpoint, args.model, inputs, args.profile_requests)
+    if not samples:
+        print(f"infervisor probe: no request succeeded ({errors} errors)")
+        return 1
+    table = stage_table(samples)
+    report = {
+        "model": args.model, "qps": args.qps, "duration_s": args.duration, "samples": len(samples), "errors": errors,
+        "stages": table, "verdict": where_time_goes(table), "counters": counters,
+        "operators": operators["operators"] if operators else None,
+        "profiled_pid": started.get("pid"), "profiled_requests": operators["requests"] if operators else 0,
+    }  # fmt: skip
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """The subcommand's arguments."""
+    parser = sub.add_parser("probe", help="per-stage timings, hardware counters and torch operators under load")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--runtime-dir")
+    parser.add_argument("--qps", type=float, default=20.0, help="offered load, all clients together")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--profile-requests", type=int, default=50, help="requests one worker runs under torch.profiler"
+    )
+    parser.add_argument("--json", help="also write the report here")
