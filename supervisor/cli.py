@@ -60,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     doctor.add_argument("--json", action="store_true")
+    from supervisor.commands.harden import add_parser as add_harden
     from supervisor.commands.optimize import add_parser as add_optimize
     from supervisor.commands.probe import add_parser as add_probe
 
     add_optimize(sub)
     add_probe(sub)
+    add_harden(sub)
     return parser
 
 
@@ -87,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "harden":
+        from supervisor.commands.harden import run_harden
+
+        return run_harden(args)
     if args.command == "probe":
         from supervisor.commands.probe import run_probe
 

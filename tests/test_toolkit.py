@@ -259,3 +259,26 @@ def test_probe_against_a_live_daemon_reports_stages_counters_and_operators(
         "linear" in op["name"] or "addmm" in op["name"] for op in probe["operators"]
     )
     assert "where the time goes:" in done.stdout
+
+
+def test_harden_runs_every_check_against_a_live_daemon_and_fails_an_impossible_p99(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Short mode: polluted input, memory pressure, chaos and thermal pass; a 0.001 ms P99 fails the soak (exit 1)."""
+    config = {"oversubscribe": True, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS, workers=2)}}
+    daemon = start_daemon(config)
+    daemon.wait_ready()
+    constraints = tmp_path / "constraints.json"
+    constraints.write_text(json.dumps(_constraints(sla__p99_ms=0.001)))
+    results_path = tmp_path / "harden.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "harden", "--model", "tiny", "--runtime-dir", str(daemon.runtime_dir),
+         "--duration", "6", "--hog-mb", "128", "--constraints", str(constraints), "--json", str(results_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    results = {r["name"]: r for r in json.loads(results_path.read_text())}
+    assert [n for n, r in results.items() if not r["passed"]] == ["soak"], done.stdout
+    assert set(results["polluted input"]["numbers"]["outcomes"]) >= {"NaN", "inf", "wrong shape", "truncated frame"}
+    assert results["chaos"]["numbers"]["lost"] == 0 and len(results["chaos"]["numbers"]["events"]) == 2
+    assert "FAILED: 4/5 checks" in done.stdout

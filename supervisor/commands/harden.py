@@ -1,0 +1,59 @@
+"""`infervisor harden`: the Stability Hardening Protocol against a running daemon, pass/fail per check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from protocol.constants import CLIENT_SOCKET_NAME
+from supervisor.commands.infer import random_inputs
+from supervisor.control import ControlError, control_request
+from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.toolkit.constraints import ConstraintsError, load_constraints
+from supervisor.toolkit.harden import Target, run_protocol
+
+
+def run_harden(args: argparse.Namespace) -> int:
+    """Run the checks, print one line each, exit 1 when any failed (2 when the daemon or inputs are wrong)."""
+    runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
+    try:
+        constraints = load_constraints(Path(args.constraints)) if args.constraints else None
+        status = control_request(runtime_dir, {"cmd": "status"})
+    except (ConstraintsError, ControlError) as exc:
+        print(f"infervisor harden: {exc}")
+        return 2
+    model = status["models"].get(args.model)
+    if model is None:
+        print(f"infervisor harden: no model {args.model!r}; serving {sorted(status['models'])}")
+        return 2
+    target = Target(
+        runtime_dir, f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}", args.model, random_inputs(model["inputs"], 1)
+    )
+    p99_limit = constraints.sla.p99_ms if constraints else None
+    results = run_protocol(
+        target, args.duration, args.hog_mb, p99_limit, args.chaos,
+        progress=lambda line: print(f"  ... {line}", file=sys.stderr, flush=True),
+    )  # fmt: skip
+    for result in results:
+        print(f"[{'pass' if result.passed else 'FAIL'}] {result.name:<18} {result.detail}")
+    passed = all(r.passed for r in results)
+    print(f"{'PASSED' if passed else 'FAILED'}: {sum(r.passed for r in results)}/{len(results)} checks")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2, default=str))
+    return 0 if passed else 1
+
+
+def add_parser(sub: Any) -> None:
+    """The subcommand's arguments."""
+    parser = sub.add_parser("harden", help="stability hardening against a running daemon: pass/fail per check")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--runtime-dir")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds, split between the timed checks")
+    parser.add_argument("--constraints", help="constraints.json: the soak's P99 limit")
+    parser.add_argument("--hog-mb", type=int, default=512, help="memory the pressure check allocates")
+    parser.add_argument("--no-chaos", dest="chaos", action="store_false", help="skip kill -9 / SIGSTOP of workers")
+    parser.add_argument("--json", help="also write the results here")
