@@ -63,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     from supervisor.commands.harden import add_parser as add_harden
     from supervisor.commands.optimize import add_parser as add_optimize
     from supervisor.commands.probe import add_parser as add_probe
+    from supervisor.commands.report import add_parser as add_report
 
     add_optimize(sub)
     add_probe(sub)
     add_harden(sub)
+    add_report(sub)
     return parser
 
 
@@ -89,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "report":
+        from supervisor.commands.report import run_report
+
+        return run_report(args)
     if args.command == "harden":
         from supervisor.commands.harden import run_harden
 

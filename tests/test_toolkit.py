@@ -282,3 +282,66 @@ def test_harden_runs_every_check_against_a_live_daemon_and_fails_an_impossible_p
     assert set(results["polluted input"]["numbers"]["outcomes"]) >= {"NaN", "inf", "wrong shape", "truncated frame"}
     assert results["chaos"]["numbers"]["lost"] == 0 and len(results["chaos"]["numbers"]["events"]) == 2
     assert "FAILED: 4/5 checks" in done.stdout
+
+
+def _evidence_files(tmp_path: Path, soak_passed: bool) -> list[str]:
+    """optimize/probe/harden JSON as those commands write them, for a report that is met unless the soak failed."""
+    optimize = {
+        "model": "tiny",
+        "chain": ["int8_static", "eager"],
+        "verdict": {"met": True, "profile": "int8_static", "reasons": []},
+        "rows": [
+            {
+                "profile": "int8_static",
+                "cosine": 0.999,
+                "p50_ms": 1.0,
+                "p99_ms": 2.0,
+                "qps": 900.0,
+                "rss_mb": 300.0,
+                "cold_start_s": 30.0,
+                "restart_s": 1.5,
+                "risk": "calibration",
+            }
+        ],
+    }
+    stages = {s: {"p50_ms": 0.1, "p99_ms": 0.2, "p99.9_ms": 0.3} for s in (*STAGES, "round_trip")}
+    probe = {
+        "stages": stages,
+        "verdict": "model takes 80%",
+        "counters": {"available": False, "why": "no PMU"},
+        "operators": [{"name": "aten::linear", "calls": 10, "self_ms": 1.0, "total_ms": 2.0}],
+        "round_trip_ms": [0.1 * (i % 7 + 1) for i in range(200)],
+    }
+    series = [{"t_s": t, "p99_ms": 0.2, "rss_mb": {"101": 300.0 + t}, "max_abs_drift": 0.0} for t in (1, 2, 3)]
+    harden = [{"name": "polluted input", "passed": True, "detail": "clear errors", "numbers": {}},
+              {"name": "soak", "passed": soak_passed, "detail": "worst interval P99 0.2 ms",
+               "numbers": {"series": series}}]  # fmt: skip
+    paths = []
+    for name, data in (("optimize", optimize), ("probe", probe), ("harden", harden)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        paths += [f"--{name}", str(path)]
+    return paths
+
+
+@pytest.mark.parametrize("soak_passed", [True, False])
+def test_report_opens_with_the_verdict_and_embeds_the_evidence(tmp_path: Path, soak_passed: bool) -> None:
+    """The HTML starts with "SLA met, by <profile>" (exit 0), or "not met" with the failed check (exit 1)."""
+    config = _tiny_config(tmp_path)
+    out = tmp_path / "report.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "report", "--config", str(config), "--constraints", str(EXAMPLE),
+         *_evidence_files(tmp_path, soak_passed), "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
+    )  # fmt: skip
+    page = out.read_text()
+    first_heading = page[page.index("<h1") : page.index("</h1>")]
+    if soak_passed:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "VERDICT: SLA met, by profile int8_static" in first_heading
+    else:
+        assert done.returncode == 1 and "VERDICT: SLA not met" in first_heading
+        assert "harden: soak failed: worst interval P99 0.2 ms" in page
+    assert "int8_static → eager" in page and "aten::linear" in page and "Doctor" in page
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "data:image/png;base64," in page

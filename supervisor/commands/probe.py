@@ -160,6 +160,7 @@ def run_probe(args: argparse.Namespace) -> int:
         "stages": table, "verdict": where_time_goes(table), "counters": counters,
         "operators": operators["operators"] if operators else None,
         "profiled_pid": started.get("pid"), "profiled_requests": operators["requests"] if operators else 0,
+        "round_trip_ms": [round(s.stages()["round_trip"], 4) for s in samples],
     }  # fmt: skip
     print(format_report(report))
     if args.json:
