@@ -59,6 +59,7 @@ def _machine(tmp_path: Path, cpuinfo: str = XEON, governor: str | None = None, c
             folder = sysfs / f"devices/system/cpu/cpu{cpu}/cpufreq"
             folder.mkdir(parents=True)
             (folder / "scaling_governor").write_text(governor + "\n")
+            (folder / "scaling_cur_freq").write_text("2900000\n")
     if cpu_max is not None:
         folder = sysfs / "fs/cgroup/box.slice"
         folder.mkdir(parents=True)
@@ -117,6 +118,7 @@ def test_doctor_passes_a_well_set_machine(tmp_path: Path) -> None:
     assert len(checks) == 12
     assert "Test Xeon, tier avx512" in checks["instruction set"].detail
     assert "caches L1d 48K, L2 1024K" in checks["instruction set"].detail
+    assert checks["CPU governor"].detail == "performance on [0, 1]; now 2900-2900 MHz"
 
 
 def test_doctor_warns_and_fails_with_a_fix_each(tmp_path: Path) -> None:

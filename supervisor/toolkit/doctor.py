@@ -188,10 +188,18 @@ def check_governor(config: Config, constraints: Constraints | None, machine: Mac
             governors.setdefault(value, []).append(cpu)
     may_change = constraints is None or constraints.operations.kernel_params_changeable
     if not governors:
-        return Check("CPU governor", Status.WARN, "cpufreq is not exposed (a VM or a locked BIOS): frequency unknown",
+        mhz = sorted({line.partition(":")[2].strip() for line in (_read(machine.proc / "cpuinfo") or "").splitlines()
+                      if line.startswith("cpu MHz")})  # fmt: skip
+        clock = f"; /proc/cpuinfo reports {', '.join(mhz)} MHz" if mhz else ""
+        return Check("CPU governor", Status.WARN, f"cpufreq is not exposed (a VM or a locked BIOS){clock}",
                      "check the host's or BIOS's power profile: clock changes cannot be seen from here")  # fmt: skip
     slow = {g: c for g, c in governors.items() if g != "performance"}
     detail = ", ".join(f"{g} on {c}" for g, c in governors.items())
+    current = [
+        _read(machine.sysfs / f"devices/system/cpu/cpu{c}/cpufreq/scaling_cur_freq") for c in machine.allowed_cpus
+    ]
+    khz = [int(v) for v in current if v and v.isdigit()]
+    detail += f"; now {min(khz) // 1000}-{max(khz) // 1000} MHz" if khz else ""
     if slow:
         fix = ("cpupower frequency-set -g performance" if may_change
                else "the constraints forbid kernel changes: ask the site to set the performance governor")  # fmt: skip
