@@ -17,7 +17,7 @@ from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, TINY_INPUTS, Daemon, mo
 from worker.cpu_caps import parse_cpuinfo, read_caps
 from worker.models import build_builtin
 from worker.profiles.build import BuildContext, ProfileError, build_profile
-from worker.profiles.cache import ArtifactCache, model_digest
+from worker.profiles.cache import ArtifactCache, CachedBuildFailure, model_digest
 from worker.profiles.calibration import CalibrationError, load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance, compare
@@ -260,3 +260,26 @@ def test_the_int8_gate_on_real_minilm_weights_refuses_what_random_weights_would_
     per_sentence = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
     assert 0.98 <= per_sentence.min() < 0.9999, per_sentence
     np.testing.assert_allclose(exact, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_build_is_remembered_and_leftovers_are_swept(tmp_path: Path) -> None:
+    """A failing compile is not retried by every sibling; a killed build's temp file is removed; success caches."""
+    cache = ArtifactCache(tmp_path)
+    key = {"k": 1}
+    path = cache.path_for("aoti", key)
+    calls: list[Path] = []
+
+    def failing(target: Path) -> None:
+        calls.append(target)
+        raise RuntimeError("c++ compile failed")
+
+    with pytest.raises(RuntimeError, match="c\\+\\+ compile failed"):
+        cache.get_or_build(path, key, failing)
+    with pytest.raises(CachedBuildFailure, match="RuntimeError: c\\+\\+ compile failed"):
+        cache.get_or_build(path, key, failing)
+    assert len(calls) == 1 and not list(tmp_path.glob("*.tmp.pt2"))
+    path.with_suffix(".failed").unlink()
+    (tmp_path / f"{path.stem}abc.tmp.pt2").write_bytes(b"half a package")
+    assert cache.get_or_build(path, key, lambda target: target.write_bytes(b"package")) is False
+    assert path.read_bytes() == b"package" and not list(tmp_path.glob("*.tmp.pt2"))
+    assert cache.get_or_build(path, key, failing) is True and len(calls) == 1

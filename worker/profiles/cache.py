@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,12 @@ from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
 
 _CHUNK = 1 << 20
+#: How long a failed build is answered from its marker before a worker tries to compile it again.
+FAILED_RETRY_S = 3600.0
+
+
+class CachedBuildFailure(Exception):
+    """This key's build failed recently; the message is that failure's."""
 
 
 def _hash_file(digest: Any, path: Path) -> None:
@@ -126,18 +133,35 @@ class ArtifactCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def get_or_build(self, path: Path, key: dict[str, Any], build: Callable[[Path], None]) -> bool:
-        """Make sure `path` holds the artifact (building it into a temp file first); True on a cache hit."""
+        """Make sure `path` holds the artifact (building it into a temp file first); True on a cache hit.
+
+        A build that failed is remembered for FAILED_RETRY_S: the siblings waiting on the lock, and
+        workers respawned meanwhile, get its error at once instead of each paying the compile again.
+        """
         with self.locked(path):
             if path.exists():
                 return True
+            failed = path.with_suffix(".failed")
+            if failed.exists() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
+                raise CachedBuildFailure(f"{failed.read_text()[:400]} (remembered in {failed.name})")
+            self._sweep(path.stem)
             handle, temporary = tempfile.mkstemp(dir=self.root, prefix=path.stem, suffix=".tmp.pt2")
             os.close(handle)
             try:
                 build(Path(temporary))
                 # A crash mid-write leaves only a .tmp file; readers only ever see complete packages.
                 os.replace(temporary, path)
+            except Exception as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 if os.path.exists(temporary):
                     os.unlink(temporary)
+            failed.unlink(missing_ok=True)
             path.with_suffix(".json").write_text(json.dumps(key, indent=1, sort_keys=True))
             return False
+
+    def _sweep(self, stem: str) -> None:
+        """Remove temp files a killed build of this key left behind (we hold its lock, so none is in use)."""
+        for leftover in self.root.glob(f"{stem}*.tmp.pt2"):
+            leftover.unlink(missing_ok=True)
