@@ -87,3 +87,12 @@ def control_request(runtime_dir: Path, command: dict[str, Any], timeout: float =
         return answer
     finally:
         socket.close()
+
+
+def model_status(runtime_dir: Path, model: str) -> dict[str, Any]:
+    """The status entry of one served model; ControlError when the daemon or the model is not there."""
+    models: dict[str, Any] = control_request(runtime_dir, {"cmd": "status"})["models"]
+    if model not in models:
+        raise ControlError(f"no model {model!r}; serving {sorted(models)}")
+    entry: dict[str, Any] = models[model]
+    return entry

@@ -11,7 +11,7 @@ from typing import Any
 
 from protocol.constants import CLIENT_SOCKET_NAME
 from supervisor.commands.infer import random_inputs
-from supervisor.control import ControlError, control_request
+from supervisor.control import ControlError, model_status
 from supervisor.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.harden import Target, run_protocol
@@ -22,13 +22,9 @@ def run_harden(args: argparse.Namespace) -> int:
     runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
     try:
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-        status = control_request(runtime_dir, {"cmd": "status"})
+        model = model_status(runtime_dir, args.model)
     except (ConstraintsError, ControlError) as exc:
         print(f"infervisor harden: {exc}")
-        return 2
-    model = status["models"].get(args.model)
-    if model is None:
-        print(f"infervisor harden: no model {args.model!r}; serving {sorted(status['models'])}")
         return 2
     target = Target(
         runtime_dir, f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}", args.model, random_inputs(model["inputs"], 1)

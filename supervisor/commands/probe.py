@@ -13,7 +13,7 @@ from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from protocol.errors import InferenceError
 from supervisor.commands.infer import random_inputs
-from supervisor.control import ControlError, control_request
+from supervisor.control import ControlError, control_request, model_status
 from supervisor.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.probe import (
     STAGE_MEANING,
@@ -129,13 +129,9 @@ def run_probe(args: argparse.Namespace) -> int:
     """Probe, print, write JSON; exit 2 when the daemon or the model is not there."""
     runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
     try:
-        status = control_request(runtime_dir, {"cmd": "status"})
+        model = model_status(runtime_dir, args.model)
     except ControlError as exc:
         print(f"infervisor probe: {exc}")
-        return 2
-    model = status["models"].get(args.model)
-    if model is None:
-        print(f"infervisor probe: no model {args.model!r}; serving {sorted(status['models'])}")
         return 2
     pids = [w["pid"] for w in model["workers"] if w["state"] == "serving"]
     if not pids:
