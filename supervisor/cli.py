@@ -1,10 +1,15 @@
-"""`infervisor` command line: serve, status, infer, restart, reload, demo."""
+"""`infervisor` command line: serve, status, infer, restart, reload, demo, bench and the toolkit commands.
+
+Each command's module is imported only when it runs, so `serve` starts without the toolkit's imports.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+
+from protocol.launch import PROFILE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--clients", type=int, default=2)
     bench = sub.add_parser("bench", help="every optimisation profile of a built-in, in process and via the daemon")
     bench.add_argument("--models", default="resnet50,encoder", help="built-ins, comma-separated")
-    bench.add_argument("--profiles", default="eager,jit,jit_onednn,compile,aoti,int8_static,int8_dynamic,bf16")
+    bench.add_argument("--profiles", default=",".join(PROFILE_NAMES))
     bench.add_argument("--threads", default="1,2", help="thread counts, comma-separated (one pinned core each)")
     bench.add_argument("--batch", type=int, default=8, help="the second batch size measured")
     bench.add_argument("--seconds", type=float, default=3.0, help="timing per measurement")
@@ -60,15 +65,46 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     doctor.add_argument("--json", action="store_true")
-    from supervisor.commands.harden import add_parser as add_harden
-    from supervisor.commands.optimize import add_parser as add_optimize
-    from supervisor.commands.probe import add_parser as add_probe
-    from supervisor.commands.report import add_parser as add_report
-
-    add_optimize(sub)
-    add_probe(sub)
-    add_harden(sub)
-    add_report(sub)
+    optimize = sub.add_parser("optimize", help="measure every profile of a model, judge the SLA, write its chain")
+    optimize.add_argument("--model", required=True)
+    optimize.add_argument("--config", default="configs/default.json")
+    optimize.add_argument(
+        "--constraints", help="constraints.json (accuracy budget and SLA); else the model's tolerance"
+    )
+    optimize.add_argument("--calibration", help=".npz for int8_static (written into the model's entry)")
+    optimize.add_argument("--validation", help=".npz the accuracy is measured on (written into the model's entry)")
+    optimize.add_argument("--profiles", default=",".join(PROFILE_NAMES))
+    optimize.add_argument("--threads", type=int, help="threads per worker (default: the model's)")
+    optimize.add_argument("--batch", type=int, default=8)
+    optimize.add_argument("--seconds", type=float, default=2.0, help="timing per profile")
+    optimize.add_argument("--cache-dir", help="compiled packages (default: the config's cache_dir)")
+    optimize.add_argument("--timeout", type=float, default=1800.0)
+    optimize.add_argument("--dry-run", action="store_true", help="show the config diff, write nothing")
+    optimize.add_argument("--json", help="also write the report here")
+    probe = sub.add_parser("probe", help="per-stage timings, hardware counters and torch operators under load")
+    probe.add_argument("--model", required=True)
+    probe.add_argument("--runtime-dir")
+    probe.add_argument("--qps", type=float, default=20.0, help="offered load, all clients together")
+    probe.add_argument("--duration", type=float, default=10.0, help="seconds")
+    probe.add_argument("--clients", type=int, default=2)
+    probe.add_argument("--batch", type=int, default=1)
+    probe.add_argument("--profile-requests", type=int, default=50, help="requests one worker runs under torch.profiler")
+    probe.add_argument("--json", help="also write the report here")
+    harden = sub.add_parser("harden", help="stability hardening against a running daemon: pass/fail per check")
+    harden.add_argument("--model", required=True)
+    harden.add_argument("--runtime-dir")
+    harden.add_argument("--duration", type=float, default=60.0, help="seconds, split between the timed checks")
+    harden.add_argument("--constraints", help="constraints.json: the soak's P99 limit")
+    harden.add_argument("--hog-mb", type=int, default=512, help="memory the pressure check allocates")
+    harden.add_argument("--no-chaos", dest="chaos", action="store_false", help="skip kill -9 / SIGSTOP of workers")
+    harden.add_argument("--json", help="also write the results here")
+    report = sub.add_parser("report", help="one HTML report: verdict, constraints, doctor, optimize, probe, harden")
+    report.add_argument("--config", default="configs/default.json", help="for the doctor's checks")
+    report.add_argument("--constraints")
+    report.add_argument("--optimize", help="JSON written by infervisor optimize --json")
+    report.add_argument("--probe", help="JSON written by infervisor probe --json")
+    report.add_argument("--harden", help="JSON written by infervisor harden --json")
+    report.add_argument("--out", default="infervisor-report.html")
     return parser
 
 

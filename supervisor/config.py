@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, PROFILE_NAMES, ModelSource
 from protocol.tensors import TensorSpec
@@ -238,6 +236,8 @@ def _check_data_file(r: FieldReader, file: str | None, specs: tuple[TensorSpec, 
     """A calibration/validation .npz holds one array per input, samples along dim 0, each sample fitting the spec."""
     if file is None or not Path(file).is_file():
         return
+    import numpy as np  # only when a data file is configured: the daemon itself does not need numpy
+
     if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
         r.fail(where, "needs inputs whose first dim is the batch (null or 1): samples are taken along it")
         return

@@ -7,7 +7,6 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from protocol.constants import CLIENT_SOCKET_NAME
 from supervisor.commands.infer import random_inputs
@@ -41,15 +40,3 @@ def run_harden(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2, default=str))
     return 0 if passed else 1
-
-
-def add_parser(sub: Any) -> None:
-    """The subcommand's arguments."""
-    parser = sub.add_parser("harden", help="stability hardening against a running daemon: pass/fail per check")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--runtime-dir")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds, split between the timed checks")
-    parser.add_argument("--constraints", help="constraints.json: the soak's P99 limit")
-    parser.add_argument("--hog-mb", type=int, default=512, help="memory the pressure check allocates")
-    parser.add_argument("--no-chaos", dest="chaos", action="store_false", help="skip kill -9 / SIGSTOP of workers")
-    parser.add_argument("--json", help="also write the results here")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol.launch import PROFILE_NAMES, LaunchSpec
+from protocol.launch import LaunchSpec
 from supervisor.cache_dir import resolve_cache_dir
 from supervisor.config import ConfigError, ModelConfig, load_config
 from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
@@ -143,21 +143,3 @@ def run_optimize(args: argparse.Namespace) -> int:
         report = {"model": args.model, "rows": rows, "chain": chain, "verdict": vars(verdict)}
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if verdict.met else 1
-
-
-def add_parser(sub: Any) -> None:
-    """The subcommand's arguments."""
-    parser = sub.add_parser("optimize", help="measure every profile of a model, judge the SLA, write its chain")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--config", default="configs/default.json")
-    parser.add_argument("--constraints", help="constraints.json (accuracy budget and SLA); else the model's tolerance")
-    parser.add_argument("--calibration", help=".npz for int8_static (written into the model's entry)")
-    parser.add_argument("--validation", help=".npz the accuracy is measured on (written into the model's entry)")
-    parser.add_argument("--profiles", default=",".join(PROFILE_NAMES))
-    parser.add_argument("--threads", type=int, help="threads per worker (default: the model's)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=2.0, help="timing per profile")
-    parser.add_argument("--cache-dir", help="compiled packages (default: the config's cache_dir)")
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--dry-run", action="store_true", help="show the config diff, write nothing")
-    parser.add_argument("--json", help="also write the report here")

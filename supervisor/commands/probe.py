@@ -162,18 +162,3 @@ def run_probe(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
-
-
-def add_parser(sub: Any) -> None:
-    """The subcommand's arguments."""
-    parser = sub.add_parser("probe", help="per-stage timings, hardware counters and torch operators under load")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--runtime-dir")
-    parser.add_argument("--qps", type=float, default=20.0, help="offered load, all clients together")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds")
-    parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument(
-        "--profile-requests", type=int, default=50, help="requests one worker runs under torch.profiler"
-    )
-    parser.add_argument("--json", help="also write the report here")

@@ -40,14 +40,3 @@ def run_report(args: argparse.Namespace) -> int:
     met, reasons = verdict(evidence)
     print(f"{out}: {'SLA met' if met else 'SLA NOT met'}" + "".join(f"\n  {r}" for r in reasons))
     return 0 if met else 1
-
-
-def add_parser(sub: Any) -> None:
-    """The subcommand's arguments."""
-    parser = sub.add_parser("report", help="one HTML report: verdict, constraints, doctor, optimize, probe, harden")
-    parser.add_argument("--config", default="configs/default.json", help="for the doctor's checks")
-    parser.add_argument("--constraints")
-    parser.add_argument("--optimize", help="JSON written by infervisor optimize --json")
-    parser.add_argument("--probe", help="JSON written by infervisor probe --json")
-    parser.add_argument("--harden", help="JSON written by infervisor harden --json")
-    parser.add_argument("--out", default="infervisor-report.html")
