@@ -15,7 +15,7 @@ from protocol.arrays import from_frame, to_frame
 from protocol.client_messages import InferRequest, decode_reply, encode_infer
 from protocol.constants import MAX_DEADLINE_MS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
-from protocol.sockets import send_frames
+from protocol.sockets import recv_frames, send_frames
 
 
 class Client:
@@ -82,7 +82,7 @@ class Client:
                 self._socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
                 self._rcvtimeo = remaining_ms
             try:
-                frames = self._socket.recv_multipart(copy=False)
+                frames = recv_frames(self._socket)
             except zmq.Again:
                 continue
             if len(frames) < 2 or frames[0].bytes != b"":

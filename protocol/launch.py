@@ -1,4 +1,4 @@
-"""What the supervisor hands a new worker process: its model, cores and endpoints (JSON, no pickle)."""
+"""What the supervisor hands a new worker process: its model, cores and link (JSON, no pickle)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class LaunchSpec:
 
     worker_id: str
     model: str
-    endpoint: str
+    #: The worker's end of its link to the supervisor (protocol.worker_link), inherited at exec.
+    link_fd: int
     source: ModelSource
     inputs: tuple[TensorSpec, ...]
     output_names: tuple[str, ...] | None

@@ -47,11 +47,16 @@ class TensorSpec:
         """Why `desc` does not fit this spec, or None when it does."""
         if desc.dtype != self.dtype:
             return f"input {self.name!r} has dtype {desc.dtype}, expected {self.describe()}"
-        if len(desc.shape) != len(self.shape) or any(
-            want is not None and want != got for want, got in zip(self.shape, desc.shape, strict=True)
-        ):
+        if len(desc.shape) != len(self.shape):
             return f"input {self.name!r} has shape {list(desc.shape)}, expected {self.describe()}"
+        for want, got in zip(self.shape, desc.shape, strict=True):
+            if want is not None and want != got:
+                return f"input {self.name!r} has shape {list(desc.shape)}, expected {self.describe()}"
         return None
+
+
+#: Dims stay in the int32 range: a larger one is garbage, not a tensor.
+_MAX_DIM = 2**31
 
 
 def _bad(message: str) -> ProtocolError:
@@ -61,36 +66,39 @@ def _bad(message: str) -> ProtocolError:
 def parse_descs(raw: Any, what: str = "inputs", allow_empty_dims: bool = False) -> tuple[TensorDesc, ...]:
     """Validate the `inputs`/`outputs` array of a header into descriptors (outputs may have empty dims)."""
     min_dim = 0 if allow_empty_dims else 1
-    if not isinstance(raw, list):
+    if type(raw) is not list:
         raise _bad(f"{what} must be an array")
     if len(raw) > MAX_TENSORS:
         raise _bad(f"{what} has {len(raw)} tensors, limit {MAX_TENSORS}")
     descs: list[TensorDesc] = []
-    names: set[str] = set()
+    # Exact type checks: msgpack only makes plain dict/list/str/int, and `type(x) is int` also
+    # refuses bool (an int subclass), so a true/false dim is malformed, not 1/0.
     for index, item in enumerate(raw):
-        if not isinstance(item, dict):
+        if type(item) is not dict:
             raise _bad(f"{what}[{index}] must be a map")
         name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+        if type(name) is not str or not 0 < len(name) <= MAX_NAME_LEN:
             raise _bad(f"{what}[{index}].name must be a string of 1..{MAX_NAME_LEN} characters")
-        if name in names:
-            raise _bad(f"{what}[{index}].name {shown(name)} appears twice")
-        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+        if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
             raise ProtocolError(
                 ErrorCode.INVALID_INPUT,
                 f"{what}[{index}] ({shown(name)}) dtype {shown(dtype)} is not one of {sorted(DTYPE_ITEMSIZE)}",
             )
-        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        if type(shape) is not list or len(shape) > MAX_RANK:
             raise _bad(f"{what}[{index}].shape must be an array of at most {MAX_RANK} dims")
         for dim in shape:
-            # bool is an int subclass in Python; a true/false dim is malformed, not 1/0.
-            if not isinstance(dim, int) or isinstance(dim, bool) or not min_dim <= dim < 2**31:
+            if type(dim) is not int or not min_dim <= dim < _MAX_DIM:
                 raise ProtocolError(
                     ErrorCode.INVALID_INPUT,
                     f"{what}[{index}] ({shown(name)}) shape {shown(shape)}: dims must be integers >= {min_dim}",
                 )
-        names.add(name)
         descs.append(TensorDesc(name, dtype, tuple(shape)))
+    if len(descs) > 1 and len({d.name for d in descs}) != len(descs):
+        seen: set[str] = set()
+        for index, desc in enumerate(descs):
+            if desc.name in seen:
+                raise _bad(f"{what}[{index}].name {shown(desc.name)} appears twice")
+            seen.add(desc.name)
     return tuple(descs)
 
 
@@ -113,14 +121,18 @@ def check_frames(descs: Sequence[TensorDesc], frame_lengths: Sequence[int], max_
 
 def check_against_spec(descs: Sequence[TensorDesc], specs: Sequence[TensorSpec]) -> None:
     """Check the request's tensors are exactly the model's declared inputs."""
-    by_name = {d.name: d for d in descs}
-    expected = {s.name for s in specs}
-    if set(by_name) != expected:
-        wanted = ", ".join(s.describe() for s in specs)
-        raise ProtocolError(
-            ErrorCode.INVALID_INPUT, f"inputs {sorted(by_name)} do not match the model's inputs: {wanted}"
-        )
-    for spec in specs:
-        problem = spec.mismatch(by_name[spec.name])
+    # Clients almost always send the inputs in the declared order: pair them without building maps.
+    if len(descs) == len(specs) and all(d.name == s.name for d, s in zip(descs, specs, strict=True)):
+        pairs = zip(specs, descs, strict=True)
+    else:
+        by_name = {d.name: d for d in descs}
+        if set(by_name) != {s.name for s in specs}:
+            wanted = ", ".join(s.describe() for s in specs)
+            raise ProtocolError(
+                ErrorCode.INVALID_INPUT, f"inputs {sorted(by_name)} do not match the model's inputs: {wanted}"
+            )
+        pairs = zip(specs, [by_name[s.name] for s in specs], strict=True)
+    for spec, desc in pairs:
+        problem = spec.mismatch(desc)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_INPUT, problem)

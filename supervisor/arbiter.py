@@ -160,10 +160,7 @@ class Arbiter:
             config_digest=self.config.digest,
             plan={s.name: list(s.assignment.cpus) for s in self.all_slots()},
         )
-        poller = zmq.Poller()
-        for client_socket in self.broker.client_sockets:
-            poller.register(client_socket, zmq.POLLIN)
-        poller.register(self.broker.backend, zmq.POLLIN)
+        poller = self.broker.poller
         poller.register(self.control.socket, zmq.POLLIN)
         poller.register(self.wake_r.fileno(), zmq.POLLIN)
         try:
@@ -177,8 +174,11 @@ class Arbiter:
                 if self.wake_r.fileno() in events:
                     self._drain_wakeup()
                 self.handle_signals()
-                if self.broker.backend in events:
-                    self.broker.handle_workers()
+                # Worker messages first: each reply frees a place the client messages may take.
+                for item, flags in events.items():
+                    linked = self.broker.links.get(item)
+                    if linked is not None:
+                        self.broker.on_link_event(linked, flags)
                 for client_socket in self.broker.client_sockets:
                     if client_socket in events:
                         self.broker.handle_clients(client_socket)
@@ -233,7 +233,7 @@ class Arbiter:
         """Start the slot's process and accept its messages; a failed fork/exec is retried later, not fatal."""
         self.broker.forget(slot)
         try:
-            slot.spawn(self.config, self.broker.worker_endpoint)
+            slot.spawn(self.config)
         except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
             log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
             if slot.state is SlotState.STOPPED:

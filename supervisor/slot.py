@@ -7,6 +7,7 @@ import enum
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import structlog
 
 from protocol.constants import WorkerExitCode
 from protocol.launch import LaunchSpec
+from protocol.worker_link import WORKER_LINK_FRAMES, Link
 from supervisor.cache_dir import resolve_cache_dir
 from supervisor.config import Config, ModelConfig
 from supervisor.planner import Assignment
@@ -96,7 +98,9 @@ class WorkerSlot:
     assignment: Assignment
     state: SlotState = SlotState.STOPPED
     process: subprocess.Popen[bytes] | None = None
-    identity: bytes = b""
+    #: The current process's id (model.slot.generation) and the supervisor's end of its link.
+    worker_id: str = ""
+    link: Link | None = None
     spawned_at: float = 0.0
     last_heard: float = 0.0
     ready_ms: float = 0.0
@@ -153,15 +157,16 @@ class WorkerSlot:
         log.info("worker_state", slot=self.name, pid=pid, old=self.state.value, new=new.value, reason=reason)
         self.state = new
 
-    def spawn(self, config: Config, endpoint: str) -> None:
-        """Start a fresh interpreter for this slot (exec, never a fork of a torch process)."""
+    def spawn(self, config: Config) -> None:
+        """Start a fresh interpreter for this slot (exec, never a fork of a torch process), linked by a socketpair."""
         generation = next(_generations)
         cache_dir = resolve_cache_dir(config.cache_dir)
         worker_id = f"{self.model.name}.{self.assignment.slot}.{generation}"
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         launch = LaunchSpec(
             worker_id=worker_id,
             model=self.model.name,
-            endpoint=endpoint,
+            link_fd=theirs.fileno(),
             source=self.model.source,
             inputs=self.model.inputs,
             output_names=self.model.outputs,
@@ -180,16 +185,26 @@ class WorkerSlot:
             calibration=self.model.calibration,
             validation=self.model.validation,
         )
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "worker", launch.to_json()],
-            stdin=subprocess.DEVNULL,
-            close_fds=True,
-            env=worker_environment(self.assignment.threads, cache_dir),
-            # Its own session: a Ctrl-C or a group-wide SIGTERM reaches the supervisor, which then
-            # drains and stops workers in order instead of losing them mid-request.
-            start_new_session=True,
-        )
-        self.identity = worker_id.encode()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "worker", launch.to_json()],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                # The only descriptor the worker inherits besides stdio: its end of the link.
+                pass_fds=(theirs.fileno(),),
+                env=worker_environment(self.assignment.threads, cache_dir),
+                # Its own session: a Ctrl-C or a group-wide SIGTERM reaches the supervisor, which then
+                # drains and stops workers in order instead of losing them mid-request.
+                start_new_session=True,
+            )
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        # Workers send little more than results, whose size only the model bounds.
+        self.link = Link(ours, WORKER_LINK_FRAMES, 2**40)
+        self.worker_id = worker_id
         self.spawned_at = self.last_heard = time.monotonic()
         self.kill_at = None
         self.threads_seen = None

@@ -6,7 +6,10 @@ Input `x` float32[N, 2]: x[0, 0] picks the behaviour, x[0, 1] is its argument; N
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import struct
+import sys
 import time
 
 import numpy as np
@@ -16,10 +19,11 @@ FAULT_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 2]}]
 
 # Far from the N(0, 1) values that warm-up feeds the model, so warm-up only ever echoes.
 ECHO, SEGFAULT, SLEEP, EXIT, ALLOCATE, LEAK, SLOW, CORRUPT, GROW = 0, 101, 102, 103, 104, 105, 106, 107, 108
+GARBLE = 109
 
 
 class Faulty(torch.nn.Module):
-    """Echoes its input, or crashes, sleeps, exits, allocates, leaks, slows down or corrupts itself on request."""
+    """Echoes its input, or crashes, sleeps, exits, allocates, leaks, slows, corrupts itself or its link on request."""
 
     #: GROW leaks this many MB per step, one step per 50 ms: a request whose memory climbs while it runs.
     GROW_STEP_MB = 50
@@ -42,6 +46,9 @@ class Faulty(torch.nn.Module):
                 time.sleep(0.05)
         elif command == CORRUPT:
             self.offset += argument  # later outputs shift: a canary must notice
+        elif command == GARBLE:
+            # A frame count of zero on the worker's link, as a stray write into its socket would make.
+            os.write(json.loads(sys.argv[-1])["link_fd"], struct.pack("<I", 0))
         if command == SEGFAULT:
             ctypes.string_at(0)  # reads address 0: SIGSEGV, as a buggy native op would
         elif command == SLEEP:

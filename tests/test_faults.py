@@ -23,7 +23,7 @@ from protocol.client_messages import InferRequest, encode_infer
 from protocol.tensors import TensorDesc
 from supervisor.topology import parse_cpu_list
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
-from tests.fault_models import ALLOCATE, ECHO, FAULT_INPUTS, SEGFAULT, SLEEP, command
+from tests.fault_models import ALLOCATE, ECHO, FAULT_INPUTS, GARBLE, SEGFAULT, SLEEP, command
 
 FAULTY = {"python": "tests.fault_models:faulty"}
 FAST_LIVENESS = {"heartbeat_interval_ms": 100, "heartbeat_liveness": 5, "hang_min_s": 1.5}
@@ -139,6 +139,22 @@ def test_poison_request_costs_k_plus_one_workers_then_worker_lost(start_daemon: 
     assert len(deaths) == 3 and all("SIGSEGV" in e["how"] for e in deaths)
 
 
+def test_a_worker_that_garbles_its_link_is_replaced(start_daemon: Callable[..., Daemon]) -> None:
+    """Broken framing on a worker's link is counted, that worker is killed and its request lost; a new one serves."""
+    config = {"models": {"faulty": model_entry(FAULTY, FAULT_INPUTS, max_retries=0)}}
+    daemon = start_daemon(config, env={"PYTHONPATH": str(ROOT)})
+    pid = daemon.wait_ready()["models"]["faulty"]["workers"][0]["pid"]
+    with daemon.client() as client:
+        with pytest.raises(InferenceError) as caught:
+            client.infer("faulty", command(GARBLE), timeout=60)
+        assert caught.value.code == ErrorCode.WORKER_LOST
+        wait_for(lambda: len(_serving_pids(daemon, "faulty") - {pid}) == 1, 60, "a new worker serving")
+        assert client.infer("faulty", command(ECHO, 4.0), timeout=30)["output"][0, 1] == 4.0
+    assert daemon.status()["counters"]["worker_message_malformed"] == 1
+    (killed,) = [e for e in daemon.log_events() if e["event"] == "worker_killed"]
+    assert killed["pid"] == pid and "garbled link" in killed["reason"]
+
+
 def test_crash_loop_backs_off_then_fails_and_the_daemon_exits_non_zero(start_daemon: Callable[..., Daemon]) -> None:
     """A model that cannot load is retried with growing delays, then FAILED; with nothing left the daemon exits 1."""
     config = {
@@ -232,8 +248,10 @@ def test_runtime_dir_and_sockets_are_private(start_daemon: Callable[..., Daemon]
     daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
     daemon.wait_ready()
     assert stat.S_IMODE(daemon.runtime_dir.stat().st_mode) == 0o700
-    for name in ("infer.sock", "control.sock", "workers.sock"):
+    for name in ("infer.sock", "control.sock"):
         assert stat.S_IMODE((daemon.runtime_dir / name).stat().st_mode) == 0o600
+    # Workers reach the supervisor through inherited socketpairs: there is nothing in the directory to connect to.
+    assert sorted(p.name for p in daemon.runtime_dir.iterdir()) == ["control.sock", "infer.sock"]
 
 
 def _connect_as(uid: int, path: Path) -> int:

@@ -97,7 +97,7 @@ def _tiny_runner() -> ModelRunner:
 
 def _context(runner: ModelRunner, cache: Path, calibration: Path | None = None) -> BuildContext:
     launch = LaunchSpec(
-        "t", "tiny", "ipc://unused", ModelSource("builtin", "tiny"), runner.specs, ("y",), (0,), 1,
+        "t", "tiny", -1, ModelSource("builtin", "tiny"), runner.specs, ("y",), (0,), 1,
         profiles=("int8_static",), cache_dir=str(cache), calibration=str(calibration) if calibration else None,
     )  # fmt: skip
     return build_context(launch, runner)

@@ -589,7 +589,7 @@ def test_worker_message_float_fields_accept_integers() -> None:
         LaunchSpec(
             worker_id="resnet50-0",
             model="resnet50",
-            endpoint="ipc:///run/infervisor/workers.sock",
+            link_fd=3,
             source=ModelSource("builtin", name="resnet50"),
             inputs=(TensorSpec("image", "float32", (None, 3, 224, 224)),),
             output_names=None,
@@ -599,7 +599,7 @@ def test_worker_message_float_fields_accept_integers() -> None:
         LaunchSpec(
             worker_id="enc-3",
             model="enc",
-            endpoint="ipc:///tmp/w.sock",
+            link_fd=17,
             source=ModelSource("torchscript", path="/srv/models/enc.pt"),
             inputs=(TensorSpec("ids", "int64", (None, 128)), TensorSpec("x", "float16", (4,), allow_non_finite=True)),
             output_names=("logits", "hidden"),
@@ -612,7 +612,7 @@ def test_worker_message_float_fields_accept_integers() -> None:
             max_frame_bytes=1024,
             extra={"note": "x", "n": [1, 2], "nested": {"a": None}},
         ),
-        LaunchSpec("e", "e", "ipc:///e", ModelSource("exported", path="/e.pt2"), (), (), (), 1),
+        LaunchSpec("e", "e", 3, ModelSource("exported", path="/e.pt2"), (), (), (), 1),
     ],
     ids=["builtin", "torchscript-everything-set", "exported-empty"],
 )

@@ -56,7 +56,7 @@ def launch_of(args: argparse.Namespace) -> LaunchSpec:
         return LaunchSpec.from_json(args.launch)
     specs = BUILTIN_SPECS[args.model]
     return LaunchSpec(
-        "bench", args.model, "", ModelSource("builtin", args.model), specs, None, (), args.threads,
+        "bench", args.model, -1, ModelSource("builtin", args.model), specs, None, (), args.threads,
         channels_last=args.channels_last, cache_dir=args.cache_dir,
     )  # fmt: skip
 

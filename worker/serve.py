@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -11,15 +12,14 @@ from typing import Any
 import psutil
 import structlog
 import torch
-import zmq
 
 from protocol import worker_messages as wm
 from protocol.client_messages import decode_infer, encode_result
-from protocol.constants import MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
+from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
-from protocol.sockets import send_frames
 from protocol.tensors import TensorDesc, check_against_spec
+from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
 from worker.profiles.build import PACKAGED, BuildContext
@@ -27,7 +27,7 @@ from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
-from worker.runner import ModelRunner, tensor_from_frame, timed_ms
+from worker.runner import ModelRunner, timed_ms, wire_dtype
 
 log = structlog.get_logger("worker")
 
@@ -38,11 +38,12 @@ _PROFILE_TOP = 15
 class WorkerLoop:
     """Owns the DEALER socket to the supervisor and the model runner."""
 
-    def __init__(self, launch: LaunchSpec, runner: ModelRunner, socket: zmq.Socket[Any]) -> None:
+    def __init__(self, launch: LaunchSpec, runner: ModelRunner, link: Link) -> None:
         self.launch = launch
         self.runner = runner
-        self.socket = socket
+        self.link = link
         self.interval = launch.heartbeat_interval_ms / 1000.0
+        self.silence_limit = self.interval * launch.heartbeat_liveness
         self.requests = 0
         self.last_sent = 0.0
         self.last_heard = time.monotonic()
@@ -54,30 +55,42 @@ class WorkerLoop:
         self.profile_left = 0
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
-        """Send one message; any send counts as a heartbeat."""
-        send_frames(self.socket, wm.encode(message, frames or []))
+        """Send one message (any send counts as a heartbeat); LinkClosed if the supervisor stopped reading."""
+        self.link.send(wm.encode(message, frames or []))
+        if self.link.wants_write:
+            self.link.flush_blocking(self.silence_limit)
         self.last_sent = time.monotonic()
 
-    def run(self) -> int:
-        """Serve until STOP/DRAIN or until the supervisor falls silent; returns the exit code."""
-        silence_limit = self.interval * self.launch.heartbeat_liveness
-        # A blocking receive that times out at the heartbeat interval: one wake-up per request.
-        self.socket.setsockopt(zmq.RCVTIMEO, max(1, int(self.interval * 1000)))
+    def run(self, ready: wm.Ready) -> int:
+        """Say READY, then serve until STOP/DRAIN or the supervisor is gone or silent; returns the exit code."""
+        try:
+            self.send(ready)
+            return self.serve_messages()
+        except LinkClosed as exc:
+            log.error("supervisor_lost", reason=str(exc))
+            return WorkerExitCode.SUPERVISOR_LOST
+        except ProtocolError as exc:  # the stream lost its framing: nothing after it can be trusted
+            log.error("supervisor_link_garbled", error=exc.message)
+            return WorkerExitCode.SUPERVISOR_LOST
+
+    def serve_messages(self) -> int:
+        """Wait for messages (one wake-up each), handle them in arrival order, keep heartbeats and stats going."""
         while True:
-            try:
-                frames = self.socket.recv_multipart(copy=False)
-            except zmq.Again:
-                # Only an empty socket means silence: after a long inference the heartbeats are
-                # waiting unread, and the next receive takes them.
+            # Waiting at most a heartbeat interval: after a long inference the heartbeats are
+            # waiting unread, and the next receive takes them, so only an empty link means silence.
+            if self.link.wait_readable(self.interval):
+                messages = self.link.receive()
+                if messages:
+                    self.last_heard = time.monotonic()
+                for frames in messages:
+                    outcome = self.handle(frames)
+                    if outcome is not None:
+                        return outcome
+            else:
                 silent = time.monotonic() - self.last_heard
-                if silent > silence_limit:
+                if silent > self.silence_limit:
                     log.error("supervisor_lost", silent_s=round(silent, 3))
                     return WorkerExitCode.SUPERVISOR_LOST
-            else:
-                self.last_heard = time.monotonic()
-                outcome = self.handle(frames)
-                if outcome is not None:
-                    return outcome
             now = time.monotonic()
             if now - self.last_stats >= self.launch.stats_interval_ms / 1000.0:
                 self.send_stats()
@@ -87,7 +100,7 @@ class WorkerLoop:
     def handle(self, frames: list[Any]) -> int | None:
         """Act on one message from the supervisor; an exit code ends the loop."""
         try:
-            message = wm.decode(frames[0].buffer)
+            message = wm.decode(frames[0])
         except ProtocolError as exc:
             log.error("bad_supervisor_message", error=exc.message)
             return None
@@ -148,7 +161,7 @@ class WorkerLoop:
     def answer(self, request: wm.Request, frames: list[Any]) -> None:
         """Check, run and answer one client request; a bad input or model error is a reply, never a crash."""
         received = time.monotonic()
-        if request.deadline is not None and time.monotonic() >= request.deadline:
+        if request.deadline is not None and received >= request.deadline:
             # It waited in this worker's pipeline past its deadline: running it would be wasted work.
             self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the model ran")
             return
@@ -157,17 +170,16 @@ class WorkerLoop:
         try:
             if not frames:
                 raise ProtocolError(ErrorCode.INTERNAL, "the request carries no client header")
-            buffers = [f.buffer for f in frames[1:]]
+            buffers = frames[1:]
             # The broker checked this header already; the worker checks again because it is about to
             # point tensors at these frames, and must not trust any sender with that.
-            infer = decode_infer(frames[0].buffer, [len(b) for b in buffers], self.launch.max_frame_bytes)
+            infer = decode_infer(frames[0], [len(b) for b in buffers], self.launch.max_frame_bytes)
             if infer.model != self.launch.model:
                 raise ProtocolError(
                     ErrorCode.INTERNAL, f"request for {infer.model!r} reached a {self.launch.model!r} worker"
                 )
             check_against_spec(infer.inputs, self.runner.specs)
-            self.runner.check_values({d.name: b for d, b in zip(infer.inputs, buffers, strict=True)})
-            inputs = {d.name: tensor_from_frame(d, b) for d, b in zip(infer.inputs, buffers, strict=True)}
+            inputs = self.runner.inputs_from_frames(infer.inputs, buffers)
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(inputs)
@@ -180,17 +192,18 @@ class WorkerLoop:
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
         encode_started = time.perf_counter()
-        descs = [TensorDesc(name, array.dtype.name, array.shape) for name, array in outputs]
+        descs = [TensorDesc(name, wire_dtype(array), array.shape) for name, array in outputs]
+        queue_ms = request.queue_ms
         timing = {
-            "queue_ms": round(request.queue_ms, 3),
+            "queue_ms": queue_ms,
             # Broker dispatch to this worker's receive, including any wait behind earlier requests in its pipeline.
-            "dispatch_ms": round((received - request.accepted_at) * 1000.0 - request.queue_ms, 3),
-            "decode_ms": round(decode_ms, 3),
-            "model_ms": round(model_ms, 3),
-            "encode_ms": round(timed_ms(encode_started), 3),
-            "total_ms": round((time.monotonic() - request.accepted_at) * 1000.0, 3),
+            "dispatch_ms": (received - request.accepted_at) * 1000.0 - queue_ms,
+            "decode_ms": decode_ms,
+            "model_ms": model_ms,
+            "encode_ms": timed_ms(encode_started),
+            "total_ms": (time.monotonic() - request.accepted_at) * 1000.0,
             # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
-            "accepted_clock_ms": round(request.accepted_at * 1000.0, 3),
+            "accepted_clock_ms": request.accepted_at * 1000.0,
         }
         header = encode_result(infer.request_id, infer.model, descs, timing)
         self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
@@ -260,25 +273,21 @@ def serve(launch: LaunchSpec) -> int:
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
         log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
         return WorkerExitCode.LOAD_FAILED
-    context: zmq.Context[Any] = zmq.Context(1)
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, launch.worker_id.encode())
-    socket.setsockopt(zmq.LINGER, 1000)
-    socket.setsockopt(zmq.MAXMSGSIZE, launch.max_frame_bytes)
-    socket.connect(launch.endpoint)
-    loop = WorkerLoop(launch, runner, socket)
-    loop.send(
-        wm.Ready(
-            launch.worker_id,
-            os.getpid(),
-            load_ms,
-            warmup_ms,
-            torch.get_num_threads(),
-            sorted(os.sched_getaffinity(0)),
-            selection.profile,
-            "; ".join(selection.skipped),
-            "; ".join(selection.notes),
-        )
+    link = Link(
+        socket.socket(fileno=launch.link_fd),
+        WORKER_LINK_FRAMES,
+        max(launch.max_frame_bytes, MAX_HEADER_BYTES),
+    )
+    ready = wm.Ready(
+        launch.worker_id,
+        os.getpid(),
+        load_ms,
+        warmup_ms,
+        torch.get_num_threads(),
+        sorted(os.sched_getaffinity(0)),
+        selection.profile,
+        "; ".join(selection.skipped),
+        "; ".join(selection.notes),
     )
     log.info(
         "worker_ready",
@@ -288,7 +297,6 @@ def serve(launch: LaunchSpec) -> int:
         profile=selection.profile,
     )
     try:
-        return loop.run()
+        return WorkerLoop(launch, runner, link).run(ready)
     finally:
-        socket.close()
-        context.term()
+        link.close()

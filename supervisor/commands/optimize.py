@@ -26,7 +26,7 @@ def _launch(model: ModelConfig, args: argparse.Namespace, cache_dir: Path) -> La
     calibration = str(Path(args.calibration).resolve()) if args.calibration else model.calibration
     validation = str(Path(args.validation).resolve()) if args.validation else model.validation
     return LaunchSpec(
-        "optimize", model.name, "", model.source, model.inputs, model.outputs, (), args.threads,
+        "optimize", model.name, -1, model.source, model.inputs, model.outputs, (), args.threads,
         channels_last=model.channels_last, cache_dir=str(cache_dir), calibration=calibration, validation=validation,
     )  # fmt: skip
 
