@@ -571,6 +571,7 @@ class Arbiter:
             slot.kill("supervisor exiting")
             if slot.process is not None:
                 slot.process.wait()
+            self.broker.forget(slot)
         self.broker.close()
         self.control.close()
         self.context.term()

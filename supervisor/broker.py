@@ -35,6 +35,9 @@ log = structlog.get_logger("supervisor")
 _BATCH = 256
 #: Per-peer queue limits inside ZeroMQ; our own bounded queues do the real admission control.
 _HWM = 10_000
+#: Poll flags as ints: bit operations on pyzmq's enum flags run Python code on every event.
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_READABLE = _POLLIN | int(zmq.POLLERR)
 
 
 @dataclass
@@ -383,10 +386,10 @@ class Broker:
         if link is None:
             return
         try:
-            if events & zmq.POLLOUT:
+            if events & _POLLOUT:
                 link.flush()
                 self.watch_writes(link)
-            if events & (zmq.POLLIN | zmq.POLLERR):
+            if events & _READABLE:
                 messages = link.receive()
             else:
                 return
@@ -509,10 +512,10 @@ class Broker:
         fd = link.fileno()
         if link.wants_write != (fd in self.writing) and fd in self.links:
             self.writing ^= {fd}
-            self.poller.modify(fd, zmq.POLLIN | (zmq.POLLOUT if link.wants_write else 0))
+            self.poller.modify(fd, _POLLIN | (_POLLOUT if link.wants_write else 0))
 
     def close(self) -> None:
-        """Close both sockets."""
+        """Close the client sockets (the arbiter closes worker links as it stops their processes)."""
         for socket in self.client_sockets:
             socket.close(linger=0)
         if self.authenticator is not None:

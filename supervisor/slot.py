@@ -59,6 +59,9 @@ LIVE_STATES = frozenset({SlotState.STARTING, SlotState.SERVING, SlotState.DRAINI
 
 _generations = itertools.count(1)
 
+#: Send buffer asked for on each end of a worker link (Linux doubles it, up to 2 x net.core.wmem_max).
+_LINK_BUFFER_BYTES = 4 * 2**20
+
 #: Read once by the OpenMP/MKL runtimes when torch loads, so they are set at exec, not later.
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -163,6 +166,10 @@ class WorkerSlot:
         cache_dir = resolve_cache_dir(config.cache_dir)
         worker_id = f"{self.model.name}.{self.assignment.slot}.{generation}"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):
+            # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
+            # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
         launch = LaunchSpec(
             worker_id=worker_id,
             model=self.model.name,
