@@ -31,15 +31,6 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-#: numpy dtype -> wire name; `ndarray.dtype.name` runs Python code in numpy 2 (~1.5 us an output).
-_WIRE_DTYPES: dict[np.dtype[Any], str] = {np.dtype(name): name for name in DTYPE_ITEMSIZE}
-
-
-def wire_dtype(array: np.ndarray[Any, Any]) -> str:
-    """The wire dtype name of an output array."""
-    return _WIRE_DTYPES.get(array.dtype) or array.dtype.name
-
-
 class ModelRunner:
     """One model's forward pass with the checks and conversions the wire needs."""
 

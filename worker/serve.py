@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from protocol import worker_messages as wm
+from protocol.arrays import wire_dtype
 from protocol.client_messages import decode_infer, encode_result
 from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
@@ -27,7 +28,7 @@ from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
-from worker.runner import ModelRunner, timed_ms, wire_dtype
+from worker.runner import ModelRunner, timed_ms
 
 log = structlog.get_logger("worker")
 
@@ -192,7 +193,7 @@ class WorkerLoop:
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
         encode_started = time.perf_counter()
-        descs = [TensorDesc(name, wire_dtype(array), array.shape) for name, array in outputs]
+        descs = [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
         queue_ms = request.queue_ms
         timing = {
             "queue_ms": queue_ms,
