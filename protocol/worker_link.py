@@ -3,8 +3,9 @@
 The supervisor makes a socketpair for each worker it spawns and the worker inherits one end, so
 there is no listening socket to find or spoof and a worker's death reads as an EOF at once. A
 message crosses with one wake-up, the reader's; over a ZeroMQ ipc socket it takes three (sender's
-I/O thread, receiver's I/O thread, reader): a round trip between two processes is 25 us here
-against 95 us through DEALER/ROUTER on the 2-vCPU VM (docs/protocol.md, appendix A).
+I/O thread, receiver's I/O thread, reader). `python bench/link.py` on the 2-vCPU VM: a round trip
+between two processes took 58 us over a link against 86 us over DEALER/ROUTER back to back, and
+25 us against 92 us with 300 us of idle between round trips (docs/protocol.md, appendix A).
 
 Wire: u32 frame count, one u64 length per frame, then the frames back to back, all little-endian.
 Both ends use the socket non-blocking; what the kernel does not take at once waits in an outbox.
