@@ -11,7 +11,6 @@ PROTOCOL_VERSION: Final = 1
 #: Socket file names inside the runtime directory.
 CLIENT_SOCKET_NAME: Final = "infer.sock"
 CONTROL_SOCKET_NAME: Final = "control.sock"
-WORKER_SOCKET_NAME: Final = "workers.sock"
 
 
 class ClientMessageType(enum.StrEnum):

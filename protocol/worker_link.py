@@ -7,7 +7,9 @@ I/O thread, receiver's I/O thread, reader). `python bench/link.py` on the 2-vCPU
 between two processes took 58 us over a link against 86 us over DEALER/ROUTER back to back, and
 25 us against 92 us with 300 us of idle between round trips (docs/protocol.md, appendix A).
 
-Wire: u32 frame count, one u64 length per frame, then the frames back to back, all little-endian.
+Wire: u32 frame count, one u64 length per frame (little-endian), then the frames, each followed by
+zero bytes up to a multiple of 16, so that every frame of a received message starts 16-byte aligned
+(as a malloc'd ZeroMQ frame did): tensors are viewed in place, and kernels may assume alignment.
 Both ends use the socket non-blocking; what the kernel does not take at once waits in an outbox.
 """
 
@@ -29,6 +31,9 @@ from protocol.errors import ProtocolError
 WORKER_LINK_FRAMES = 2 + MAX_TENSORS
 
 _COUNT = struct.Struct("<I")
+#: Frames start at multiples of this within a message's payload (and payload buffers are malloc-aligned).
+_ALIGN = 16
+_PADDING = memoryview(bytes(_ALIGN))
 #: Receive buffer for small messages; a message longer than half of it is read into its own buffer.
 _CHUNK = 256 * 1024
 #: Buffers handed to one sendmsg (Linux IOV_MAX is 1024).
@@ -37,6 +42,11 @@ _IOV_MAX = 1024
 
 class LinkClosed(Exception):
     """The other end closed the link (its process exited) or stopped reading for too long."""
+
+
+def _padded(length: int) -> int:
+    """`length` rounded up to the frame alignment."""
+    return (length + _ALIGN - 1) & -_ALIGN
 
 
 def _view(frame: Any) -> memoryview:
@@ -64,6 +74,10 @@ class Link:
         self._large_filled = 0
         self._large_lengths: tuple[int, ...] = ()
         self._eof = False
+        #: A broken frame layout found after whole messages: raised by the next receive, once those are handed over.
+        self._broken: ProtocolError | None = None
+        #: False once a write failed or EOF was read: nothing sent now could be read by anyone.
+        self.sendable = True
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
 
@@ -85,11 +99,18 @@ class Link:
 
     def send(self, frames: Sequence[Any]) -> None:
         """Queue one message and write as much as the socket takes now (large frames are not copied)."""
+        if not self.sendable:
+            raise LinkClosed("the link is closed for sending")
         views = [_view(f) for f in frames]
         prefix = struct.pack(f"<I{len(views)}Q", len(views), *[v.nbytes for v in views])
         queued = bool(self._outbox)
-        self._outbox.append(memoryview(prefix))
-        self._outbox.extend(v for v in views if v.nbytes)
+        outbox = self._outbox
+        outbox.append(memoryview(prefix))
+        for view in views:
+            if view.nbytes:
+                outbox.append(view)
+            if view.nbytes % _ALIGN:
+                outbox.append(_PADDING[: _padded(view.nbytes) - view.nbytes])
         if not queued:  # behind earlier bytes it must wait for them anyway
             self.flush()
 
@@ -102,6 +123,8 @@ class Link:
             except BlockingIOError:
                 return
             except (BrokenPipeError, ConnectionResetError) as exc:
+                self.sendable = False
+                outbox.clear()
                 raise LinkClosed(f"the other end is gone: {exc}") from exc
             while sent:
                 head = outbox[0]
@@ -113,16 +136,21 @@ class Link:
                     sent = 0
 
     def flush_blocking(self, timeout: float) -> None:
-        """Write the whole outbox, waiting for the other end to read; LinkClosed after `timeout` seconds."""
+        """Write the whole outbox, waiting for the other end to read; LinkClosed after `timeout` s without progress."""
+        writable = select.poll()  # poll, not select: the descriptor may be above select's 1024
+        writable.register(self.sock.fileno(), select.POLLOUT)
         give_up = time.monotonic() + timeout
         while True:
+            left = sum(v.nbytes for v in self._outbox)
             self.flush()
             if not self._outbox:
                 return
-            remaining = give_up - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if sum(v.nbytes for v in self._outbox) < left:
+                give_up = now + timeout  # a slow reader that reads is not a lost one
+            if now >= give_up:
                 raise LinkClosed(f"the other end read nothing for {timeout:.1f} s")
-            select.select([], [self.sock], [], remaining)
+            writable.poll(max(1, int((give_up - now) * 1000)))
 
     # ---- receiving --------------------------------------------------------------------------
 
@@ -136,6 +164,9 @@ class Link:
         A broken frame layout raises ProtocolError: a byte stream cannot be resynchronised, so the
         caller must drop the link.
         """
+        if self._broken is not None:
+            broken, self._broken = self._broken, None
+            raise broken
         if self._eof:
             raise LinkClosed("the other end closed the link")
         messages: list[list[memoryview]] = []
@@ -156,7 +187,15 @@ class Link:
             if got is None:
                 break
             self._end += got
-            self._parse(messages)
+            try:
+                self._parse(messages)
+            except ProtocolError as exc:
+                # Nothing after broken framing can be read: the link is over, reported once.
+                self._eof, self.sendable = True, False
+                if not messages:
+                    raise
+                self._broken = exc  # hand over the whole messages before it; the next receive raises
+                return messages
             if got < space:  # drained for now; the poller says when more comes
                 break
         if self._eof and not messages:
@@ -173,6 +212,7 @@ class Link:
             got = 0
         if got == 0:
             self._eof = True
+            self.sendable = False
             return None
         return got
 
@@ -199,15 +239,22 @@ class Link:
                     ErrorCode.BAD_REQUEST, f"link frame of {max(lengths)} bytes, limit {self.max_frame_bytes}"
                 )
             body = self._start + head
-            total = sum(lengths)
+            total = sum(_padded(length) for length in lengths)
             if self._end - body >= total:
+                # A fresh bytes object per message: its data is 16-byte aligned, and no later
+                # receive can overwrite frames the caller still holds.
                 payload = memoryview(buffer)[body : body + total].tobytes()
                 messages.append(_split(payload, lengths))
                 self._start = body + total
                 continue
             if head + total > len(buffer) // 2:
                 received = self._end - body
-                self._large = bytearray(total)
+                try:
+                    self._large = bytearray(total)
+                except MemoryError:
+                    raise ProtocolError(
+                        ErrorCode.BAD_REQUEST, f"link message of {total} bytes is beyond memory"
+                    ) from None
                 self._large[:received] = buffer[body : self._end]
                 self._large_filled, self._large_lengths = received, lengths
                 self._start = self._end = 0
@@ -221,5 +268,5 @@ def _split(payload: bytes | bytearray, lengths: Sequence[int]) -> list[memoryvie
     offset = 0
     for length in lengths:
         frames.append(view[offset : offset + length])
-        offset += length
+        offset += _padded(length)
     return frames

@@ -257,6 +257,7 @@ class Arbiter:
         """Handle one worker exit: settle the slot's state first, then re-dispatch what it held."""
         how = describe_exit(code)
         slot.last_exit = how
+        self.broker.drain(slot)
         self.broker.forget(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
             log.warning("worker_exited", slot=slot.name, pid=slot.process.pid if slot.process else None, how=how)

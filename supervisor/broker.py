@@ -216,7 +216,8 @@ class Broker:
         self.next_id += 1
         slot = self.pick_worker(request.model)
         if slot is not None and not queue.waiting:
-            self.send_to_worker(slot, pending)
+            if not self.send_to_worker(slot, pending):
+                self.dispatch(request.model)  # that worker is gone; it went back in line for another
         elif len(queue.waiting) >= queue.capacity:
             queue.errors[ErrorCode.OVERLOADED.value] += 1
             self.reply_error(
@@ -297,8 +298,8 @@ class Broker:
             if request.deadline is not None and time.monotonic() >= request.deadline:
                 self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
                 continue
-            if not self.send_to_worker(slot, request):
-                return
+            # A worker found gone is no longer picked (its link is closed): the next one is tried.
+            self.send_to_worker(slot, request)
 
     def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> bool:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
@@ -385,29 +386,49 @@ class Broker:
         link = slot.link
         if link is None:
             return
-        try:
-            if events & _POLLOUT:
+        if events & _POLLOUT:
+            try:
                 link.flush()
-                self.watch_writes(link)
-            if events & _READABLE:
-                messages = link.receive()
-            else:
-                return
+            except LinkClosed:
+                pass  # the worker is gone; what it wrote before going is still read below, up to EOF
+            self.watch_writes(link)
+        if events & _READABLE:
+            self.read_link(slot)
+
+    def read_link(self, slot: WorkerSlot) -> bool:
+        """Act on the whole messages a worker's link holds now; False when there were none (or EOF, or garbage)."""
+        link = slot.link
+        if link is None:
+            return False
+        try:
+            messages = link.receive()
         except LinkClosed:
             self.unwatch(link)  # the process exited or is exiting: reaping settles the slot
-            return
+            return False
         except ProtocolError as exc:
             # A byte stream that lost its framing cannot be trusted again: replace the worker.
             self.count("worker_message_malformed", f"{slot.name}: {exc.message}")
             self.unwatch(link)
             slot.kill(f"garbled link: {exc.message}")
-            return
+            return False
         for frames in messages:
             try:
                 self.on_worker_message(slot, frames)
             except Exception:  # a bug on one message must cost that message, not the daemon
                 log.exception("worker_message_crashed")
                 self.count("internal_error")
+        return bool(messages)
+
+    def drain(self, slot: WorkerSlot) -> None:
+        """Take what an exited worker wrote before it went (a reply it sent is delivered, not re-run)."""
+        link = slot.link
+        if link is None:
+            return
+        link.sendable = False  # nothing new goes to a process that is gone
+        # The process is dead, so everything it wrote is already in the socket: read until EOF.
+        for _ in range(_BATCH):
+            if not self.read_link(slot):
+                return
 
     def on_worker_message(self, slot: WorkerSlot, frames: list[memoryview]) -> None:
         """Act on one worker message; malformed headers are counted and dropped."""
@@ -502,7 +523,7 @@ class Broker:
         try:
             link.send(frames)
         except LinkClosed:
-            self.unwatch(link)
+            # Not unwatched: replies the worker wrote before it went are read up to EOF.
             return False
         self.watch_writes(link)
         return True

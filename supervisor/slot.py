@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from protocol.constants import WorkerExitCode
+from protocol.constants import MAX_HEADER_BYTES, WorkerExitCode
 from protocol.launch import LaunchSpec
 from protocol.worker_link import WORKER_LINK_FRAMES, Link
 from supervisor.cache_dir import resolve_cache_dir
@@ -144,8 +144,13 @@ class WorkerSlot:
 
     @property
     def can_take(self) -> bool:
-        """Serving with room in its pipeline (`prefetch` requests in hand at most)."""
-        return self.state is SlotState.SERVING and len(self.inflight) < self.model.prefetch
+        """Serving with room in its pipeline (`prefetch` requests in hand at most) and a link that still carries."""
+        return (
+            self.state is SlotState.SERVING
+            and len(self.inflight) < self.model.prefetch
+            and self.link is not None
+            and self.link.sendable
+        )
 
     @property
     def pid(self) -> int | None:
@@ -166,33 +171,33 @@ class WorkerSlot:
         cache_dir = resolve_cache_dir(config.cache_dir)
         worker_id = f"{self.model.name}.{self.assignment.slot}.{generation}"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (ours, theirs):
-            # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
-            # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
-        launch = LaunchSpec(
-            worker_id=worker_id,
-            model=self.model.name,
-            link_fd=theirs.fileno(),
-            source=self.model.source,
-            inputs=self.model.inputs,
-            output_names=self.model.outputs,
-            cpus=self.assignment.cpus,
-            threads=self.assignment.threads,
-            warmup_iterations=self.model.warmup_iterations,
-            heartbeat_interval_ms=config.heartbeat_interval_ms,
-            heartbeat_liveness=config.heartbeat_liveness,
-            max_frame_bytes=config.max_frame_bytes,
-            max_memory_mb=self.model.max_memory_mb,
-            profiles=self.model.profiles,
-            pick=self.model.pick,
-            tolerance=self.model.tolerance,
-            channels_last=self.model.channels_last,
-            cache_dir=str(cache_dir),
-            calibration=self.model.calibration,
-            validation=self.model.validation,
-        )
         try:
+            for end in (ours, theirs):
+                # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
+                # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
+            launch = LaunchSpec(
+                worker_id=worker_id,
+                model=self.model.name,
+                link_fd=theirs.fileno(),
+                source=self.model.source,
+                inputs=self.model.inputs,
+                output_names=self.model.outputs,
+                cpus=self.assignment.cpus,
+                threads=self.assignment.threads,
+                warmup_iterations=self.model.warmup_iterations,
+                heartbeat_interval_ms=config.heartbeat_interval_ms,
+                heartbeat_liveness=config.heartbeat_liveness,
+                max_frame_bytes=config.max_frame_bytes,
+                max_memory_mb=self.model.max_memory_mb,
+                profiles=self.model.profiles,
+                pick=self.model.pick,
+                tolerance=self.model.tolerance,
+                channels_last=self.model.channels_last,
+                cache_dir=str(cache_dir),
+                calibration=self.model.calibration,
+                validation=self.model.validation,
+            )
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "worker", launch.to_json()],
                 stdin=subprocess.DEVNULL,
@@ -204,13 +209,13 @@ class WorkerSlot:
                 # drains and stops workers in order instead of losing them mid-request.
                 start_new_session=True,
             )
-        except OSError:
+        except BaseException:  # nothing may keep our end open when no process got the other
             ours.close()
             raise
         finally:
-            theirs.close()
-        # Workers send little more than results, whose size only the model bounds.
-        self.link = Link(ours, WORKER_LINK_FRAMES, 2**40)
+            theirs.close()  # the child has its copy; ours would only hide the worker's EOF
+        # Workers refuse to send an output frame over max_frame_bytes, so a longer one is a garbled stream.
+        self.link = Link(ours, WORKER_LINK_FRAMES, max(config.max_frame_bytes, MAX_HEADER_BYTES))
         self.worker_id = worker_id
         self.spawned_at = self.last_heard = time.monotonic()
         self.kill_at = None

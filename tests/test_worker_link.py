@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
@@ -104,7 +105,7 @@ def test_any_sequence_of_messages_round_trips(messages: list[list[bytes]]) -> No
 def test_bytes_arriving_one_at_a_time_still_make_whole_messages(pair: tuple[Link, Link]) -> None:
     """A message dribbled in byte by byte is assembled, and nothing is returned before it is complete."""
     a, b = pair
-    wire = struct.pack("<I2Q", 2, 3, 5) + b"abc" + b"defgh"
+    wire = struct.pack("<I2Q", 2, 3, 5) + b"abc" + bytes(13) + b"defgh" + bytes(11)  # frames padded to 16
     raw = a.sock
     for byte in wire[:-1]:
         raw.send(bytes([byte]))
@@ -161,3 +162,94 @@ def test_a_broken_frame_layout_is_a_protocol_error(pair: tuple[Link, Link], wire
     assert small.wait_readable(1.0)
     with pytest.raises(ProtocolError, match=match):
         small.receive()
+
+
+def _address(frame: memoryview) -> int:
+    """Where a received frame's bytes start in memory."""
+    return int(np.frombuffer(frame, dtype=np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("tensor_bytes", [64, 600_000], ids=["small-message", "large-message"])
+def test_every_received_frame_starts_16_byte_aligned(pair: tuple[Link, Link], tensor_bytes: int) -> None:
+    """Frames after odd-length headers still start on 16 bytes, as malloc'd ZeroMQ frames did, in both read paths."""
+    a, b = pair
+    a.send([b"h" * 5, b"\x01" * 3, np.ones(tensor_bytes // 4, dtype=np.float32), b"z"])
+    (message,) = _pump(a, b, 1)
+    a.send([b"h" * 5, b"\x01" * 3, np.ones(tensor_bytes // 4, dtype=np.float32), b"z"])
+    deadline = time.monotonic() + 10
+    frames: list[memoryview] = []
+    while not frames and time.monotonic() < deadline:
+        a.flush()
+        if b.wait_readable(0.01):
+            frames = next(iter(b.receive()), [])
+    assert [bytes(f) for f in frames] == message
+    assert all(_address(f) % 16 == 0 for f in frames if f.nbytes)
+
+
+def test_whole_messages_before_a_broken_prefix_are_handed_over_first(pair: tuple[Link, Link]) -> None:
+    """Replies a worker sent before garbling its stream are delivered; the error comes with the next receive."""
+    a, b = pair
+    a.send([b"first"])
+    a.send([b"second"])
+    a.sock.send(struct.pack("<I", 0))  # with the two messages already in the socket, one receive sees all
+    assert b.wait_readable(1.0)
+    assert [[bytes(f) for f in m] for m in b.receive()] == [[b"first"], [b"second"]]
+    with pytest.raises(ProtocolError, match="0 frames"):
+        b.receive()
+    with pytest.raises(LinkClosed):  # reported once; after it the link is simply over
+        b.receive()
+    assert not b.sendable
+
+
+def test_a_reader_that_keeps_reading_never_times_out_a_blocking_flush(pair: tuple[Link, Link]) -> None:
+    """The timeout counts time without progress: 8 MB read slowly in small bites for longer than it still arrives."""
+    a, b = pair
+    payload = np.arange(2 * 2**20, dtype=np.float32)  # 8 MB, far over the socket buffer
+    a.send([payload])
+    received = bytearray()
+    stop = threading.Event()
+
+    def slow_reader() -> None:
+        while not stop.is_set():
+            try:
+                chunk = b.sock.recv(256 * 1024)
+            except BlockingIOError:
+                time.sleep(0.02)
+                continue
+            if not chunk:
+                return
+            received.extend(chunk)
+            time.sleep(0.02)  # the slowness under test: one 256 KB bite every 20 ms
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    started = time.monotonic()
+    try:
+        a.flush_blocking(0.3)  # the whole transfer takes well over 0.3 s; no single wait does
+    finally:
+        stop.set()
+        reader.join(10)
+    assert time.monotonic() - started > 0.3
+    assert not a.wants_write
+
+
+def test_a_link_at_eof_refuses_to_send(pair: tuple[Link, Link]) -> None:
+    """Once EOF was read, the link is no longer sendable and a send fails at once (the broker skips that worker)."""
+    a, b = pair
+    b.close()
+    assert a.wait_readable(1.0)
+    with pytest.raises(LinkClosed):
+        a.receive()
+    assert not a.sendable
+    with pytest.raises(LinkClosed, match="closed for sending"):
+        a.send([b"x"])
+
+
+def test_a_message_too_large_to_allocate_is_a_protocol_error(pair: tuple[Link, Link]) -> None:
+    """Lengths that add up beyond memory are refused as garbage, not raised as MemoryError into the broker."""
+    a, b = pair
+    huge = Link(b.sock, WORKER_LINK_FRAMES, 2**44)
+    a.sock.send(struct.pack("<I4Q", 4, 2**44, 2**44, 2**44, 2**44))
+    assert huge.wait_readable(1.0)
+    with pytest.raises(ProtocolError, match="beyond memory"):
+        huge.receive()

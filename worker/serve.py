@@ -37,7 +37,7 @@ _PROFILE_TOP = 15
 
 
 class WorkerLoop:
-    """Owns the DEALER socket to the supervisor and the model runner."""
+    """Owns the link to the supervisor and the model runner."""
 
     def __init__(self, launch: LaunchSpec, runner: ModelRunner, link: Link) -> None:
         self.launch = launch
@@ -192,6 +192,13 @@ class WorkerLoop:
             log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
+        too_large = [(name, a.nbytes) for name, a in outputs if a.nbytes > self.launch.max_frame_bytes]
+        if too_large:
+            # The supervisor reads a longer frame as a garbled link; the request gets a clear error instead.
+            name, size = too_large[0]
+            limit = self.launch.max_frame_bytes
+            self.reply_error(request.request_id, ErrorCode.INTERNAL, f"output {name!r} is {size} bytes, limit {limit}")
+            return
         encode_started = time.perf_counter()
         descs = [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
         queue_ms = request.queue_ms
@@ -274,6 +281,8 @@ def serve(launch: LaunchSpec) -> int:
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
         log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
         return WorkerExitCode.LOAD_FAILED
+    # Ours alone: a process this worker starts must not hold the link open past the worker's exit.
+    os.set_inheritable(launch.link_fd, False)
     link = Link(
         socket.socket(fileno=launch.link_fd),
         WORKER_LINK_FRAMES,

@@ -1,0 +1,127 @@
+"""The broker over real worker links: a dead worker's last reply is delivered, a dead link is routed around."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from protocol import worker_messages as wm
+from protocol.client_messages import InferRequest, encode_infer, encode_result
+from protocol.tensors import TensorDesc
+from protocol.worker_link import WORKER_LINK_FRAMES, Link
+from supervisor.broker import Broker
+from supervisor.config import parse_config
+from supervisor.planner import Assignment
+from supervisor.slot import SlotState, WorkerSlot
+
+X = np.arange(16, dtype=np.float32).reshape(1, 16)
+DESC = (TensorDesc("x", "float32", (1, 16)),)
+
+
+class Rig:
+    """A broker with two serving slots whose far link ends the test holds, and a DEALER client."""
+
+    def __init__(self, tmp: Path) -> None:
+        model = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
+        config = parse_config(json.dumps({"models": {"tiny": {**model, "workers": 2, "prefetch": 1}}}), tmp)
+        self.context: zmq.Context[Any] = zmq.Context()
+        self.broker = Broker(self.context, config, tmp)
+        self.slots: list[WorkerSlot] = []
+        self.workers: list[Link] = []
+        for index in range(2):
+            slot = WorkerSlot(config.models["tiny"], Assignment("tiny", index, (index,), 0, 1, False))
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            slot.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
+            slot.state = SlotState.SERVING
+            self.slots.append(slot)
+            self.workers.append(Link(theirs, WORKER_LINK_FRAMES, 2**30))
+        self.broker.set_pools({"tiny": self.slots})
+        for slot in self.slots:
+            self.broker.register(slot)
+        self.client = self.context.socket(zmq.DEALER)
+        self.client.setsockopt(zmq.LINGER, 0)
+        self.client.connect(self.broker.client_endpoint)
+
+    def send_request(self, request_id: int) -> None:
+        """One infer request from the client, taken in by the broker."""
+        self.client.send_multipart([b"", encode_infer(InferRequest(request_id, "tiny", DESC)), X])
+        assert self.broker.frontend.poll(5000)
+        self.broker.handle_clients(self.broker.frontend)
+
+    def request_at(self, worker: int) -> wm.Request:
+        """The REQUEST the broker sent to worker `worker`."""
+        link = self.workers[worker]
+        assert link.wait_readable(5.0)
+        (frames,) = link.receive()
+        message = wm.decode(frames[0])
+        assert isinstance(message, wm.Request)
+        return message
+
+    def reply(self, worker: int, request: wm.Request, client_id: int) -> None:
+        """Worker `worker` answers `request` with the echo result."""
+        header = encode_result(client_id, "tiny", DESC, {"model_ms": 0.1})
+        self.workers[worker].send(wm.encode(wm.Reply(request.request_id, None, ""), [header, X]))
+
+    def client_reply(self) -> dict[str, Any]:
+        """The next reply header the client receives."""
+        assert self.client.poll(5000)
+        header: dict[str, Any] = msgpack.unpackb(self.client.recv_multipart()[1])
+        return header
+
+    def close(self) -> None:
+        """Close every socket and link."""
+        for slot in self.slots:
+            self.broker.forget(slot)
+        for link in self.workers:
+            link.close()
+        self.client.close()
+        self.broker.close()
+        self.context.term()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    """A broker with two linked slots."""
+    made = Rig(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_reply_written_just_before_the_worker_died_is_delivered_not_rerun(rig: Rig) -> None:
+    """The worker answers and exits before the broker reads: draining at reap delivers the answer once."""
+    rig.send_request(41)
+    busy = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+    request = rig.request_at(busy)
+    rig.reply(busy, request, 41)
+    rig.workers[busy].close()  # the process exits; nothing of it was read yet
+    rig.broker.drain(rig.slots[busy])
+    header = rig.client_reply()
+    assert (header["type"], header["id"]) == ("result", 41)
+    assert not rig.slots[busy].inflight, "answered, so nothing is left to re-dispatch"
+    assert rig.broker.queues["tiny"].completed == 1
+
+
+def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig) -> None:
+    """The most recently busy worker died unnoticed: the send fails, and the same request goes to its sibling."""
+    rig.send_request(1)
+    first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+    rig.reply(first, rig.request_at(first), 1)
+    assert rig.slots[first].link is not None
+    assert rig.slots[first].link.wait_readable(5.0)
+    rig.broker.read_link(rig.slots[first])
+    assert rig.client_reply()["id"] == 1
+    rig.workers[first].close()  # dies idle; the broker has not read the EOF yet
+    rig.slots[first].process = None  # nothing to SIGKILL in this rig
+    rig.send_request(2)  # ties go to the most recently busy worker: the dead one is tried first
+    other = 1 - first
+    assert rig.request_at(other).request_id > 0
+    assert rig.slots[other].inflight and not rig.slots[first].inflight
+    assert not rig.broker.queues["tiny"].waiting
