@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,19 @@ def link_echo(sock: socket.socket, count: int) -> None:
             answered += 1
 
 
+def time_round_trips(round_trip: Callable[[], object], count: int, gap_s: float) -> list[float]:
+    """Latencies (ms) of `count` calls after the warm-up ones, idling `gap_s` before each."""
+    latencies = []
+    for index in range(count + _WARMUP):
+        if gap_s:
+            time.sleep(gap_s)  # the idle a sequential client leaves between requests: part of what is measured
+        started = time.perf_counter()
+        round_trip()
+        if index >= _WARMUP:
+            latencies.append((time.perf_counter() - started) * 1000.0)
+    return latencies
+
+
 def time_zmq(count: int, size: int, gap_s: float) -> list[float]:
     """Round trips (ms) of a DEALER to a ROUTER in another process, over ipc."""
     import zmq
@@ -65,15 +79,12 @@ def time_zmq(count: int, size: int, gap_s: float) -> list[float]:
     dealer = context.socket(zmq.DEALER)
     dealer.connect(endpoint)
     message = [b"h" * 40, b"x" * size]
-    latencies = []
-    for index in range(count + _WARMUP):
-        if gap_s:
-            time.sleep(gap_s)
-        started = time.perf_counter()
+
+    def round_trip() -> object:
         dealer.send_multipart(message, copy=False)
-        dealer.recv_multipart(copy=False)
-        if index >= _WARMUP:
-            latencies.append((time.perf_counter() - started) * 1000.0)
+        return dealer.recv_multipart(copy=False)
+
+    latencies = time_round_trips(round_trip, count, gap_s)
     peer.join(30)
     dealer.close(linger=0)
     context.term()
@@ -89,19 +100,17 @@ def time_link(count: int, size: int, gap_s: float) -> list[float]:
     theirs.close()
     link = Link(ours, WORKER_LINK_FRAMES, 2**30)
     message = [b"h" * 40, b"x" * size]
-    latencies = []
-    for index in range(count + _WARMUP):
-        if gap_s:
-            time.sleep(gap_s)
-        started = time.perf_counter()
+
+    def round_trip() -> object:
         link.send(message)
         link.flush_blocking(10.0)
         got: list[Any] = []
         while not got:
             link.wait_readable(10.0)
             got = link.receive()
-        if index >= _WARMUP:
-            latencies.append((time.perf_counter() - started) * 1000.0)
+        return got
+
+    latencies = time_round_trips(round_trip, count, gap_s)
     peer.join(30)
     link.close()
     return latencies
