@@ -1,8 +1,14 @@
 """Transport benchmark: the daemon's round trip against an in-process call, 1 sequential client and N concurrent.
 
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
+                              [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
+
+Each side runs in the layout that serves it best here. The daemon gives `tiny` one worker holding
+4 requests: a 6 µs model needs no second core, and a second pinned process would only compete with
+the 8 clients for this machine's two vCPUs. The bare broker has no prefetch, so it needs two
+workers to keep one busy while the other answers (with one it does 5,000-6,500 req/s here).
 """
 
 from __future__ import annotations
@@ -161,13 +167,26 @@ def row(
     }
 
 
-def measure(model: str, clients: int, seconds: float, workers: int, prefetch: int, tmp: Path) -> list[dict[str, Any]]:
+def per_model(text: str, models: list[str]) -> dict[str, int]:
+    """`N` for every model, or `model=N,...` (each model named once)."""
+    if "=" not in text:
+        return dict.fromkeys(models, int(text))
+    values = {name: int(value) for name, _, value in (part.partition("=") for part in text.split(","))}
+    missing = [m for m in models if m not in values]
+    if missing:
+        raise SystemExit(f"no value for {', '.join(missing)} in {text!r}")
+    return values
+
+
+def measure(
+    model: str, clients: int, seconds: float, workers: int, prefetch: int, bare_workers: int, tmp: Path
+) -> list[dict[str, Any]]:
     """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients."""
     from bench import bare_broker
 
     rows = [row(model, "in-process, 1 thread", in_process(model, seconds, threads=1), seconds)]
     bare_dir = tmp / f"bare-{model}"
-    processes = bare_broker.start(bare_dir, model, workers)
+    processes = bare_broker.start(bare_dir, model, bare_workers)
     try:
         endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
         for n in (1, clients):
@@ -201,15 +220,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,resnet18")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", default="tiny=1,resnet18=2", help="daemon workers (1 core each): N or model=N,...")
+    parser.add_argument(
+        "--prefetch", default="tiny=4,resnet18=2", help="requests in hand per daemon worker: N or model=N,..."
+    )
+    parser.add_argument("--bare-workers", type=int, default=2, help="workers of the bare broker")
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--prefetch", type=int, default=2, help="requests in hand per worker (config `prefetch`)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
+    models = args.models.split(",")
+    workers, prefetch = per_model(args.workers, models), per_model(args.prefetch, models)
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
     rows: list[dict[str, Any]] = []
-    for model in args.models.split(","):
-        rows.extend(measure(model, args.clients, args.seconds, args.workers, args.prefetch, tmp))
+    for model in models:
+        rows.extend(measure(model, args.clients, args.seconds, workers[model], prefetch[model], args.bare_workers, tmp))
+    for model in models:
+        print(
+            f"{model}: daemon {workers[model]} worker(s) x 1 core, prefetch {prefetch[model]}; "
+            f"bare broker {args.bare_workers} worker(s) x 1 core; {args.clients} client processes"
+        )
     print(
         f"{'model':<9} {'path':<40} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
     )
@@ -221,7 +250,7 @@ def main() -> int:
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
     print("\nratios (daemon raw socket / bare pyzmq, same run):")
-    for model in args.models.split(","):
+    for model in models:
         by = {r["path"]: r for r in rows if r["model"] == model}
         base = by["in-process, 1 thread"]
         for n in (1, args.clients):
