@@ -18,6 +18,7 @@ import zmq
 
 from protocol import worker_messages as wm
 from protocol.constants import ErrorCode, WorkerExitCode
+from supervisor.affinity import SupervisorAffinity
 from supervisor.broker import Broker
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.config_diff import ConfigDiff, diff_configs
@@ -61,6 +62,7 @@ class Arbiter:
         self.control = ControlServer(self.context, runtime_dir)
         self.notifier = Notifier()
         self.sysfs_root = sysfs_root
+        self.affinity = SupervisorAffinity(frozenset(os.sched_getaffinity(0)))
         self.slots: dict[str, list[WorkerSlot]] = {
             name: [WorkerSlot(config.models[name], a) for a in assignments]
             for name, assignments in self.plan(config).items()
@@ -98,7 +100,8 @@ class Arbiter:
         demands = [
             WorkerDemand(m.name, m.workers, m.cores_per_worker, m.use_smt, m.threads) for m in config.models.values()
         ]
-        assignments = plan_cores(read_topology(self.sysfs_root), os.sched_getaffinity(0), demands, config.oversubscribe)
+        # The cpus we were given at start, not our own mask now: pinning the supervisor narrows that.
+        assignments = plan_cores(read_topology(self.sysfs_root), self.affinity.allowed, demands, config.oversubscribe)
         planned: dict[str, list[Assignment]] = {name: [] for name in config.models}
         for assignment in assignments:
             planned[assignment.model].append(assignment)
@@ -218,6 +221,7 @@ class Arbiter:
         self.monitor(now)
         self.rollout.advance(self)
         self.manage(now)
+        self.affinity.reconcile((s.assignment.cpus for s in self.all_slots()), self.config.pin_supervisor)
         self.announce_readiness()
 
     def _drain_wakeup(self) -> None:

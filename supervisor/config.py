@@ -108,6 +108,8 @@ class Config:
     tcp_endpoint: str | None
     curve: CurveConfig | None
     oversubscribe: bool
+    #: Keep the supervisor on the allowed cpus no worker holds (supervisor/affinity.py).
+    pin_supervisor: bool
     heartbeat_interval_ms: int
     heartbeat_liveness: int
     hang_factor: float
@@ -338,7 +340,7 @@ _TOP_KEYS = {
     "models", "runtime_dir", "log_level", "tcp_endpoint", "oversubscribe", "heartbeat_interval_ms",
     "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
     "max_frame_bytes", "restart_window_s", "max_restarts", "curve", "monitor_interval_s", "thermal_sysfs_root",
-    "thermal_action", "thermal_max_c", "cache_dir",
+    "thermal_action", "thermal_max_c", "cache_dir", "pin_supervisor",
 }  # fmt: skip
 
 
@@ -409,6 +411,7 @@ def parse_config(text: str, base: Path) -> Config:
         tcp_endpoint=tcp,
         curve=curve,
         oversubscribe=r.boolean(raw, "oversubscribe", "", False),
+        pin_supervisor=r.boolean(raw, "pin_supervisor", "", True),
         heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
         heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),
         hang_factor=r.number(raw, "hang_factor", "", 20.0, 1.0),

@@ -91,6 +91,7 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
         "state": "stopping" if arbiter.stopping else ("ready" if arbiter.announced_ready else "starting"),
         "uptime_s": round(time.time() - arbiter.started_at, 3),
         "rss": _rss(os.getpid()),
+        "cpus": sorted(arbiter.affinity.current),
         "config": {
             "path": str(arbiter.config_path),
             "digest": arbiter.config.digest,

@@ -18,11 +18,15 @@ def _ms(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _cpus(cpus: Any) -> str:
+    return "-" if not cpus else ",".join(str(c) for c in cpus)
+
+
 def format_status(status: dict[str, Any]) -> str:
     """Human table of a status document."""
     lines = [
         f"infervisor pid {status['pid']}  state {status['state']}  up {status['uptime_s']:.0f} s  "
-        f"rss {_mb(status['rss'])} MB  config {status['config']['digest']}",
+        f"rss {_mb(status['rss'])} MB  cpus {_cpus(status.get('cpus'))}  config {status['config']['digest']}",
         f"endpoint {status['endpoints']['client']}",
     ]
     header = (
