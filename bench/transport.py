@@ -2,6 +2,7 @@
 
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
+                              [--float-supervisor]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
 
@@ -179,7 +180,7 @@ def per_model(text: str, models: list[str]) -> dict[str, int]:
 
 
 def measure(
-    model: str, clients: int, seconds: float, workers: int, prefetch: int, bare_workers: int, tmp: Path
+    model: str, clients: int, seconds: float, workers: int, prefetch: int, bare_workers: int, pin: bool, tmp: Path
 ) -> list[dict[str, Any]]:
     """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients."""
     from bench import bare_broker
@@ -199,6 +200,7 @@ def measure(
     config = {
         "log_level": "warning",
         "oversubscribe": True,
+        "pin_supervisor": pin,
         "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
     }
     daemon = start_daemon(config, daemon_dir)
@@ -225,6 +227,9 @@ def main() -> int:
         "--prefetch", default="tiny=4,resnet18=2", help="requests in hand per daemon worker: N or model=N,..."
     )
     parser.add_argument("--bare-workers", type=int, default=2, help="workers of the bare broker")
+    parser.add_argument(
+        "--float-supervisor", action="store_true", help="config pin_supervisor=false: the supervisor may share a core"
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -233,10 +238,14 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
     rows: list[dict[str, Any]] = []
     for model in models:
-        rows.extend(measure(model, args.clients, args.seconds, workers[model], prefetch[model], args.bare_workers, tmp))
+        pin = not args.float_supervisor
+        rows.extend(
+            measure(model, args.clients, args.seconds, workers[model], prefetch[model], args.bare_workers, pin, tmp)
+        )
     for model in models:
         print(
             f"{model}: daemon {workers[model]} worker(s) x 1 core, prefetch {prefetch[model]}; "
+            f"pin_supervisor {'off' if args.float_supervisor else 'on'}; "
             f"bare broker {args.bare_workers} worker(s) x 1 core; {args.clients} client processes"
         )
     print(

@@ -1,9 +1,9 @@
 """The supervisor's own CPUs: the allowed ones no worker holds, so the broker never shares a core with a model.
 
 A broker that floats onto a worker's core is preempted by the worker it just woke, and the model's
-working set evicts the broker's from that core's caches. On this 2-vCPU VM, one `tiny` worker with
-the supervisor kept off its core does 8,060-8,830 req/s with 8 clients against 7,150-7,650 floating,
-and adds 0.27-0.28 ms for one sequential client against 0.29-0.42 (bench/transport.py, four runs each).
+working set evicts the broker's from that core's caches. On this 2-vCPU VM, one `tiny` worker with 8
+clients, in alternating runs with pinning on and off: 8,320-9,230 req/s pinned against 6,950-8,450
+floating, each pair +9-23%; one sequential client 0.27-0.28 ms p50 against 0.29-0.33 (3 pairs of 4).
 """
 
 from __future__ import annotations
