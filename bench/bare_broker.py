@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,12 @@ def worker(runtime_dir: str, model: str, cpu: int) -> None:
         request = msgpack.unpackb(header.bytes)
         desc = request["inputs"][0]
         x = torch.frombuffer(tensors[0].buffer, dtype=torch.float32).reshape(desc["shape"])
+        started = time.perf_counter()
         with torch.inference_mode():
             y = np.ascontiguousarray(module(x).numpy())
-        reply = {"v": 1, "type": "result", "id": request["id"], "model": model, "timing": {},
+        # The model's own time, as the daemon's workers report it, so both get an overhead column.
+        timing = {"model_ms": (time.perf_counter() - started) * 1000.0}
+        reply = {"v": 1, "type": "result", "id": request["id"], "model": model, "timing": timing,
                  "outputs": [{"name": output, "dtype": "float32", "shape": list(y.shape)}]}  # fmt: skip
         socket.send_multipart([client, empty, msgpack.packb(reply), y], copy=False)
 

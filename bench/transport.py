@@ -191,8 +191,8 @@ def measure(
     try:
         endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
         for n in (1, clients):
-            latencies, _, errors = run_clients(endpoint, model, n, seconds, raw=True)
-            rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors))
+            latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=True)
+            rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors, overheads))
     finally:
         for process in processes:
             process.kill()
