@@ -70,6 +70,17 @@ class Daemon:
         )
         self.endpoint = f"ipc://{self.runtime_dir / CLIENT_SOCKET_NAME}"
 
+    def write_config(self, config: dict[str, Any], atomic: bool = True) -> None:
+        """Replace config.json the way editors and deploy tools do: a temp file renamed over it, or in place."""
+        text = json.dumps({"cache_dir": str(self.tmp / "cache"), **config}, indent=2)
+        if atomic:
+            temp = self.config_path.with_suffix(".tmp")
+            temp.write_text(text)
+            os.replace(temp, self.config_path)
+        else:
+            with self.config_path.open("w") as handle:
+                handle.write(text)
+
     def status(self) -> dict[str, Any]:
         """The daemon's status document."""
         return control_request(self.runtime_dir, {"cmd": "status"}, timeout=10.0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +25,6 @@ def _thread_cpus(pid: int) -> list[frozenset[int]]:
             if line.startswith("Cpus_allowed_list:"):
                 found.append(frozenset(parse_cpu_list(line.split(":", 1)[1].strip())))
     return found
-
-
-def _replace_config(daemon: Daemon, config: dict[str, Any]) -> None:
-    temp = daemon.config_path.with_suffix(".tmp")
-    temp.write_text(json.dumps({"cache_dir": str(daemon.tmp / "cache"), **config}))
-    os.replace(temp, daemon.config_path)
 
 
 def test_spare_cpus_are_the_allowed_ones_no_worker_holds() -> None:
@@ -66,13 +59,13 @@ def test_supervisor_threads_leave_the_worker_core_and_return_when_it_is_needed(
         assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)})["y"].shape == (1, 16)
 
     config["pin_supervisor"] = False
-    _replace_config(daemon, config)
+    daemon.write_config(config)
     wait_for(lambda: set(_thread_cpus(pid)) == {ALLOWED}, 30, "pinning turned off live")
     assert daemon.status()["models"]["tiny"]["workers"][0]["pid"] == status["models"]["tiny"]["workers"][0]["pid"]
 
     config["pin_supervisor"] = True
     config["models"]["tiny"]["workers"] = len(ALLOWED)
-    _replace_config(daemon, config)
+    daemon.write_config(config)
     wait_for(lambda: len(daemon.status()["models"]["tiny"]["workers"]) == len(ALLOWED), 60, "scaled to every cpu")
     wait_for(lambda: set(_thread_cpus(pid)) == {ALLOWED}, 30, "no spare cpu: the supervisor floats")
     assert daemon.status()["cpus"] == sorted(ALLOWED)

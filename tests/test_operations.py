@@ -30,18 +30,6 @@ def _pool(daemon: Daemon, model: str) -> list[dict[str, Any]]:
     return [w for w in daemon.status()["models"][model]["workers"] if "role" not in w]
 
 
-def _write_config(daemon: Daemon, config: dict[str, Any], atomic: bool = True) -> None:
-    """Replace config.json the way editors and deploy tools do: a temp file renamed over it, or in place."""
-    text = json.dumps({"cache_dir": str(daemon.tmp / "cache"), **config}, indent=2)
-    if atomic:
-        temp = daemon.config_path.with_suffix(".tmp")
-        temp.write_text(text)
-        os.replace(temp, daemon.config_path)
-    else:
-        with daemon.config_path.open("w") as handle:
-            handle.write(text)
-
-
 class Load:
     """Client threads sending requests back to back; counts successes and failures."""
 
@@ -129,7 +117,7 @@ def test_reload_rolls_only_the_changed_model_and_applies_live_keys(start_daemon:
     faulty_pid = status["models"]["faulty"]["workers"][0]["pid"]
     config["models"]["tiny"]["warmup_iterations"] = 2
     config["models"]["faulty"]["queue_size"] = 32
-    _write_config(daemon, config, atomic=True)
+    daemon.write_config(config, atomic=True)
     wait_for(lambda: daemon.status()["models"]["faulty"]["queue_size"] == 32, 30, "live key applied")
 
     def tiny_replaced() -> bool:
@@ -155,7 +143,7 @@ def test_bad_reload_changes_nothing_and_says_why(start_daemon: Callable[..., Dae
     assert daemon.status()["config"]["last_error"][0].startswith("(file): not valid JSON")
     broken = json.loads(json.dumps(config))
     broken["models"]["tiny"]["inputs"][0]["dtype"] = "float"
-    _write_config(daemon, broken, atomic=False)
+    daemon.write_config(broken, atomic=False)
     wait_for(lambda: any("models.tiny.inputs[0].dtype" in p for p in daemon.status()["config"]["last_error"] or []),
              30, "bad key reported with its path")  # fmt: skip
     status = daemon.status()
@@ -171,11 +159,11 @@ def test_scaling_a_model_up_and_down_touches_only_the_difference(start_daemon: C
     daemon = start_daemon(config)
     first = daemon.wait_ready()["models"]["tiny"]["workers"][0]["pid"]
     config["models"]["tiny"]["workers"] = 2
-    _write_config(daemon, config)
+    daemon.write_config(config)
     wait_for(lambda: [w["state"] for w in _pool(daemon, "tiny")] == ["serving", "serving"], 120, "scaled up")
     assert _pool(daemon, "tiny")[0]["pid"] == first
     config["models"]["tiny"]["workers"] = 1
-    _write_config(daemon, config)
+    daemon.write_config(config)
     wait_for(lambda: len(daemon.status()["models"]["tiny"]["workers"]) == 1, 60, "scaled down")
     assert _pool(daemon, "tiny")[0]["pid"] == first
 
@@ -186,7 +174,7 @@ def test_failed_replacement_leaves_the_old_worker_serving(start_daemon: Callable
     daemon = start_daemon(config, env={"PYTHONPATH": str(ROOT)})
     pid = daemon.wait_ready()["models"]["faulty"]["workers"][0]["pid"]
     config["models"]["faulty"]["source"] = {"python": "tests.fault_models:broken"}
-    _write_config(daemon, config)
+    daemon.write_config(config)
     wait_for(lambda: daemon.status()["rollout"]["last_error"], 120, "replacement failure reported")
     assert _pool(daemon, "faulty")[0]["pid"] == pid
     with daemon.client() as client:
@@ -280,7 +268,7 @@ def test_switching_the_profile_chain_rolls_the_model_with_no_failed_request(
     x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
     with Load(daemon, "tiny", {"x": x}, clients=2) as load:
         config["models"]["tiny"]["profiles"] = ["aoti", "eager"]
-        _write_config(daemon, config)
+        daemon.write_config(config)
 
         def serving_aoti() -> bool:
             pool = [w for w in _pool(daemon, "tiny") if w["state"] == "serving"]
