@@ -2,7 +2,7 @@
 
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
-                              [--float-supervisor]
+                              [--float-supervisor] [--cpu-latency-us 0]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
 
@@ -10,6 +10,10 @@ Each side runs in the layout that serves it best here. The daemon gives `tiny` o
 4 requests: a 6 µs model needs no second core, and a second pinned process would only compete with
 the 8 clients for this machine's two vCPUs. The bare broker has no prefetch, so it needs two
 workers to keep one busy while the other answers (with one it does 5,000-6,500 req/s here).
+
+`--cpu-latency-us N` sets the daemon's `cpu_latency_us` (idle CPUs wake within N µs), and holds the
+same request while the in-process and bare-broker rows run, so every row sees the same idle CPUs.
+It needs write access to /dev/cpu_dma_latency (root).
 """
 
 from __future__ import annotations
@@ -188,27 +192,47 @@ def per_model(text: str, models: list[str]) -> dict[str, int]:
 
 
 def measure(
-    model: str, clients: int, seconds: float, workers: int, prefetch: int, bare_workers: int, pin: bool, tmp: Path
+    model: str,
+    clients: int,
+    seconds: float,
+    layout: tuple[int, int, int],
+    pin: bool,
+    cpu_latency_us: int | None,
+    tmp: Path,
 ) -> list[dict[str, Any]]:
-    """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients."""
-    from bench import bare_broker
+    """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients.
 
-    rows = [row(model, "in-process, 1 thread", in_process(model, seconds, threads=1), seconds)]
-    bare_dir = tmp / f"bare-{model}"
-    processes = bare_broker.start(bare_dir, model, bare_workers)
+    `layout` is the daemon's workers and prefetch, then the bare broker's workers.
+    """
+    from bench import bare_broker
+    from supervisor.cpu_latency import CpuLatencyHold
+
+    workers, prefetch, bare_workers = layout
+    # The baselines get the idle policy the daemon will hold for itself; the daemon's rows run on its own hold.
+    hold = CpuLatencyHold()
+    hold.reconcile(cpu_latency_us, "bench baseline")
+    if hold.error is not None:
+        raise SystemExit(f"--cpu-latency-us: {hold.error}")
     try:
-        endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
-        for n in (1, clients):
-            latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=True)
-            rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors, overheads))
+        rows = [row(model, "in-process, 1 thread", in_process(model, seconds, threads=1), seconds)]
+        bare_dir = tmp / f"bare-{model}"
+        processes = bare_broker.start(bare_dir, model, bare_workers)
+        try:
+            endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
+            for n in (1, clients):
+                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=True)
+                rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors, overheads))
+        finally:
+            for process in processes:
+                process.kill()
     finally:
-        for process in processes:
-            process.kill()
+        hold.release("bench baseline done")
     daemon_dir = tmp / f"daemon-{model}"
     config = {
         "log_level": "warning",
         "oversubscribe": True,
         "pin_supervisor": pin,
+        "cpu_latency_us": cpu_latency_us,
         "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
     }
     daemon = start_daemon(config, daemon_dir)
@@ -238,6 +262,9 @@ def main() -> int:
     parser.add_argument(
         "--float-supervisor", action="store_true", help="config pin_supervisor=false: the supervisor may share a core"
     )
+    parser.add_argument(
+        "--cpu-latency-us", type=int, help="config cpu_latency_us for the daemon, held for the baselines too (root)"
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -247,13 +274,13 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for model in models:
         pin = not args.float_supervisor
-        rows.extend(
-            measure(model, args.clients, args.seconds, workers[model], prefetch[model], args.bare_workers, pin, tmp)
-        )
+        layout = (workers[model], prefetch[model], args.bare_workers)
+        rows.extend(measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, tmp))
     for model in models:
         print(
             f"{model}: daemon {workers[model]} worker(s) x 1 core, prefetch {prefetch[model]}; "
             f"pin_supervisor {'off' if args.float_supervisor else 'on'}; "
+            f"cpu_latency_us {'none' if args.cpu_latency_us is None else args.cpu_latency_us}; "
             f"bare broker {args.bare_workers} worker(s) x 1 core; {args.clients} client processes"
         )
     print(

@@ -23,6 +23,7 @@ from supervisor.broker import Broker
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.config_diff import ConfigDiff, diff_configs
 from supervisor.control import ControlServer
+from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.file_watch import FileWatcher
 from supervisor.logs import configure_logging
 from supervisor.monitors.age import AgeWatch
@@ -63,6 +64,7 @@ class Arbiter:
         self.notifier = Notifier()
         self.sysfs_root = sysfs_root
         self.affinity = SupervisorAffinity(frozenset(os.sched_getaffinity(0)))
+        self.cpu_latency = CpuLatencyHold()
         self.slots: dict[str, list[WorkerSlot]] = {
             name: [WorkerSlot(config.models[name], a) for a in assignments]
             for name, assignments in self.plan(config).items()
@@ -194,6 +196,7 @@ class Arbiter:
         finally:
             self.watcher.stop()
             self.shutdown_sockets()
+            self.cpu_latency.release("exit")
         log.info("supervisor_exit", code=self.exit_code)
         return self.exit_code
 
@@ -222,7 +225,15 @@ class Arbiter:
         self.rollout.advance(self)
         self.manage(now)
         self.affinity.reconcile((s.assignment.cpus for s in self.all_slots()), self.config.pin_supervisor)
+        self.hold_cpu_latency()
         self.announce_readiness()
+
+    def hold_cpu_latency(self) -> None:
+        """Keep idle CPUs quick to wake as configured, except while throttling: polling idle adds heat."""
+        if self.thermal.throttled:
+            self.cpu_latency.reconcile(None, "thermal throttling")
+        else:
+            self.cpu_latency.reconcile(self.config.cpu_latency_us, "config")
 
     def _drain_wakeup(self) -> None:
         try:

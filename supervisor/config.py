@@ -110,6 +110,8 @@ class Config:
     oversubscribe: bool
     #: Keep the supervisor on the allowed cpus no worker holds (supervisor/affinity.py).
     pin_supervisor: bool
+    #: A CPU latency QoS request in µs held while serving (supervisor/cpu_latency.py); None holds none.
+    cpu_latency_us: int | None
     heartbeat_interval_ms: int
     heartbeat_liveness: int
     hang_factor: float
@@ -341,6 +343,7 @@ _TOP_KEYS = {
     "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
     "max_frame_bytes", "restart_window_s", "max_restarts", "curve", "monitor_interval_s", "thermal_sysfs_root",
     "thermal_action", "thermal_max_c", "cache_dir", "pin_supervisor",
+    "cpu_latency_us",
 }  # fmt: skip
 
 
@@ -412,6 +415,10 @@ def parse_config(text: str, base: Path) -> Config:
         curve=curve,
         oversubscribe=r.boolean(raw, "oversubscribe", "", False),
         pin_supervisor=r.boolean(raw, "pin_supervisor", "", True),
+        # The kernel reads an s32 and treats 2,000,000,000 µs as "no limit".
+        cpu_latency_us=None
+        if raw.get("cpu_latency_us") is None
+        else r.integer(raw, "cpu_latency_us", "", 0, 0, 2_000_000_000),
         heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
         heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),
         hang_factor=r.number(raw, "hang_factor", "", 20.0, 1.0),

@@ -92,6 +92,7 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
         "uptime_s": round(time.time() - arbiter.started_at, 3),
         "rss": _rss(os.getpid()),
         "cpus": sorted(arbiter.affinity.current),
+        "cpu_latency": arbiter.cpu_latency.status(arbiter.config.cpu_latency_us),
         "config": {
             "path": str(arbiter.config_path),
             "digest": arbiter.config.digest,

@@ -226,12 +226,16 @@ def test_systemd_notify_sequence(
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    """systemd-analyze verify accepts the shipped unit (with ExecStart pointed at an existing file)."""
+@pytest.mark.parametrize("drop_in", [None, "cpu-latency.conf"])
+def test_unit_file_passes_systemd_analyze_verify(tmp_path: Path, drop_in: str | None) -> None:
+    """systemd-analyze verify accepts the shipped unit, alone and with the shipped drop-in."""
     unit = (ROOT / "systemd" / "infervisor.service").read_text()
     unit = unit.replace("/opt/infervisor/.venv/bin/infervisor", shutil.which("true") or "/bin/true")
     path = tmp_path / "infervisor.service"
     path.write_text(unit)
+    if drop_in is not None:
+        (tmp_path / "infervisor.service.d").mkdir()
+        shutil.copy(ROOT / "systemd" / drop_in, tmp_path / "infervisor.service.d" / drop_in)
     result = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
     problems = [line for line in result.stderr.splitlines() if "infervisor.service" in line]
     assert result.returncode == 0 and not problems, result.stderr

@@ -115,7 +115,7 @@ def test_doctor_passes_a_well_set_machine(tmp_path: Path) -> None:
     """Performance governor, no quota, enough memory, disjoint cores: every check passes."""
     checks = _by_name(_config(), _machine(tmp_path, governor="performance"))
     assert {n: c.status for n, c in checks.items() if c.status is not Status.PASS} == {}
-    assert len(checks) == 12
+    assert len(checks) == 13
     assert "Test Xeon, tier avx512" in checks["instruction set"].detail
     assert "caches L1d 48K, L2 1024K" in checks["instruction set"].detail
     assert checks["CPU governor"].detail == "performance on [0, 1]; now 2900-2900 MHz"
@@ -138,6 +138,19 @@ def test_doctor_fails_a_quota_below_the_pinned_cores_and_an_impossible_plan(tmp_
     assert checks["cgroup CPU limit"].status is Status.FAIL
     plan = _by_name(_config(workers=3), _machine(tmp_path / "b"))
     assert plan["threads vs cpuset"].status is Status.FAIL and plan["NUMA"].status is Status.FAIL
+
+
+def test_doctor_fails_a_cpu_latency_request_the_daemon_cannot_hold(tmp_path: Path) -> None:
+    """cpu_latency_us with no latency device fails with a fix; with a writable one it passes."""
+    entry = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
+    config = parse_config(json.dumps({"cpu_latency_us": 0, "models": {"m": entry}}), ROOT)
+    machine = _machine(tmp_path)
+    machine.cpu_latency_device = tmp_path / "no-such-device"
+    missing = _by_name(config, machine)["CPU wake latency"]
+    assert missing.status is Status.FAIL and "PrivateDevices=no" in missing.fix
+    machine.cpu_latency_device = tmp_path / "cpu_dma_latency"
+    machine.cpu_latency_device.write_bytes(b"")
+    assert _by_name(config, machine)["CPU wake latency"].status is Status.PASS
 
 
 def test_doctor_warns_about_profiles_this_cpu_will_skip(tmp_path: Path) -> None:

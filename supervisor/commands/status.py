@@ -29,6 +29,11 @@ def format_status(status: dict[str, Any]) -> str:
         f"rss {_mb(status['rss'])} MB  cpus {_cpus(status.get('cpus'))}  config {status['config']['digest']}",
         f"endpoint {status['endpoints']['client']}",
     ]
+    latency = status.get("cpu_latency") or {}
+    if latency.get("wanted_us") is not None:
+        held = latency.get("held_us")
+        why = latency.get("error") or ("released while throttling" if held is None else "held")
+        lines.append(f"cpu latency {latency['wanted_us']} us: {why}")
     header = (
         f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'profile':<12} {'rss MB':>7} {'reqs':>7} "
         f"{'p50 ms':>8} {'p99 ms':>8}  last exit"

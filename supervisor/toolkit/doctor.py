@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.config import Config
+from supervisor.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
 from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from supervisor.toolkit.constraints import Constraints
 from supervisor.topology import TopologyError, read_topology
@@ -55,6 +56,7 @@ class Machine:
     sysfs: Path = Path("/sys")
     proc: Path = Path("/proc")
     allowed_cpus: set[int] = field(default_factory=lambda: set(os.sched_getaffinity(0)))
+    cpu_latency_device: Path = CPU_LATENCY_DEVICE
     #: Runs the torch probe; returns its JSON, or raises OSError/ValueError.
     torch_probe: Callable[[], dict[str, object]] | None = None
 
@@ -314,9 +316,24 @@ def check_affinity(config: Config, constraints: Constraints | None, machine: Mac
     return Check("affinity", Status.PASS, "sched_setaffinity allowed")
 
 
+def check_cpu_latency(config: Config, constraints: Constraints | None, machine: Machine) -> Check:
+    """A `cpu_latency_us` request needs the kernel's CPU latency interface, writable by the daemon's user."""
+    wanted, device = config.cpu_latency_us, machine.cpu_latency_device
+    if wanted is None:
+        return Check("CPU wake latency", Status.PASS, "no cpu_latency_us request: idle CPUs sleep as deep as they like")
+    if not device.exists():
+        return Check("CPU wake latency", Status.FAIL, f"cpu_latency_us {wanted} asked, but there is no {device}",
+                     "under systemd set PrivateDevices=no; or drop cpu_latency_us")  # fmt: skip
+    if not os.access(device, os.W_OK):
+        fix = "run the daemon as root or give its user write access (a udev rule); or drop cpu_latency_us"
+        return Check("CPU wake latency", Status.FAIL, f"cpu_latency_us {wanted} asked; {device} is not writable", fix)
+    return Check("CPU wake latency", Status.PASS, f"{device} writable: idle CPUs will wake within {wanted} us")
+
+
 CHECKS = (
     check_instruction_set, check_torch_version, check_contiguous_inputs, check_onednn, check_threads,
     check_eval_mode, check_governor, check_smt, check_numa, check_memory, check_cgroup_cpu, check_affinity,
+    check_cpu_latency,
 )  # fmt: skip
 
 
