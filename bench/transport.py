@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import structlog
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -251,6 +253,8 @@ def measure(
 
 def main() -> int:
     """Run the benchmark and print the table."""
+    # The latency hold logs its changes; the table is this script's only output.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,resnet18")
     parser.add_argument("--clients", type=int, default=8)
