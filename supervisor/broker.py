@@ -18,6 +18,7 @@ import structlog
 import zmq
 
 from protocol import worker_messages as wm
+from protocol.arrays import check_finite
 from protocol.client_messages import RequestId, decode_infer, encode_error
 from protocol.constants import CLIENT_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
@@ -188,6 +189,8 @@ class Broker:
                     ErrorCode.UNKNOWN_MODEL, f"no model {request.model!r}; serving {sorted(self.config.models)}"
                 )
             check_against_spec(request.inputs, model.inputs)
+            # Here, not in the worker: these bytes were just read into this core's cache (BROKER_SCAN_MIN_BYTES).
+            check_finite(request.inputs, [f.buffer for f in tensor_frames], model.inputs, large=True)
         except ProtocolError as exc:
             self.count(f"rejected_{exc.code.value}", exc.message)
             self.reply_error(client, request.request_id, exc.code, exc.message)

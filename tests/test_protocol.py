@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from protocol import worker_messages as wm
-from protocol.arrays import from_frame, to_frame
+from protocol.arrays import check_finite, from_frame, to_frame
 from protocol.client_messages import (
     InferRequest,
     InferResult,
@@ -31,6 +31,7 @@ from protocol.client_messages import (
 )
 from protocol.codec import pack, unpack
 from protocol.constants import (
+    BROKER_SCAN_MIN_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_ITEMSIZE,
     MAX_DEADLINE_MS,
@@ -1412,3 +1413,36 @@ def test_fuzz_byte_flipped_worker_messages_are_refused_or_valid(headers: list[by
         message = _only_protocol_errors(wm.decode, header)
         if message is not None:
             _check_worker_message(message, unpack(header)[0])
+
+
+@pytest.mark.parametrize("elements", [1, BROKER_SCAN_MIN_BYTES // 4 - 1, BROKER_SCAN_MIN_BYTES // 4, 40_000])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_every_float_frame_is_scanned_by_exactly_one_side(elements: int, bad: float) -> None:
+    """A non-finite value is refused by the broker's scan (long frames) or the worker's (the rest), never both."""
+    array = np.zeros(elements, np.float32)
+    array[-1] = bad
+    desc, frame = to_frame("x", array)
+    specs = [TensorSpec("x", "float32", (None,))]
+    refused = []
+    for large in (True, False):
+        try:
+            check_finite([desc], [frame.data], specs, large=large)
+        except ProtocolError as exc:
+            assert exc.code is ErrorCode.INVALID_INPUT and "'x' contains NaN or Inf" in exc.message
+            refused.append(large)
+    assert refused == [frame.nbytes >= BROKER_SCAN_MIN_BYTES]
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_the_scan_skips_what_the_spec_allows_and_integers(large: bool) -> None:
+    """allow_non_finite inputs and integer inputs pass whatever they hold; finite float16 passes, NaN does not."""
+    size = BROKER_SCAN_MIN_BYTES if large else 64
+    nan = np.full(size // 2, np.nan, np.float16)
+    ints = np.full(size // 8, -1, np.int64)
+    descs = [to_frame("a", nan)[0], to_frame("i", ints)[0]]
+    allowed = [TensorSpec("a", "float16", (None,), allow_non_finite=True), TensorSpec("i", "int64", (None,))]
+    check_finite(descs, [nan.data, ints.data], allowed, large=large)
+    guarded = [TensorSpec("a", "float16", (None,)), allowed[1]]
+    check_finite(descs, [np.ones_like(nan).data, ints.data], guarded, large=large)
+    with pytest.raises(ProtocolError, match="'a' contains NaN"):
+        check_finite(descs, [nan.data, ints.data], guarded, large=large)

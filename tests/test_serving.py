@@ -126,6 +126,13 @@ def test_file_models_match_in_process(client: Client, files: dict[str, Path], na
     np.testing.assert_allclose(out[names[1]], features.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def _poisoned(shape: tuple[int, ...], bad: float) -> np.ndarray[Any, Any]:
+    """Ones with one non-finite value at the very end, where a scan that stops early would miss it."""
+    array = np.ones(shape, np.float32)
+    array.reshape(-1)[-1] = bad
+    return array
+
+
 @pytest.mark.parametrize(
     ("model", "inputs", "code", "needle"),
     [
@@ -133,6 +140,8 @@ def test_file_models_match_in_process(client: Client, files: dict[str, Path], na
         ("tiny", {"x": np.zeros((1, 17), np.float32)}, ErrorCode.INVALID_INPUT, "expected x float32[*,16]"),
         ("tiny", {"y": np.zeros((1, 16), np.float32)}, ErrorCode.INVALID_INPUT, "x float32[*,16]"),
         ("tiny", {"x": np.full((1, 16), np.nan, np.float32)}, ErrorCode.INVALID_INPUT, "NaN or Inf"),
+        ("tiny", {"x": _poisoned((4096, 16), -np.inf)}, ErrorCode.INVALID_INPUT, "'x' contains NaN or Inf"),
+        ("resnet18", {"image": _poisoned((1, 3, 224, 224), np.nan)}, ErrorCode.INVALID_INPUT, "'image' contains NaN"),
         ("nope", {"x": np.zeros((1, 16), np.float32)}, ErrorCode.UNKNOWN_MODEL, "serving"),
         ("encoder", {"input_ids": np.ones((1, 128), np.int64)}, ErrorCode.INVALID_INPUT, "attention_mask"),
     ],
@@ -146,6 +155,19 @@ def test_bad_requests_get_a_stable_code_and_say_what_was_expected(
     assert caught.value.code == code
     assert needle in caught.value.message
     assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)})["y"].shape == (1, 16)
+
+
+def test_the_broker_refuses_a_long_non_finite_frame_before_any_worker_sees_it(zoo: Daemon, client: Client) -> None:
+    """A 600 KB image with a NaN is answered by the broker's scan: no resnet18 worker serves a request for it."""
+
+    def served() -> int:
+        return sum(w["requests"] for w in zoo.status()["models"]["resnet18"]["workers"])
+
+    before, rejected = served(), zoo.status()["counters"].get("rejected_INVALID_INPUT", 0)
+    with pytest.raises(InferenceError, match="contains NaN or Inf"):
+        client.infer("resnet18", {"image": _poisoned((1, 3, 224, 224), np.nan)}, timeout=10)
+    assert served() == before
+    assert zoo.status()["counters"]["rejected_INVALID_INPUT"] == rejected + 1
 
 
 def _raw_exchange(endpoint: str, frames: list[bytes]) -> dict[str, Any]:
