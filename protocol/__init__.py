@@ -14,7 +14,7 @@ __all__ = ["PROTOCOL_VERSION", "Client", "ErrorCode", "InferenceError", "Protoco
 
 
 def __getattr__(name: str) -> Any:
-    # The client pulls in numpy; the broker imports this package too and must stay small.
+    # Lazy, so that importing the package for its constants and codecs does not import the client's socket code.
     if name == "Client":
         from protocol.client import Client
 

@@ -1,4 +1,4 @@
-"""Tensor descriptors and input specs, checked without numpy so the broker stays small."""
+"""Tensor descriptors and input specs, checked without numpy: pure header checks need no array library."""
 
 from __future__ import annotations
 

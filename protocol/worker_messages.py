@@ -56,6 +56,8 @@ class Request:
     accepted_at: float
     #: How long it waited in the broker's queue.
     queue_ms: float
+    #: Inputs the broker already scanned for NaN/Inf; the worker scans every other input its own spec guards.
+    scanned: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,13 +176,14 @@ def _checker(hint: Any, where: str) -> Checker:
 
         return check_exact
     if origin is list:
+        (item,) = typing.get_args(hint)
 
-        def check_int_list(value: Any) -> list[int]:
-            if type(value) is list and all(type(v) is int for v in value):
+        def check_list(value: Any) -> list[Any]:
+            if type(value) is list and all(type(v) is item for v in value):
                 return value
             raise wrong(value)
 
-        return check_int_list
+        return check_list
     raise TypeError(f"no wire checker for {where}: {hint}")
 
 

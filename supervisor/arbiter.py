@@ -225,15 +225,9 @@ class Arbiter:
         self.rollout.advance(self)
         self.manage(now)
         self.affinity.reconcile((s.assignment.cpus for s in self.all_slots()), self.config.pin_supervisor)
-        self.hold_cpu_latency()
+        # Polling idle adds heat: a throttling box lets go of the request until it cools.
+        self.cpu_latency.reconcile(self.config.cpu_latency_us, self.thermal.throttled)
         self.announce_readiness()
-
-    def hold_cpu_latency(self) -> None:
-        """Keep idle CPUs quick to wake as configured, except while throttling: polling idle adds heat."""
-        if self.thermal.throttled:
-            self.cpu_latency.reconcile(None, "thermal throttling")
-        else:
-            self.cpu_latency.reconcile(self.config.cpu_latency_us, "config")
 
     def _drain_wakeup(self) -> None:
         try:

@@ -240,7 +240,7 @@ def _check_data_file(r: FieldReader, file: str | None, specs: tuple[TensorSpec, 
     """A calibration/validation .npz holds one array per input, samples along dim 0, each sample fitting the spec."""
     if file is None or not Path(file).is_file():
         return
-    import numpy as np  # only when a data file is configured: the daemon itself does not need numpy
+    import numpy as np  # only when a data file is configured: validating a config needs no numpy otherwise
 
     if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
         r.fail(where, "needs inputs whose first dim is the batch (null or 1): samples are taken along it")

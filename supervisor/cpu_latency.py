@@ -44,30 +44,34 @@ class CpuLatencyHold:
         self._fd: int | None = None
         #: The value the kernel has from us (µs), None when we hold nothing.
         self.held: int | None = None
-        #: A value the kernel refused, not retried until the wanted value changes (a warning per change).
+        #: Let go because the box throttles; taken again when it stops.
+        self.paused = False
+        #: A value the kernel refused, not retried until the configured value changes (a warning per change).
         self.refused: int | None = None
         self.error: str | None = None
 
-    def reconcile(self, wanted: int | None, reason: str) -> None:
-        """Hold `wanted` µs (None: hold nothing); `reason` says why in the log line of a change."""
-        if wanted is None:
+    def reconcile(self, configured: int | None, throttled: bool) -> None:
+        """Hold the configured µs (None: nothing), except while `throttled`: polling idle would only add heat."""
+        if configured is None or configured != self.refused:
             self.refused, self.error = None, None
-            self.release(reason)
+        self.paused = throttled and configured is not None
+        if configured is None or throttled:
+            self.release("thermal throttling" if throttled else "config")
             return
-        if wanted in (self.held, self.refused):
+        if configured in (self.held, self.refused):
             return
         try:
             if self._fd is None:
                 self._fd = os.open(self.device, os.O_WRONLY | os.O_CLOEXEC)
             # Rewriting the open descriptor updates our request in place; a second open would add another.
-            os.write(self._fd, struct.pack("=i", wanted))
+            os.write(self._fd, struct.pack("=i", configured))
         except OSError as exc:  # not root, a hidden /dev (PrivateDevices=), or no such interface
             self.release("refused")
-            self.refused, self.error = wanted, f"{self.device}: {exc.strerror or exc}"
-            log.warning("cpu_latency_refused", wanted_us=wanted, error=self.error)
+            self.refused, self.error = configured, f"{self.device}: {exc.strerror or exc}"
+            log.warning("cpu_latency_refused", wanted_us=configured, error=self.error)
             return
-        self.held, self.refused, self.error = wanted, None, None
-        log.info("cpu_latency_held", us=wanted, reason=reason)
+        self.held = configured
+        log.info("cpu_latency_held", us=configured, reason="config")
 
     def release(self, reason: str) -> None:
         """Drop the request (closing the descriptor is what withdraws it): the CPUs may sleep deep again."""
@@ -78,6 +82,6 @@ class CpuLatencyHold:
             log.info("cpu_latency_released", us=self.held, reason=reason)
         self.held = None
 
-    def status(self, wanted: int | None) -> dict[str, int | str | None]:
+    def status(self, configured: int | None) -> dict[str, int | str | bool | None]:
         """The status document's view: what the config asks, what the kernel has from us, and why not."""
-        return {"wanted_us": wanted, "held_us": self.held, "error": self.error}
+        return {"wanted_us": configured, "held_us": self.held, "paused": self.paused, "error": self.error}

@@ -35,17 +35,17 @@ def _write_thermal(root: Path, throttles: int) -> None:
 
 
 def test_a_refused_request_is_reported_once_and_not_retried(tmp_path: Path) -> None:
-    """No device: the hold records the error, warns once per wanted value, and clears it when the config drops it."""
+    """No device: the error is kept and warned once per configured value, through throttling; null clears it."""
     hold = CpuLatencyHold(tmp_path / "missing")
     with capture_logs() as logs:
-        for _ in range(3):
-            hold.reconcile(0, "config")
-        hold.reconcile(5, "config")
+        for throttled in (False, False, True, False):
+            hold.reconcile(0, throttled)
+        hold.reconcile(5, throttled=False)
     refused = [e for e in logs if e["event"] == "cpu_latency_refused"]
     assert [e["wanted_us"] for e in refused] == [0, 5]
     assert hold.held is None and hold.error is not None and "missing" in hold.error
-    hold.reconcile(None, "config")
-    assert hold.status(None) == {"wanted_us": None, "held_us": None, "error": None}
+    hold.reconcile(None, throttled=False)
+    assert hold.status(None) == {"wanted_us": None, "held_us": None, "paused": False, "error": None}
 
 
 @needs_device
@@ -54,9 +54,9 @@ def test_the_kernel_enforces_the_held_value_until_release() -> None:
     before = current_limit()
     hold = CpuLatencyHold()
     try:
-        hold.reconcile(7, "config")
+        hold.reconcile(7, throttled=False)
         assert hold.held == 7 and current_limit() == min(before, 7)
-        hold.reconcile(3, "config")
+        hold.reconcile(3, throttled=False)
         assert current_limit() == min(before, 3)
         assert _holds_device(os.getpid())
     finally:
@@ -91,7 +91,7 @@ def test_daemon_holds_the_request_and_releases_it_when_throttled_reloaded_or_sto
 
     _write_thermal(sysfs, 4)  # new throttle events: polling idle would only add heat
     wait_for(lambda: held() is None, 30, "released while throttling")
-    assert not _holds_device(pid)
+    assert not _holds_device(pid) and daemon.status()["cpu_latency"]["paused"] is True
     wait_for(lambda: held() == 0, 30, "held again once the counter stops")
 
     config["cpu_latency_us"] = None

@@ -169,16 +169,22 @@ def test_scaling_a_model_up_and_down_touches_only_the_difference(start_daemon: C
 
 
 def test_failed_replacement_leaves_the_old_worker_serving(start_daemon: Callable[..., Daemon]) -> None:
-    """A reload to a model that cannot load is reported, and the old worker keeps answering."""
+    """A reload to a model that cannot load is reported; the old worker keeps answering, on its own input spec."""
     config = {"models": {"faulty": model_entry(FAULTY, FAULT_INPUTS)}}
     daemon = start_daemon(config, env={"PYTHONPATH": str(ROOT)})
     pid = daemon.wait_ready()["models"]["faulty"]["workers"][0]["pid"]
     config["models"]["faulty"]["source"] = {"python": "tests.fault_models:broken"}
+    # The broker takes the new spec at once, so it stops scanning long frames for NaN; the old worker must not.
+    config["models"]["faulty"]["inputs"] = [{**FAULT_INPUTS[0], "allow_non_finite": True}]
     daemon.write_config(config)
     wait_for(lambda: daemon.status()["rollout"]["last_error"], 120, "replacement failure reported")
     assert _pool(daemon, "faulty")[0]["pid"] == pid
+    long_frame = np.zeros((16384, 2), np.float32)  # 128 KiB: a frame the broker scans when its spec asks
+    long_frame[-1, 1] = np.nan
     with daemon.client() as client:
         assert client.infer("faulty", command(ECHO, 5.0), timeout=30)["output"][0, 1] == 5.0
+        with pytest.raises(InferenceError, match="contains NaN or Inf"):
+            client.infer("faulty", {"x": long_frame}, timeout=30)
 
 
 @pytest.fixture

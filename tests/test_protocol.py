@@ -31,6 +31,7 @@ from protocol.client_messages import (
 )
 from protocol.codec import pack, unpack
 from protocol.constants import (
+    BROKER_SCAN_MAX_BYTES,
     BROKER_SCAN_MIN_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_ITEMSIZE,
@@ -143,7 +144,7 @@ READY: Final = wm.Ready(
     profile_notes="",
     build_notes="",
 )
-REQUEST: Final = wm.Request(request_id=1, deadline=5.0, accepted_at=4.0, queue_ms=0.5)
+REQUEST: Final = wm.Request(request_id=1, deadline=5.0, accepted_at=4.0, queue_ms=0.5, scanned=["image"])
 REPLY: Final = wm.Reply(request_id=1, error_code=None, message="")
 STATS: Final = wm.Stats(requests=1, threads=1, interop_threads=1, cpus=[0], rss=2)
 
@@ -204,8 +205,9 @@ def _conforms(value: object, hint: object, name: str) -> bool:
         return type(value) is float
     if hint in (int, str):
         return type(value) is hint
-    if hint == list[int]:
-        return type(value) is list and all(type(v) is int for v in value)
+    if hint in (list[int], list[str]):
+        (item,) = typing.get_args(hint)
+        return type(value) is list and all(type(v) is item for v in value)
     if hint == tuple[TensorDesc, ...]:
         return _valid_descs(value, min_dim=0 if name == "outputs" else 1)
     raise AssertionError(f"no check for annotation {hint}")
@@ -557,8 +559,8 @@ def test_error_with_unknown_code_becomes_internal() -> None:
 WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
     wm.Ready("m-0", 1234, 812.5, 40.25, 4, [0, 1, 2, 3], "jit", "jit_onednn: crashed", "compiled and cached package"),
     wm.Heartbeat(),
-    wm.Request(request_id=2**64 - 1, deadline=12345.678, accepted_at=12345.0, queue_ms=0.25),
-    wm.Request(request_id=0, deadline=None, accepted_at=0.0, queue_ms=0.0),
+    wm.Request(request_id=2**64 - 1, deadline=12345.678, accepted_at=12345.0, queue_ms=0.25, scanned=["a", "b"]),
+    wm.Request(request_id=0, deadline=None, accepted_at=0.0, queue_ms=0.0, scanned=[]),
     wm.Reply(3, None, ""),
     wm.Reply(4, ErrorCode.INVALID_INPUT.value, "input 'x' has NaN"),
     wm.Stats(100, 4, 1, [4, 5, 6, 7], 512 * 1024 * 1024),
@@ -1415,34 +1417,59 @@ def test_fuzz_byte_flipped_worker_messages_are_refused_or_valid(headers: list[by
             _check_worker_message(message, unpack(header)[0])
 
 
-@pytest.mark.parametrize("elements", [1, BROKER_SCAN_MIN_BYTES // 4 - 1, BROKER_SCAN_MIN_BYTES // 4, 40_000])
+BROKER_SIZES: Final = (BROKER_SCAN_MIN_BYTES, BROKER_SCAN_MAX_BYTES)
+
+
+@pytest.mark.parametrize(
+    "elements",
+    [
+        1,
+        BROKER_SCAN_MIN_BYTES // 4 - 1,
+        BROKER_SCAN_MIN_BYTES // 4,
+        BROKER_SCAN_MAX_BYTES // 4,
+        BROKER_SCAN_MAX_BYTES // 4 + 1,
+    ],
+)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_every_float_frame_is_scanned_by_exactly_one_side(elements: int, bad: float) -> None:
-    """A non-finite value is refused by the broker's scan (long frames) or the worker's (the rest), never both."""
+    """The broker scans frames within its sizes and names them; the worker scans the rest, so each is scanned once."""
     array = np.zeros(elements, np.float32)
-    array[-1] = bad
-    desc, frame = to_frame("x", array)
     specs = [TensorSpec("x", "float32", (None,))]
-    refused = []
-    for large in (True, False):
-        try:
-            check_finite([desc], [frame.data], specs, large=large)
-        except ProtocolError as exc:
-            assert exc.code is ErrorCode.INVALID_INPUT and "'x' contains NaN or Inf" in exc.message
-            refused.append(large)
-    assert refused == [frame.nbytes >= BROKER_SCAN_MIN_BYTES]
+    desc, frame = to_frame("x", array)
+    by_broker = check_finite([desc], [frame.data], specs, BROKER_SIZES)
+    assert by_broker == (["x"] if BROKER_SIZES[0] <= frame.nbytes <= BROKER_SIZES[1] else [])
+    assert check_finite([desc], [frame.data], specs, skip=by_broker) == ([] if by_broker else ["x"])
+    array[-1] = bad  # at the very end, where a scan that stops early would miss it
+    if by_broker:
+        with pytest.raises(ProtocolError, match="'x' contains NaN or Inf") as caught:
+            check_finite([desc], [frame.data], specs, BROKER_SIZES)
+        assert caught.value.code is ErrorCode.INVALID_INPUT
+    else:
+        assert check_finite([desc], [frame.data], specs, BROKER_SIZES) == []
+        with pytest.raises(ProtocolError, match="'x' contains NaN or Inf"):
+            check_finite([desc], [frame.data], specs, skip=by_broker)
 
 
-@pytest.mark.parametrize("large", [True, False])
-def test_the_scan_skips_what_the_spec_allows_and_integers(large: bool) -> None:
+def test_a_worker_scans_what_its_own_spec_guards_when_the_broker_allowed_it() -> None:
+    """Mid-rollout the broker's new spec may allow NaN that an old worker's refuses: that worker scans it itself."""
+    array = np.zeros(BROKER_SCAN_MIN_BYTES // 4, np.float32)
+    array[7] = np.nan
+    desc, frame = to_frame("x", array)
+    broker_spec = [TensorSpec("x", "float32", (None,), allow_non_finite=True)]
+    assert check_finite([desc], [frame.data], broker_spec, BROKER_SIZES) == []
+    with pytest.raises(ProtocolError, match="'x' contains NaN"):
+        check_finite([desc], [frame.data], [TensorSpec("x", "float32", (None,))], skip=[])
+
+
+@pytest.mark.parametrize("elements", [32, BROKER_SCAN_MIN_BYTES // 2])
+def test_the_scan_skips_what_the_spec_allows_and_integers(elements: int) -> None:
     """allow_non_finite inputs and integer inputs pass whatever they hold; finite float16 passes, NaN does not."""
-    size = BROKER_SCAN_MIN_BYTES if large else 64
-    nan = np.full(size // 2, np.nan, np.float16)
-    ints = np.full(size // 8, -1, np.int64)
+    nan = np.full(elements, np.nan, np.float16)
+    ints = np.full(elements, -1, np.int64)
     descs = [to_frame("a", nan)[0], to_frame("i", ints)[0]]
     allowed = [TensorSpec("a", "float16", (None,), allow_non_finite=True), TensorSpec("i", "int64", (None,))]
-    check_finite(descs, [nan.data, ints.data], allowed, large=large)
+    assert check_finite(descs, [nan.data, ints.data], allowed) == []
     guarded = [TensorSpec("a", "float16", (None,)), allowed[1]]
-    check_finite(descs, [np.ones_like(nan).data, ints.data], guarded, large=large)
+    assert check_finite(descs, [np.ones_like(nan).data, ints.data], guarded) == ["a"]
     with pytest.raises(ProtocolError, match="'a' contains NaN"):
-        check_finite(descs, [nan.data, ints.data], guarded, large=large)
+        check_finite(descs, [nan.data, ints.data], guarded)

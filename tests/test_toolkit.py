@@ -147,7 +147,7 @@ def test_doctor_fails_a_cpu_latency_request_the_daemon_cannot_hold(tmp_path: Pat
     machine = _machine(tmp_path)
     machine.cpu_latency_device = tmp_path / "no-such-device"
     missing = _by_name(config, machine)["CPU wake latency"]
-    assert missing.status is Status.FAIL and "PrivateDevices=no" in missing.fix
+    assert missing.status is Status.FAIL and "systemd/cpu-latency.conf" in missing.fix
     machine.cpu_latency_device = tmp_path / "cpu_dma_latency"
     machine.cpu_latency_device.write_bytes(b"")
     assert _by_name(config, machine)["CPU wake latency"].status is Status.PASS

@@ -180,7 +180,7 @@ class WorkerLoop:
                     ErrorCode.INTERNAL, f"request for {infer.model!r} reached a {self.launch.model!r} worker"
                 )
             check_against_spec(infer.inputs, self.runner.specs)
-            inputs = self.runner.inputs_from_frames(infer.inputs, buffers)
+            inputs = self.runner.inputs_from_frames(infer.inputs, buffers, request.scanned)
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(inputs)

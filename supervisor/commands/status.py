@@ -32,7 +32,9 @@ def format_status(status: dict[str, Any]) -> str:
     latency = status.get("cpu_latency") or {}
     if latency.get("wanted_us") is not None:
         held = latency.get("held_us")
-        why = latency.get("error") or ("released while throttling" if held is None else "held")
+        why = latency.get("error") or (
+            "held" if held is not None else "released while throttling" if latency.get("paused") else "not yet held"
+        )
         lines.append(f"cpu latency {latency['wanted_us']} us: {why}")
     header = (
         f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'profile':<12} {'rss MB':>7} {'reqs':>7} "
