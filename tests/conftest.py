@@ -29,6 +29,20 @@ ENCODER_INPUTS = [
 ]
 
 
+def write_thermal_sysfs(root: Path, temp_c: float, throttles: int) -> None:
+    """A fake sysfs for the thermal monitor: one zone, cpu0's throttle counter and its clock at half speed."""
+    zone = root / "class" / "thermal" / "thermal_zone0"
+    zone.mkdir(parents=True, exist_ok=True)
+    (zone / "temp").write_text(f"{int(temp_c * 1000)}\n")
+    throttle = root / "devices" / "system" / "cpu" / "cpu0" / "thermal_throttle"
+    throttle.mkdir(parents=True, exist_ok=True)
+    (throttle / "core_throttle_count").write_text(f"{throttles}\n")
+    freq = root / "devices" / "system" / "cpu" / "cpu0" / "cpufreq"
+    freq.mkdir(parents=True, exist_ok=True)
+    (freq / "scaling_cur_freq").write_text("1800000\n")
+    (freq / "cpuinfo_max_freq").write_text("3600000\n")
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `predicate` until it returns something truthy, failing with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

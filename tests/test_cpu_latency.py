@@ -12,7 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from supervisor.cpu_latency import DEVICE, CpuLatencyHold, current_limit
-from tests.conftest import TINY_INPUTS, Daemon, model_entry, wait_for
+from tests.conftest import TINY_INPUTS, Daemon, model_entry, wait_for, write_thermal_sysfs
 
 WRITABLE = DEVICE.exists() and os.access(DEVICE, os.W_OK)
 needs_device = pytest.mark.skipif(not WRITABLE, reason="needs write access to /dev/cpu_dma_latency (root)")
@@ -22,16 +22,6 @@ def _holds_device(pid: int) -> bool:
     """Whether the process has /dev/cpu_dma_latency open, which is what keeps its request alive."""
     fds = Path(f"/proc/{pid}/fd")
     return any(os.readlink(fd) == str(DEVICE) for fd in fds.iterdir() if fd.is_symlink())
-
-
-def _write_thermal(root: Path, throttles: int) -> None:
-    """A fake sysfs: one zone at 50 °C and cpu0's throttle counter."""
-    zone = root / "class" / "thermal" / "thermal_zone0"
-    zone.mkdir(parents=True, exist_ok=True)
-    (zone / "temp").write_text("50000\n")
-    counter = root / "devices" / "system" / "cpu" / "cpu0" / "thermal_throttle"
-    counter.mkdir(parents=True, exist_ok=True)
-    (counter / "core_throttle_count").write_text(f"{throttles}\n")
 
 
 def test_a_refused_request_is_reported_once_and_not_retried(tmp_path: Path) -> None:
@@ -70,7 +60,7 @@ def test_daemon_holds_the_request_and_releases_it_when_throttled_reloaded_or_sto
 ) -> None:
     """cpu_latency_us 0: held while serving, released while throttling and back after; reloads and exit move it."""
     sysfs = tmp_path / "sys"
-    _write_thermal(sysfs, 0)
+    write_thermal_sysfs(sysfs, 50.0, 0)
     config: dict[str, Any] = {
         "monitor_interval_s": 0.2,
         "thermal_sysfs_root": str(sysfs),
@@ -89,7 +79,7 @@ def test_daemon_holds_the_request_and_releases_it_when_throttled_reloaded_or_sto
     with daemon.client() as client:
         assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)})["y"].shape == (1, 16)
 
-    _write_thermal(sysfs, 4)  # new throttle events: polling idle would only add heat
+    write_thermal_sysfs(sysfs, 50.0, 4)  # new throttle events: polling idle would only add heat
     wait_for(lambda: held() is None, 30, "released while throttling")
     assert not _holds_device(pid) and daemon.status()["cpu_latency"]["paused"] is True
     wait_for(lambda: held() == 0, 30, "held again once the counter stops")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from protocol import ErrorCode, InferenceError
-from tests.conftest import ROOT, Daemon, model_entry, wait_for
+from tests.conftest import ROOT, Daemon, model_entry, wait_for, write_thermal_sysfs
 from tests.fault_models import CORRUPT, ECHO, FAULT_INPUTS, GROW, LEAK, SLOW, command
 from tests.slow_model import SLOW_INPUTS, rounds, write_slow_model
 
@@ -137,25 +137,12 @@ def test_a_worker_slower_than_its_own_baseline_is_recycled_alone(start_daemon: C
     assert set(pids) - {slow} <= {w["pid"] for w in _pool(daemon)}
 
 
-def _fake_sysfs(root: Path, temp_c: float, throttles: int) -> None:
-    zone = root / "class" / "thermal" / "thermal_zone0"
-    zone.mkdir(parents=True, exist_ok=True)
-    (zone / "temp").write_text(f"{int(temp_c * 1000)}\n")
-    throttle = root / "devices" / "system" / "cpu" / "cpu0" / "thermal_throttle"
-    throttle.mkdir(parents=True, exist_ok=True)
-    (throttle / "core_throttle_count").write_text(f"{throttles}\n")
-    freq = root / "devices" / "system" / "cpu" / "cpu0" / "cpufreq"
-    freq.mkdir(parents=True, exist_ok=True)
-    (freq / "scaling_cur_freq").write_text("1800000\n")
-    (freq / "cpuinfo_max_freq").write_text("3600000\n")
-
-
 def test_throttling_is_an_event_and_sheds_concurrency_without_restarts(
     start_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     """New throttle events (fake sysfs) raise an event and halve routing; workers are not restarted; it recovers."""
     sysfs = tmp_path / "sys"
-    _fake_sysfs(sysfs, 60.0, 0)
+    write_thermal_sysfs(sysfs, 60.0, 0)
     config = {
         **FAST,
         "oversubscribe": True,
@@ -167,7 +154,7 @@ def test_throttling_is_an_event_and_sheds_concurrency_without_restarts(
     daemon = start_daemon(config, env={"PYTHONPATH": str(ROOT)})
     pids = {w["pid"] for w in daemon.wait_ready()["models"]["faulty"]["workers"]}
     wait_for(lambda: daemon.status()["thermal"].get("max_temp_c") == 60.0, 30, "thermal reading")
-    _fake_sysfs(sysfs, 70.0, 3)
+    write_thermal_sysfs(sysfs, 70.0, 3)
     wait_for(lambda: daemon.status()["thermal"]["shedding"], 30, "shedding on throttle")
     thermal = daemon.status()["thermal"]
     assert thermal["throttle_events"] == 3 and thermal["min_freq_ratio"] == 0.5
