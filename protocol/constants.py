@@ -21,6 +21,18 @@ class ClientMessageType(enum.StrEnum):
     ERROR = "error"
 
 
+#: The keys of a RESULT header's `timing` map, every one always present (docs/protocol.md, section 6).
+TIMING_KEYS: Final = (
+    "queue_ms",
+    "dispatch_ms",
+    "decode_ms",
+    "model_ms",
+    "encode_ms",
+    "total_ms",
+    "accepted_clock_ms",
+)
+
+
 class ErrorCode(enum.StrEnum):
     """Stable error codes; clients may switch on them, so values never change meaning."""
 

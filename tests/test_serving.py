@@ -126,6 +126,38 @@ def test_file_models_match_in_process(client: Client, files: dict[str, Path], na
     np.testing.assert_allclose(out[names[1]], features.numpy(), rtol=1e-4, atol=1e-5)
 
 
+class Widen(torch.nn.Module):
+    """Each row of 16 floats repeated 512 times: 32 KiB out per row, for outputs longer than their input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, 512)
+
+
+def test_outputs_are_described_per_request_and_one_over_the_frame_limit_is_an_error(tmp_path: Path) -> None:
+    """Output shapes follow each request's batch; an output over max_frame_bytes is INTERNAL, and serving goes on."""
+    path = tmp_path / "widen.pt"  # beside the daemon's files (config.json, the runtime dir)
+    torch.jit.script(Widen()).save(str(path))
+    config = {
+        "oversubscribe": True,
+        "max_frame_bytes": 65536,
+        "models": {"widen": model_entry({"torchscript": str(path)}, TINY_INPUTS, outputs=["wide"])},
+    }
+    daemon = Daemon(tmp_path, config)
+    try:
+        daemon.wait_ready(timeout=120)
+        with daemon.client() as client:
+            for batch in (1, 2, 1):  # 2 rows are 65536 bytes: at the limit, still served
+                x = np.random.default_rng(batch).standard_normal((batch, 16)).astype(np.float32)
+                np.testing.assert_array_equal(client.infer("widen", {"x": x})["wide"], np.tile(x, (1, 512)))
+            with pytest.raises(InferenceError) as caught:
+                client.infer("widen", {"x": np.ones((3, 16), np.float32)}, timeout=10)
+            assert caught.value.code == ErrorCode.INTERNAL
+            assert caught.value.message == "output 'wide' is 98304 bytes, limit 65536"
+            assert client.infer("widen", {"x": np.ones((2, 16), np.float32)})["wide"].shape == (2, 8192)
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()[-3000:]
+
+
 def _poisoned(shape: tuple[int, ...], bad: float) -> np.ndarray[Any, Any]:
     """Ones with one non-finite value at the very end, where a scan that stops early would miss it."""
     array = np.ones(shape, np.float32)

@@ -9,13 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import structlog
 import torch
 
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
-from protocol.client_messages import decode_infer, encode_result
+from protocol.client_messages import ResultHeader, decode_infer, encode_outputs, encode_timing
 from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
@@ -34,6 +35,8 @@ log = structlog.get_logger("worker")
 
 #: Operators reported by a profiling session.
 _PROFILE_TOP = 15
+#: Distinct output layouts whose packed descriptors are kept (a model with dynamic shapes has many).
+_OUTPUTS_HEADERS_KEPT = 64
 
 
 class WorkerLoop:
@@ -54,10 +57,16 @@ class WorkerLoop:
         self.profiler: Any = None
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
+        #: Packed output descriptors by (name, dtype, shape) of each output: the same on most requests.
+        self.outputs_headers: dict[tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...], bytes] = {}
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
         """Send one message (any send counts as a heartbeat); LinkClosed if the supervisor stopped reading."""
-        self.link.send(wm.encode(message, frames or []))
+        self.send_encoded(wm.encode(message, frames or []))
+
+    def send_encoded(self, frames: list[Any]) -> None:
+        """Send a message already encoded as its frames."""
+        self.link.send(frames)
         if self.link.wants_write:
             self.link.flush_blocking(self.silence_limit)
         self.last_sent = time.monotonic()
@@ -181,6 +190,10 @@ class WorkerLoop:
                 )
             check_against_spec(infer.inputs, self.runner.specs)
             inputs = self.runner.inputs_from_frames(infer.inputs, buffers, request.scanned)
+            # Encoded now, while caches are warm: after the forward pass each line costs several times more
+            # (`python bench/cold_path.py`).
+            result_header = ResultHeader(infer.request_id, infer.model)
+            success = wm.encode(wm.Reply(request.request_id, None, ""))
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(inputs)
@@ -192,29 +205,43 @@ class WorkerLoop:
             log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
-        too_large = [(name, a.nbytes) for name, a in outputs if a.nbytes > self.launch.max_frame_bytes]
-        if too_large:
-            # The supervisor reads a longer frame as a garbled link; the request gets a clear error instead.
-            name, size = too_large[0]
-            limit = self.launch.max_frame_bytes
-            self.reply_error(request.request_id, ErrorCode.INTERNAL, f"output {name!r} is {size} bytes, limit {limit}")
-            return
         encode_started = time.perf_counter()
-        descs = [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
+        try:
+            outputs_header = self.encoded_outputs(outputs)
+        except ProtocolError as exc:
+            self.reply_error(request.request_id, exc.code, exc.message)
+            return
         queue_ms = request.queue_ms
-        timing = {
-            "queue_ms": queue_ms,
+        timing = encode_timing(
+            queue_ms=queue_ms,
             # Broker dispatch to this worker's receive, including any wait behind earlier requests in its pipeline.
-            "dispatch_ms": (received - request.accepted_at) * 1000.0 - queue_ms,
-            "decode_ms": decode_ms,
-            "model_ms": model_ms,
-            "encode_ms": timed_ms(encode_started),
-            "total_ms": (time.monotonic() - request.accepted_at) * 1000.0,
+            dispatch_ms=(received - request.accepted_at) * 1000.0 - queue_ms,
+            decode_ms=decode_ms,
+            model_ms=model_ms,
+            encode_ms=timed_ms(encode_started),
+            total_ms=(time.monotonic() - request.accepted_at) * 1000.0,
             # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
-            "accepted_clock_ms": request.accepted_at * 1000.0,
-        }
-        header = encode_result(infer.request_id, infer.model, descs, timing)
-        self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
+            accepted_clock_ms=request.accepted_at * 1000.0,
+        )
+        self.send_encoded([*success, result_header.encode(outputs_header, timing), *[array for _, array in outputs]])
+
+    def encoded_outputs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> bytes:
+        """The outputs' descriptors, packed once per names, dtypes and shapes; ProtocolError for a frame too long."""
+        key = tuple((name, array.dtype, array.shape) for name, array in outputs)
+        encoded = self.outputs_headers.get(key)
+        if encoded is not None:
+            return encoded
+        limit = self.launch.max_frame_bytes
+        for name, array in outputs:
+            if array.nbytes > limit:
+                # The supervisor reads a longer frame as a garbled link; the request gets a clear error instead.
+                raise ProtocolError(ErrorCode.INTERNAL, f"output {name!r} is {array.nbytes} bytes, limit {limit}")
+        if len(self.outputs_headers) >= _OUTPUTS_HEADERS_KEPT:  # dynamic shapes: keep the cache bounded
+            self.outputs_headers.clear()
+        encoded = self.outputs_headers[key] = encode_outputs(
+            [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
+        )
+        return encoded
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
         """Answer a request with an error code."""
