@@ -53,7 +53,7 @@ def reply_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]
     import numpy as np
 
     from protocol import worker_messages as wm
-    from protocol.client_messages import ResultHeader, encode_outputs, encode_timing
+    from protocol.client_messages import ResultHeader, encode_outputs, encode_result, encode_timing
     from protocol.codec import pack
     from protocol.constants import TIMING_KEYS
     from protocol.tensors import TensorDesc
@@ -84,7 +84,11 @@ def reply_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]
         "one syscall (getppid)": (os.getppid, _nothing),
         "timing map, msgpack.packb": (lambda: pack(timing), _nothing),
         "timing map, encode_timing": (lambda: encode_timing(**timing), _nothing),
-        "result header after the model": (header, _nothing),
+        "result header, all of it after": (
+            lambda: encode_result(1, "resnet18", [TensorDesc("logits", "float32", logits.shape)], timing),
+            _nothing,
+        ),
+        "result header, the worker's way": (header, _nothing),
         "worker reply: header, link send": (reply, drain),
     }
 
@@ -99,7 +103,7 @@ def measure(model_name: str, rounds: int) -> list[tuple[str, list[float], list[f
     model = build_builtin(model_name).eval()
     example = torch.randn(*_SHAPES[model_name])
     steps = reply_steps()
-    results = {name: ([], []) for name in steps}
+    results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in steps}
     with torch.inference_mode():
         for index in range(rounds + _WARMUP):
             for name, (step, clean_up) in steps.items():
