@@ -460,7 +460,7 @@ class Broker:
         elif isinstance(message, wm.Ready):
             self.on_ready(slot, message)
         elif isinstance(message, wm.Stats):
-            slot.threads_seen = message.threads
+            slot.threads_seen, slot.rehearsals_seen = message.threads, message.rehearsals
         elif isinstance(message, wm.CanaryResult) and self.on_canary is not None:
             self.on_canary(slot, message)
         elif isinstance(message, wm.ProfileResult) and self.on_profile is not None:

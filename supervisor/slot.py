@@ -118,6 +118,8 @@ class WorkerSlot:
     restarts: int = 0
     requests: int = 0
     threads_seen: int | None = None
+    #: The process's rehearsals of its request path, from its last STATS (worker/request_path.py).
+    rehearsals_seen: int = 0
     last_exit: str | None = None
     latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2048))
     # Per process (reset at spawn): what the monitors look at.
@@ -220,6 +222,7 @@ class WorkerSlot:
         self.spawned_at = self.last_heard = time.monotonic()
         self.kill_at = None
         self.threads_seen = None
+        self.rehearsals_seen = 0
         self.latencies_ms.clear()
         self.heartbeat_s = config.heartbeat_interval_ms / 1000.0
         self.liveness = config.heartbeat_liveness

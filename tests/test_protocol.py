@@ -150,7 +150,7 @@ READY: Final = wm.Ready(
 )
 REQUEST: Final = wm.Request(request_id=1, deadline=5.0, accepted_at=4.0, queue_ms=0.5, scanned=["image"])
 REPLY: Final = wm.Reply(request_id=1, error_code=None, message="")
-STATS: Final = wm.Stats(requests=1, threads=1, interop_threads=1, cpus=[0], rss=2)
+STATS: Final = wm.Stats(requests=1, threads=1, interop_threads=1, cpus=[0], rss=2, rehearsals=3)
 
 
 def _header_with(message: wm.WorkerMessage, /, **changes: object) -> list[Any]:
@@ -596,7 +596,7 @@ WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
     wm.Request(request_id=0, deadline=None, accepted_at=0.0, queue_ms=0.0, scanned=[]),
     wm.Reply(3, None, ""),
     wm.Reply(4, ErrorCode.INVALID_INPUT.value, "input 'x' has NaN"),
-    wm.Stats(100, 4, 1, [4, 5, 6, 7], 512 * 1024 * 1024),
+    wm.Stats(100, 4, 1, [4, 5, 6, 7], 512 * 1024 * 1024, 7),
     wm.Drain(),
     wm.Stop(),
 ]

@@ -16,11 +16,11 @@ import torch
 
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
-from protocol.client_messages import ResultHeader, decode_infer, encode_outputs, encode_timing
+from protocol.client_messages import encode_outputs, encode_timing
 from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
-from protocol.tensors import TensorDesc, check_against_spec
+from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
@@ -29,6 +29,7 @@ from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
+from worker.request_path import REHEARSE_AFTER_MS, Rehearsal, prepare
 from worker.runner import ModelRunner, timed_ms
 
 log = structlog.get_logger("worker")
@@ -57,6 +58,10 @@ class WorkerLoop:
         self.profiler: Any = None
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
+        #: The request path run on a canned request after a long forward pass (worker/request_path.py).
+        self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
+        self.rehearse_due = False
+        self.rehearsals = 0
         #: Packed output descriptors by (name, dtype, shape) of each output: the same on most requests.
         self.outputs_headers: dict[tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...], bytes] = {}
 
@@ -96,6 +101,8 @@ class WorkerLoop:
                     outcome = self.handle(frames)
                     if outcome is not None:
                         return outcome
+                if self.rehearse_due and not self.link.wait_readable(0):
+                    self.rehearse()
             else:
                 silent = time.monotonic() - self.last_heard
                 if silent > self.silence_limit:
@@ -131,6 +138,19 @@ class WorkerLoop:
             log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)
             return WorkerExitCode.OK
         return None
+
+    def rehearse(self) -> None:
+        """Run the request path on the canned request while nothing waits, so the next request finds it in cache."""
+        self.rehearse_due = False
+        if self.rehearsal is None or self.profiler is not None:  # its views would show in the profile
+            return
+        try:
+            self.rehearsal.run()
+        except Exception as exc:  # noqa: BLE001 - a rehearsal that fails costs the rehearsals, not the serving
+            log.warning("rehearsal_failed", error=f"{type(exc).__name__}: {exc}")
+            self.rehearsal = None
+            return
+        self.rehearsals += 1
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
         """Answer one request, inside a profiling session when one is open."""
@@ -178,26 +198,12 @@ class WorkerLoop:
         started = time.perf_counter()
         self.requests += 1
         try:
-            if not frames:
-                raise ProtocolError(ErrorCode.INTERNAL, "the request carries no client header")
-            buffers = frames[1:]
-            # The broker checked this header already; the worker checks again because it is about to
-            # point tensors at these frames, and must not trust any sender with that.
-            infer = decode_infer(frames[0], [len(b) for b in buffers], self.launch.max_frame_bytes)
-            if infer.model != self.launch.model:
-                raise ProtocolError(
-                    ErrorCode.INTERNAL, f"request for {infer.model!r} reached a {self.launch.model!r} worker"
-                )
-            check_against_spec(infer.inputs, self.runner.specs)
-            inputs = self.runner.inputs_from_frames(infer.inputs, buffers, request.scanned)
-            # Encoded now, while caches are warm: after the forward pass each line costs several times more
-            # (`python bench/cold_path.py`).
-            result_header = ResultHeader(infer.request_id, infer.model)
-            success = wm.encode(wm.Reply(request.request_id, None, ""))
+            prepared = prepare(self.launch, self.runner, request, frames)
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
-            outputs = self.runner.forward(inputs)
+            outputs = self.runner.forward(prepared.inputs)
             model_ms = timed_ms(model_started)
+            self.rehearse_due = model_ms >= REHEARSE_AFTER_MS
         except ProtocolError as exc:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
@@ -223,7 +229,8 @@ class WorkerLoop:
             # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
             accepted_clock_ms=request.accepted_at * 1000.0,
         )
-        self.send_encoded([*success, result_header.encode(outputs_header, timing), *[array for _, array in outputs]])
+        header = prepared.result_header.encode(outputs_header, timing)
+        self.send_encoded([*prepared.success, header, *[array for _, array in outputs]])
 
     def encoded_outputs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> bytes:
         """The outputs' descriptors, packed once per names, dtypes and shapes; ProtocolError for a frame too long."""
@@ -257,6 +264,7 @@ class WorkerLoop:
                 torch.get_num_interop_threads(),
                 sorted(os.sched_getaffinity(0)),
                 self.process.memory_info().rss,
+                self.rehearsals,
             )
         )
 
