@@ -78,7 +78,9 @@ def start(runtime_dir: Path, model: str, workers: int) -> list[multiprocessing.p
     runtime_dir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
     cpus = sorted(os.sched_getaffinity(0))
-    processes = [context.Process(target=broker, args=(str(runtime_dir),), daemon=True)]
+    processes: list[multiprocessing.process.BaseProcess] = [
+        context.Process(target=broker, args=(str(runtime_dir),), daemon=True)
+    ]
     processes += [
         context.Process(target=worker, args=(str(runtime_dir), model, cpus[i % len(cpus)]), daemon=True)
         for i in range(workers)

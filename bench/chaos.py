@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client_messages import InferRequest, encode_infer  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from protocol.sockets import send_frames  # noqa: E402
 from protocol.tensors import TensorDesc  # noqa: E402
 from supervisor.control import control_request  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
@@ -41,7 +42,7 @@ def client(endpoint: str, model: str, seconds: float, out: Any) -> None:
     name, shape = SHAPES[model]
     x = np.random.default_rng(os.getpid()).standard_normal(shape).astype(np.float32)
     desc = (TensorDesc(name, "float32", shape),)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(endpoint)
     sent = 0
@@ -52,7 +53,7 @@ def client(endpoint: str, model: str, seconds: float, out: Any) -> None:
     while time.time() < stop:
         request_id = sent
         started = time.perf_counter()
-        socket.send_multipart([b"", encode_infer(InferRequest(request_id, model, desc, 120_000)), x], copy=False)
+        send_frames(socket, [b"", encode_infer(InferRequest(request_id, model, desc, 120_000)), x])
         sent += 1
         while socket.poll(130_000):
             header = msgpack.unpackb(socket.recv_multipart()[1])

@@ -130,9 +130,12 @@ def main() -> int:
     ]
     print(f"{args.count} round trips of a 2-frame message ({args.size} B payload), gap {args.gap_us:.0f} us")
     print(f"{'path':<28} {'p50 us':>8} {'p99 us':>8}")
+    p50s = []
     for label, latencies in rows:
-        print(f"{label:<28} {percentile(latencies, 50) * 1000:>8.1f} {percentile(latencies, 99) * 1000:>8.1f}")
-    print(f"link / zmq p50: x{percentile(rows[1][1], 50) / percentile(rows[0][1], 50):.2f}")
+        p50, p99 = percentile(latencies, 50) or 0.0, percentile(latencies, 99) or 0.0
+        p50s.append(p50)
+        print(f"{label:<28} {p50 * 1000:>8.1f} {p99 * 1000:>8.1f}")
+    print(f"link / zmq p50: x{p50s[1] / p50s[0]:.2f}")
     return 0
 
 

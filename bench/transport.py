@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from protocol.sockets import send_frames  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
 
 
@@ -88,7 +89,7 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
     latencies: list[float] = []
     errors = 0
     client = Client(endpoint)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVTIMEO, 60_000)
     socket.connect(endpoint)
@@ -98,7 +99,7 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
     def call() -> float | None:
         """One request; returns the worker's own model time when the reply reports it."""
         if raw:
-            socket.send_multipart([b"", encode_infer(InferRequest(next(counter), model, desc)), x], copy=False)
+            send_frames(socket, [b"", encode_infer(InferRequest(next(counter), model, desc)), x])
             header = msgpack.unpackb(socket.recv_multipart()[1])
             if header.get("type") != "result":
                 raise RuntimeError("error reply")
@@ -212,7 +213,7 @@ def measure(
     workers, prefetch, bare_workers = layout
     # The baselines get the idle policy the daemon will hold for itself; the daemon's rows run on its own hold.
     hold = CpuLatencyHold()
-    hold.reconcile(cpu_latency_us, "bench baseline")
+    hold.reconcile(cpu_latency_us, throttled=False)
     if hold.error is not None:
         raise SystemExit(f"--cpu-latency-us: {hold.error}")
     try:

@@ -369,6 +369,7 @@ worker_messages: st.SearchStrategy[wm.WorkerMessage] = st.one_of(
         interop_threads=st.integers(1, 256),
         cpus=st.lists(st.integers(0, 1023), max_size=8),
         rss=st.integers(0, 2**63 - 1),
+        rehearsals=st.integers(0, 2**63 - 1),
     ),
     st.just(wm.Drain()),
     st.just(wm.Stop()),

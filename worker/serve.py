@@ -101,7 +101,8 @@ class WorkerLoop:
                     outcome = self.handle(frames)
                     if outcome is not None:
                         return outcome
-                if self.rehearse_due and not self.link.wait_readable(0):
+                # Only with nothing in hand or on its way: a rehearsal must never delay a request.
+                if self.rehearse_due and not self.link.mid_message and not self.link.wait_readable(0):
                     self.rehearse()
             else:
                 silent = time.monotonic() - self.last_heard
