@@ -124,7 +124,10 @@ class Link:
             if length % _ALIGN:
                 buffers.append(_PADDING[: _padded(length) - length])
             total += _padded(length)
-        if self._outbox or len(buffers) > _IOV_MAX:  # behind earlier bytes it must wait for them anyway
+        if self._outbox:  # behind earlier bytes it must wait for them anyway (the poller says when)
+            self._outbox.extend(memoryview(b) for b in buffers)
+            return
+        if len(buffers) > _IOV_MAX:
             self._outbox.extend(memoryview(b) for b in buffers)
             self.flush()
             return
