@@ -1,0 +1,36 @@
+"""The small benchmarks run end to end and print their tables (figures are not checked: they are measurements)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def _bench(*args: str) -> str:
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_cold_path_prints_every_step_after_the_forward_pass_and_warm() -> None:
+    """bench/cold_path.py on tiny: one row per reply step, each with both timings and their ratio."""
+    out = _bench("bench/cold_path.py", "--models", "tiny", "--rounds", "3")
+    rows = [line for line in out.splitlines() if line.startswith("tiny ")]
+    steps = [" ".join(row.split()[1:-5]) for row in rows]
+    assert steps == [
+        "one syscall (getppid)",
+        "timing map, msgpack.packb",
+        "timing map, encode_timing",
+        "result header, all of it after",
+        "result header, the worker's way",
+        "worker reply: header, link send",
+    ]
+    assert all(row.endswith("x") for row in rows)
+
+
+def test_link_bench_times_both_paths() -> None:
+    """bench/link.py with a 600 KB payload: a row for ZeroMQ, a row for the link, and their ratio."""
+    out = _bench("bench/link.py", "--count", "20", "--size", "602112")
+    assert "ZeroMQ DEALER/ROUTER, ipc" in out and "socketpair link" in out and "link / zmq p50: x" in out
