@@ -29,7 +29,6 @@ REHEARSE_AFTER_MS = 1.0
 class Prepared:
     """A checked request, ready for the model, with the reply's parts that do not depend on the outputs."""
 
-    infer: InferRequest
     inputs: dict[str, torch.Tensor]
     result_header: ResultHeader
     #: The REPLY message of a success, encoded (its frames go before the result header).
@@ -53,7 +52,7 @@ def prepare(launch: LaunchSpec, runner: ModelRunner, request: wm.Request, frames
     inputs = runner.inputs_from_frames(infer.inputs, buffers, request.scanned)
     # Encoded now, while caches are warm: after the forward pass each line costs several times more.
     return Prepared(
-        infer, inputs, ResultHeader(infer.request_id, infer.model), wm.encode(wm.Reply(request.request_id, None, ""))
+        inputs, ResultHeader(infer.request_id, infer.model), wm.encode(wm.Reply(request.request_id, None, ""))
     )
 
 
@@ -72,10 +71,8 @@ class Rehearsal:
             encode_infer(InferRequest(0, launch.model, descs)),
             *[examples[d.name].numpy().tobytes() for d in descs],
         ]
-        self.count = 0
 
     def run(self) -> None:
         """Decode the canned REQUEST and prepare its request as a real one; nothing is sent, the model does not run."""
         wm.decode(self.header)
         prepare(self.launch, self.runner, self.request, self.frames)
-        self.count += 1
