@@ -2,16 +2,19 @@
 
     python bench/cold_path.py [--models tiny,resnet18] [--rounds 80]
 
-A served request pays for code that an in-process call never runs: after the forward pass the worker
-encodes the result and writes it to its link, the kernel wakes the supervisor, and so on to the client. An fp32 resnet18
-pass streams about 47 MB of weights through a core's 1 MiB L2 and the shared 32 MiB L3 of this
-machine, so those steps find their code and data (Python's and the kernel's) evicted and run several
-times slower than when repeated at once. That is a floor under any out-of-process server of this
-model here, ours or the bare pyzmq broker, and no transport change removes it.
+A served request pays for code that an in-process call never runs: after the forward pass the
+worker encodes the result and writes it to its link, the kernel wakes the supervisor, and so on to
+the client. An fp32 resnet18 pass streams about 47 MB of weights through a core's 1 MiB L2 and the
+shared 32 MiB L3 of this machine, so those steps find their code and data (Python's and the
+kernel's) evicted and run several times slower than when repeated at once. That is a floor under
+any out-of-process server of this model here, ours or the bare pyzmq broker, and no transport
+change removes it.
 
 Each round runs one forward pass, then a step twice: the first run is "after forward", the second
-"warm". One process pinned to one CPU, one torch thread, as a worker. `tiny` (a 16x16 Linear) evicts
-almost nothing, so its ratios show what the method itself reads as cold. One run, one machine:
+"warm". The `broker:` rows run the supervisor's own per-request calls the same way: its caches are
+emptied too, by the model on the shared L3 and by the 600 KB copies through its own core. One
+process pinned to one CPU, one torch thread, as a worker. `tiny` (a 16x16 Linear) evicts almost
+nothing, so its ratios show what the method itself reads as cold. One run, one machine:
 compare ratios within the table, not absolutes across runs.
 """
 
@@ -93,6 +96,25 @@ def reply_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]
     }
 
 
+def broker_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """The broker's own checks and codec calls on a 600 KB image request, for comparison (same cache state)."""
+    from protocol import worker_messages as wm
+    from protocol.client_messages import InferRequest, decode_infer, encode_infer
+    from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
+
+    desc = TensorDesc("image", "float32", (1, 3, 224, 224))
+    header = encode_infer(InferRequest(12345, "resnet18", (desc,), 30_000))
+    specs = (TensorSpec("image", "float32", (None, 3, 224, 224)),)
+    inputs = (desc,)
+    reply = wm.encode(wm.Reply(17, None, ""))[0]
+    return {
+        "broker: decode the client header": (lambda: decode_infer(header, [desc.nbytes], 2**30), _nothing),
+        "broker: check against the spec": (lambda: check_against_spec(inputs, specs), _nothing),
+        "broker: encode REQUEST": (lambda: wm.encode(wm.Request(17, 1.0, 1.0, 0.01, ["image"])), _nothing),
+        "broker: decode REPLY": (lambda: wm.decode(reply), _nothing),
+    }
+
+
 def measure(model_name: str, rounds: int) -> list[tuple[str, list[float], list[float]]]:
     """Per step: microseconds right after a forward pass, and repeated at once."""
     import torch
@@ -102,7 +124,7 @@ def measure(model_name: str, rounds: int) -> list[tuple[str, list[float], list[f
     torch.set_num_threads(1)
     model = build_builtin(model_name).eval()
     example = torch.randn(*_SHAPES[model_name])
-    steps = reply_steps()
+    steps = reply_steps() | broker_steps()
     results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in steps}
     with torch.inference_mode():
         for index in range(rounds + _WARMUP):
@@ -134,13 +156,13 @@ def main() -> int:
         parser.error("--rounds must be at least 1")
     cpu = pin_to_one_cpu()
     print(f"one process on cpu {cpu}, 1 torch thread, {args.rounds} rounds per step; times in us")
-    print(f"{'model':9s} {'step':32s} {'after p50':>10s} {'p99':>8s} {'warm p50':>9s} {'p99':>8s} {'ratio p50':>10s}")
+    print(f"{'model':9s} {'step':34s} {'after p50':>10s} {'p99':>8s} {'warm p50':>9s} {'p99':>8s} {'ratio p50':>10s}")
     for model in models:
         for name, cold, warm in measure(model, args.rounds):
             cold_p50, warm_p50 = percentile(cold, 50) or 0.0, percentile(warm, 50) or 0.0
             ratio = cold_p50 / warm_p50 if warm_p50 else float("nan")
             print(
-                f"{model:9s} {name:32s} {cold_p50:10.1f} {percentile(cold, 99) or 0.0:8.1f} "
+                f"{model:9s} {name:34s} {cold_p50:10.1f} {percentile(cold, 99) or 0.0:8.1f} "
                 f"{warm_p50:9.1f} {percentile(warm, 99) or 0.0:8.1f} {ratio:9.1f}x"
             )
     return 0

@@ -26,6 +26,10 @@ def test_cold_path_prints_every_step_after_the_forward_pass_and_warm() -> None:
         "result header, all of it after",
         "result header, the worker's way",
         "worker reply: header, link send",
+        "broker: decode the client header",
+        "broker: check against the spec",
+        "broker: encode REQUEST",
+        "broker: decode REPLY",
     ]
     assert all(row.endswith("x") for row in rows)
 
