@@ -133,7 +133,8 @@ class Link:
             return
         sent = self._sendmsg(buffers)
         if sent < total:
-            self._queue_unsent(buffers, sent)
+            self._outbox.extend(memoryview(b) for b in buffers)
+            self._drop_sent(sent)
 
     def _sendmsg(self, buffers: list[Any]) -> int:
         """Bytes the socket took now (0 if it would block); raises LinkClosed if the other end is gone."""
@@ -146,15 +147,17 @@ class Link:
             self._outbox.clear()
             raise LinkClosed(f"the other end is gone: {exc}") from exc
 
-    def _queue_unsent(self, buffers: Sequence[Any], sent: int) -> None:
-        """Put what a short write left of `buffers` in the outbox."""
-        for buffer in buffers:
-            view = memoryview(buffer)
-            if sent >= view.nbytes:
-                sent -= view.nbytes
-                continue
-            self._outbox.append(view[sent:])
-            sent = 0
+    def _drop_sent(self, sent: int) -> None:
+        """Take the `sent` bytes the socket took off the front of the outbox."""
+        outbox = self._outbox
+        while sent:
+            head = outbox[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                outbox.popleft()
+            else:
+                outbox[0] = head[sent:]
+                sent = 0
 
     def flush(self) -> None:
         """Write queued bytes until the socket would block; raises LinkClosed if the other end is gone."""
@@ -163,14 +166,7 @@ class Link:
             sent = self._sendmsg(list(itertools.islice(outbox, _IOV_MAX)))
             if not sent:
                 return
-            while sent:
-                head = outbox[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    outbox.popleft()
-                else:
-                    outbox[0] = head[sent:]
-                    sent = 0
+            self._drop_sent(sent)
 
     def flush_blocking(self, timeout: float) -> None:
         """Write the whole outbox, waiting for the other end to read; LinkClosed after `timeout` s without progress."""
