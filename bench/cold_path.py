@@ -110,7 +110,7 @@ def broker_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]
     return {
         "broker: decode the client header": (lambda: decode_infer(header, [desc.nbytes], 2**30), _nothing),
         "broker: check against the spec": (lambda: check_against_spec(inputs, specs), _nothing),
-        "broker: encode REQUEST": (lambda: wm.encode(wm.Request(17, 1.0, 1.0, 0.01, ["image"])), _nothing),
+        "broker: encode REQUEST": (lambda: wm.encode(wm.Request(17, 1.0, 1.0, 0.01)), _nothing),
         "broker: decode REPLY": (lambda: wm.decode(reply), _nothing),
     }
 

@@ -96,10 +96,3 @@ MAX_REQUEST_ID_LEN: Final = 64
 MAX_MESSAGE_LEN: Final = 4096
 MAX_DEADLINE_MS: Final = 2**31 - 1
 DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
-#: Float frames from this long up to BROKER_SCAN_MAX_BYTES are scanned for NaN/Inf by the broker, which
-#: reads them while they are still in its cache; a worker would read them cold, right after a forward
-#: pass has evicted everything (600 KB: 42-67 us in the worker, ~0.1 ms of round trip in alternating
-#: runs). The worker scans the rest: short frames, because for a small model the broker's time bounds
-#: throughput; long ones, because they no longer fit a cache and would hold up the broker's one loop.
-BROKER_SCAN_MIN_BYTES: Final = 64 * 1024
-BROKER_SCAN_MAX_BYTES: Final = 4 * 1024 * 1024

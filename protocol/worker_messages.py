@@ -56,8 +56,6 @@ class Request:
     accepted_at: float
     #: How long it waited in the broker's queue.
     queue_ms: float
-    #: Inputs the broker already scanned for NaN/Inf; the worker scans every other input its own spec guards.
-    scanned: list[str]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,8 @@ import structlog
 import zmq
 
 from protocol import worker_messages as wm
-from protocol.arrays import check_finite
 from protocol.client_messages import RequestId, decode_infer, encode_error
-from protocol.constants import BROKER_SCAN_MAX_BYTES, BROKER_SCAN_MIN_BYTES, CLIENT_SOCKET_NAME, ErrorCode
+from protocol.constants import CLIENT_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
 from protocol.sockets import NOBLOCK, more_to_read, recv_frames, send_frames
 from protocol.tensors import check_against_spec
@@ -188,12 +187,8 @@ class Broker:
                 raise ProtocolError(
                     ErrorCode.UNKNOWN_MODEL, f"no model {request.model!r}; serving {sorted(self.config.models)}"
                 )
+            # NaN/Inf are the worker's to find: it reads the frames anyway, right before the model.
             check_against_spec(request.inputs, model.inputs)
-            # Here, not in the worker: these bytes were just read into this core's cache (BROKER_SCAN_MIN_BYTES).
-            buffers = [f.buffer for f in tensor_frames]
-            scanned = check_finite(
-                request.inputs, buffers, model.inputs, (BROKER_SCAN_MIN_BYTES, BROKER_SCAN_MAX_BYTES)
-            )
         except ProtocolError as exc:
             self.count(f"rejected_{exc.code.value}", exc.message)
             self.reply_error(client, request.request_id, exc.code, exc.message)
@@ -218,7 +213,6 @@ class Broker:
             frames=frames[2:],
             accepted_at=now,
             deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
-            scanned=scanned,
         )
         self.next_id += 1
         slot = self.pick_worker(request.model)
@@ -311,7 +305,7 @@ class Broker:
     def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> bool:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
         queue_ms = (time.monotonic() - request.accepted_at) * 1000.0
-        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms, request.scanned)
+        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms)
         if not self.send_link(slot, wm.encode(message, request.frames)):
             # Its process is gone or going; reaping it settles the slot. The request keeps its place.
             self.queues[request.model].waiting.appendleft(request)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from protocol.client_messages import RequestId
@@ -23,7 +23,5 @@ class PendingRequest:
     frames: list[Any]
     accepted_at: float
     deadline: float | None
-    #: Inputs the broker scanned for NaN/Inf at admission; the worker scans the others its spec guards.
-    scanned: list[str] = field(default_factory=list)
     losses: int = 0
     dispatched_at: float = 0.0

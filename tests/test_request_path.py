@@ -51,7 +51,7 @@ def test_prepare_encodes_the_reply_parts_a_client_can_read() -> None:
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     header = encode_infer(InferRequest("req-7", "tiny", (TensorDesc("x", "float32", (3, 16)),)))
     prepared = prepare(
-        _launch("tiny", specs), _runner("tiny", specs), wm.Request(41, None, 0.0, 0.0, []), [header, x.tobytes()]
+        _launch("tiny", specs), _runner("tiny", specs), wm.Request(41, None, 0.0, 0.0), [header, x.tobytes()]
     )
     assert torch.equal(prepared.inputs["x"], torch.from_numpy(x))
     assert wm.decode(prepared.success[0]) == wm.Reply(41, None, "")
@@ -69,11 +69,11 @@ def test_prepare_encodes_the_reply_parts_a_client_can_read() -> None:
     ],
 )
 def test_prepare_refuses_what_the_model_must_not_see(model: str, inputs: dict[str, np.ndarray], needle: str) -> None:
-    """Another model's request, a wrong shape and an unscanned Inf are protocol errors, never tensors."""
+    """Another model's request, a wrong shape and an Inf are protocol errors, never tensors."""
     specs = (TensorSpec("x", "float32", (None, 16)),)
     descs = tuple(TensorDesc(name, "float32", a.shape) for name, a in inputs.items())
     frames = [encode_infer(InferRequest(1, model, descs)), *[a.tobytes() for a in inputs.values()]]
     with pytest.raises(ProtocolError) as caught:
-        prepare(_launch("tiny", specs), _runner("tiny", specs), wm.Request(1, None, 0.0, 0.0, []), frames)
+        prepare(_launch("tiny", specs), _runner("tiny", specs), wm.Request(1, None, 0.0, 0.0), frames)
     assert caught.value.code in (ErrorCode.INTERNAL, ErrorCode.INVALID_INPUT)
     assert needle in caught.value.message

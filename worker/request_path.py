@@ -49,7 +49,11 @@ def prepare(launch: LaunchSpec, runner: ModelRunner, request: wm.Request, frames
     if infer.model != launch.model:
         raise ProtocolError(ErrorCode.INTERNAL, f"request for {infer.model!r} reached a {launch.model!r} worker")
     check_against_spec(infer.inputs, runner.specs)
-    inputs = runner.inputs_from_frames(infer.inputs, buffers, request.scanned)
+    # The NaN/Inf scan is here, not in the broker: the frames were just received into this core's
+    # cache, and the rehearsal keeps the scan's code warm. The broker would scan them on code the
+    # last forward pass left cold, in the one loop every request waits on (resnet18, alternating
+    # runs: the leg to the broker 90 us shorter, decode_ms 33 us longer).
+    inputs = runner.inputs_from_frames(infer.inputs, buffers)
     # Encoded now, while caches are warm: after the forward pass each line costs several times more.
     return Prepared(
         inputs, ResultHeader(infer.request_id, infer.model), wm.encode(wm.Reply(request.request_id, None, ""))
@@ -64,8 +68,7 @@ class Rehearsal:
         self.runner = runner
         examples = runner.example_inputs()
         descs = tuple(TensorDesc(s.name, s.dtype, tuple(examples[s.name].shape)) for s in runner.specs)
-        # Marked as scanned by the broker: a rehearsal must not pull a whole input through the cache.
-        self.request = wm.Request(0, None, 0.0, 0.0, [d.name for d in descs])
+        self.request = wm.Request(0, None, 0.0, 0.0)
         self.header = wm.encode(self.request)[0]
         self.frames: list[Any] = [
             encode_infer(InferRequest(0, launch.model, descs)),

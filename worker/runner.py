@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,17 +60,14 @@ class ModelRunner:
                 inputs[spec.name] = torch.ones(shape, dtype=dtype)
         return inputs
 
-    def inputs_from_frames(
-        self, descs: Sequence[TensorDesc], buffers: Sequence[Any], scanned: Collection[str] = ()
-    ) -> dict[str, torch.Tensor]:
+    def inputs_from_frames(self, descs: Sequence[TensorDesc], buffers: Sequence[Any]) -> dict[str, torch.Tensor]:
         """Tensors viewing the received frames (no copy), after refusing NaN/Inf where this worker's spec does.
 
-        `descs` already matched the specs (check_against_spec), in any order. `scanned` names the inputs
-        the broker scanned as they arrived (protocol.constants.BROKER_SCAN_MIN_BYTES); every other input
-        this worker's spec guards is scanned here, which also covers a rollout where the broker's new
-        config allows what this older worker's refuses.
+        `descs` already matched the specs (check_against_spec), in any order. The worker's own spec
+        decides, not the broker's: mid-rollout the broker may already hold a config that allows what
+        this older worker's refuses.
         """
-        check_finite(descs, buffers, self.specs, skip=scanned)
+        check_finite(descs, buffers, self.specs)
         return {
             desc.name: torch.frombuffer(buffer, dtype=_TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
             for desc, buffer in zip(descs, buffers, strict=True)
