@@ -69,6 +69,8 @@ class Link:
         self.max_frame_bytes = max_frame_bytes
         self._outbox: collections.deque[memoryview] = collections.deque()
         self._buffer = bytearray(_CHUNK)
+        #: A view kept for slicing: making one per receive costs a call on a path that runs cold.
+        self._view = memoryview(self._buffer)
         self._start = 0
         self._end = 0
         #: A message too large for the receive buffer is filled in place here.
@@ -215,8 +217,8 @@ class Link:
                 continue
             if self._start:
                 self._compact()
-            space = len(self._buffer) - self._end
-            got = self._recv_into(memoryview(self._buffer)[self._end :])
+            space = _CHUNK - self._end
+            got = self._recv_into(self._view[self._end :])
             if got is None:
                 break
             self._end += got
@@ -253,45 +255,51 @@ class Link:
         """Move the unparsed tail to the front of the receive buffer."""
         pending = self._end - self._start
         if pending:
-            self._buffer[:pending] = self._buffer[self._start : self._end]
+            self._buffer[:pending] = self._view[self._start : self._end]
         self._start, self._end = 0, pending
 
     def _parse(self, messages: list[list[memoryview]]) -> None:
         """Cut every whole message out of the receive buffer; start a large one's own buffer."""
-        buffer = self._buffer
-        while self._end - self._start >= _COUNT.size:
-            (count,) = _COUNT.unpack_from(buffer, self._start)
+        buffer, start, end = self._buffer, self._start, self._end
+        while end - start >= _COUNT.size:
+            (count,) = _COUNT.unpack_from(buffer, start)
             if not 0 < count <= self.max_frames:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"link message of {count} frames (1..{self.max_frames})")
-            head = _COUNT.size + 8 * count
-            if self._end - self._start < head:
-                return
-            lengths = struct.unpack_from(f"<{count}Q", buffer, self._start + _COUNT.size)
+            prefix = _PREFIXES[count] if count < len(_PREFIXES) else struct.Struct(f"<I{count}Q")
+            if end - start < prefix.size:
+                break
+            lengths = prefix.unpack_from(buffer, start)[1:]
             if max(lengths) > self.max_frame_bytes:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"link frame of {max(lengths)} bytes, limit {self.max_frame_bytes}"
                 )
-            body = self._start + head
-            total = sum(_padded(length) for length in lengths)
-            if self._end - body >= total:
+            body = start + prefix.size
+            padded = [(length + _ALIGN - 1) & -_ALIGN for length in lengths]
+            total = sum(padded)
+            if end - body >= total:
                 # A fresh bytes object per message: its data is 16-byte aligned, and no later
                 # receive can overwrite frames the caller still holds.
-                payload = memoryview(buffer)[body : body + total].tobytes()
-                messages.append(_split(payload, lengths))
-                self._start = body + total
+                view = memoryview(self._view[body : body + total].tobytes())
+                offset, frames = 0, []
+                for length, step in zip(lengths, padded, strict=True):
+                    frames.append(view[offset : offset + length])
+                    offset += step
+                messages.append(frames)
+                start = body + total
                 continue
-            if head + total > len(buffer) // 2:
-                received = self._end - body
+            if prefix.size + total > _CHUNK // 2:
+                received = end - body
                 try:
                     self._large = bytearray(total)
                 except MemoryError:
                     raise ProtocolError(
                         ErrorCode.BAD_REQUEST, f"link message of {total} bytes is beyond memory"
                     ) from None
-                self._large[:received] = buffer[body : self._end]
+                self._large[:received] = self._view[body:end]
                 self._large_filled, self._large_lengths = received, lengths
-                self._start = self._end = 0
-            return
+                start = end = 0
+            break
+        self._start, self._end = start, end
 
 
 def _split(payload: bytes | bytearray, lengths: Sequence[int]) -> list[memoryview]:
