@@ -2,7 +2,7 @@
 
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
-                              [--float-supervisor] [--cpu-latency-us 0]
+                              [--float-supervisor] [--cpu-latency-us 0] [--keep-warm-ms 1]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
 
@@ -14,6 +14,9 @@ workers to keep one busy while the other answers (with one it does 5,000-6,500 r
 `--cpu-latency-us N` sets the daemon's `cpu_latency_us` (idle CPUs wake within N µs), and holds the
 same request while the in-process and bare-broker rows run, so every row sees the same idle CPUs.
 It needs write access to /dev/cpu_dma_latency (root).
+
+`--keep-warm-ms N` runs the daemon twice, without and then with `keep_warm_ms` N (the broker
+rehearses its path while a worker holds a request), and adds the second daemon's raw-socket rows.
 """
 
 from __future__ import annotations
@@ -201,6 +204,7 @@ def measure(
     layout: tuple[int, int, int],
     pin: bool,
     cpu_latency_us: int | None,
+    keep_warm_ms: int | None,
     tmp: Path,
 ) -> list[dict[str, Any]]:
     """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients.
@@ -230,25 +234,28 @@ def measure(
                 process.kill()
     finally:
         hold.release("bench baseline done")
-    daemon_dir = tmp / f"daemon-{model}"
-    config = {
-        "log_level": "warning",
-        "oversubscribe": True,
-        "pin_supervisor": pin,
-        "cpu_latency_us": cpu_latency_us,
-        "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
-    }
-    daemon = start_daemon(config, daemon_dir)
-    try:
-        endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
-        for raw in (True, False):
-            for n in (1, clients):
-                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=raw)
-                how = "raw socket" if raw else "protocol.Client"
-                rows.append(row(model, f"daemon, {n} client(s), {how}", latencies, seconds, errors, overheads))
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(60)
+    for warm in [None] if keep_warm_ms is None else [None, keep_warm_ms]:
+        daemon_dir = tmp / f"daemon-{model}-{warm}"
+        config = {
+            "log_level": "warning",
+            "oversubscribe": True,
+            "pin_supervisor": pin,
+            "cpu_latency_us": cpu_latency_us,
+            "keep_warm_ms": warm,
+            "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
+        }
+        daemon = start_daemon(config, daemon_dir)
+        try:
+            endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
+            for raw in (True, False) if warm is None else (True,):
+                for n in (1, clients):
+                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=raw)
+                    how = "raw socket" if raw else "protocol.Client"
+                    name = "daemon" if warm is None else f"daemon keep_warm {warm}"
+                    rows.append(row(model, f"{name}, {n} client(s), {how}", latencies, seconds, errors, overheads))
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
     return rows
 
 
@@ -270,6 +277,9 @@ def main() -> int:
     parser.add_argument(
         "--cpu-latency-us", type=int, help="config cpu_latency_us for the daemon, held for the baselines too (root)"
     )
+    parser.add_argument(
+        "--keep-warm-ms", type=int, help="also run the daemon with config keep_warm_ms N, and compare the two"
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -280,7 +290,9 @@ def main() -> int:
     for model in models:
         pin = not args.float_supervisor
         layout = (workers[model], prefetch[model], args.bare_workers)
-        rows.extend(measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, tmp))
+        rows.extend(
+            measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp)
+        )
     for model in models:
         print(
             f"{model}: daemon {workers[model]} worker(s) x 1 core, prefetch {prefetch[model]}; "
@@ -289,12 +301,12 @@ def main() -> int:
             f"bare broker {args.bare_workers} worker(s) x 1 core; {args.clients} client processes"
         )
     print(
-        f"{'model':<9} {'path':<40} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
+        f"{'model':<9} {'path':<44} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
     )
     for r in rows:
         overhead = "" if r["overhead_p50_ms"] is None else f"{r['overhead_p50_ms']:.3f}"
         print(
-            f"{r['model']:<9} {r['path']:<40} {r['n']:>7} {r['errors']:>4} "
+            f"{r['model']:<9} {r['path']:<44} {r['n']:>7} {r['errors']:>4} "
             f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f} {overhead:>13}"
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
@@ -311,6 +323,13 @@ def main() -> int:
                 f"added over in-process p50: daemon {ours['p50_ms'] - base['p50_ms']:.3f} ms, "
                 f"bare {bare['p50_ms'] - base['p50_ms']:.3f} ms"
             )
+            warm = by.get(f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), raw socket")
+            if warm is not None:
+                print(
+                    f"    keep_warm {args.keep_warm_ms}: p50 x{warm['p50_ms'] / ours['p50_ms']:.2f} of the daemon "
+                    "without it, "
+                    f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {warm['overhead_p50_ms']:.3f} ms"
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

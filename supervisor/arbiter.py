@@ -175,7 +175,12 @@ class Arbiter:
             self.watch_files()
             self.watcher.start()
             while not self.finished():
-                events = dict(poller.poll(int(_HOUSEKEEPING_S * 1000)))
+                # keep_warm_ms: while a worker holds a request, an idle wait that long ends in a rehearsal.
+                rehearse_after_ms = self.broker.rehearsal_due_ms
+                wait_ms = int(_HOUSEKEEPING_S * 1000) if rehearse_after_ms is None else rehearse_after_ms
+                events = dict(poller.poll(wait_ms))
+                if not events and rehearse_after_ms is not None:
+                    self.broker.rehearse()
                 if self.wake_r.fileno() in events:
                     self._drain_wakeup()
                 self.handle_signals()
@@ -227,6 +232,7 @@ class Arbiter:
         self.affinity.reconcile((s.assignment.cpus for s in self.all_slots()), self.config.pin_supervisor)
         # Polling idle adds heat: a throttling box lets go of the request until it cools.
         self.cpu_latency.reconcile(self.config.cpu_latency_us, self.thermal.throttled)
+        self.broker.reconcile_rehearsal()
         self.announce_readiness()
 
     def _drain_wakeup(self) -> None:
@@ -413,6 +419,7 @@ class Arbiter:
         """Adopt a validated config: live keys at once, new/removed/scaled workers now, rebuilt ones rolling."""
         self.config = new
         self.broker.config = new
+        self.broker.rehearsal_error = None  # a new config may rehearse again (reconciled at housekeeping)
         self.config_applied_at = time.time()
         if "log_level" in diff.live:
             configure_logging(new.log_level)

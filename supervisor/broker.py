@@ -27,6 +27,7 @@ from protocol.worker_link import Link, LinkClosed
 from supervisor.config import Config
 from supervisor.curve import ThreadAuthenticator, enable_curve_server
 from supervisor.pending import Peer, PendingRequest
+from supervisor.rehearsal import Rehearsal
 from supervisor.slot import SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -88,6 +89,10 @@ class Broker:
         self.on_profile: Callable[[WorkerSlot, wm.ProfileResult], None] | None = None
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
         self.shed = False
+        #: Held exactly while `keep_warm_ms` is set (reconcile_rehearsal); runs of it, and why it stopped.
+        self.rehearsal: Rehearsal | None = None
+        self.rehearsals = 0
+        self.rehearsal_error: str | None = None
 
     @staticmethod
     def _router(context: zmq.Context[Any], max_message: int) -> zmq.Socket[Any]:
@@ -536,9 +541,45 @@ class Broker:
             self.writing ^= {fd}
             self.poller.modify(fd, _POLLIN | (_POLLOUT if link.wants_write else 0))
 
+    # ---- keeping warm -------------------------------------------------------------------------
+
+    @property
+    def rehearsal_due_ms(self) -> int | None:
+        """How long the loop may idle before it rehearses: `keep_warm_ms` while a worker holds a request, else None."""
+        if self.rehearsal is None or not self.inflight_count:
+            return None
+        return self.config.keep_warm_ms
+
+    def reconcile_rehearsal(self) -> None:
+        """Hold a rehearsal of the config's first model exactly while `keep_warm_ms` is set and none has failed."""
+        model = next(iter(self.config.models.values()), None)
+        wanted = self.config.keep_warm_ms is not None and model is not None and self.rehearsal_error is None
+        if self.rehearsal is not None and (not wanted or self.rehearsal.model is not model):
+            self.rehearsal.close()  # off, failed, or a reload replaced the model's config
+            self.rehearsal = None
+        if wanted and self.rehearsal is None and model is not None:
+            self.rehearsal = Rehearsal(model, self.config.max_frame_bytes)
+
+    def rehearse(self) -> None:
+        """Run the rehearsal once; a failure is logged and kept for status, and rehearsing stops until a reload."""
+        if self.rehearsal is None:
+            return
+        try:
+            self.rehearsal.run()
+        except Exception as exc:  # a broken rehearsal must cost the warmth, never the daemon
+            log.exception("keep_warm_failed", model=self.rehearsal.model.name)
+            self.rehearsal_error = f"{type(exc).__name__}: {exc}"
+            self.rehearsal.close()
+            self.rehearsal = None
+            return
+        self.rehearsals += 1
+
     def close(self) -> None:
         """Close the client sockets (the arbiter closes worker links as it stops their processes)."""
         for socket in self.client_sockets:
             socket.close(linger=0)
+        if self.rehearsal is not None:
+            self.rehearsal.close()
+            self.rehearsal = None
         if self.authenticator is not None:
             self.authenticator.stop()

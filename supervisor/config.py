@@ -112,6 +112,8 @@ class Config:
     pin_supervisor: bool
     #: A CPU latency QoS request in µs held while serving (supervisor/cpu_latency.py); None holds none.
     cpu_latency_us: int | None
+    #: While a worker holds a request, the broker rehearses its path this often when idle (supervisor/rehearsal.py).
+    keep_warm_ms: int | None
     heartbeat_interval_ms: int
     heartbeat_liveness: int
     hang_factor: float
@@ -343,7 +345,7 @@ _TOP_KEYS = {
     "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
     "max_frame_bytes", "restart_window_s", "max_restarts", "curve", "monitor_interval_s", "thermal_sysfs_root",
     "thermal_action", "thermal_max_c", "cache_dir", "pin_supervisor",
-    "cpu_latency_us",
+    "cpu_latency_us", "keep_warm_ms",
 }  # fmt: skip
 
 
@@ -419,6 +421,7 @@ def parse_config(text: str, base: Path) -> Config:
         cpu_latency_us=None
         if raw.get("cpu_latency_us") is None
         else r.integer(raw, "cpu_latency_us", "", 0, 0, 2_000_000_000),
+        keep_warm_ms=None if raw.get("keep_warm_ms") is None else r.integer(raw, "keep_warm_ms", "", 1, 1, 1000),
         heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
         heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),
         hang_factor=r.number(raw, "hang_factor", "", 20.0, 1.0),

@@ -10,7 +10,7 @@ from supervisor.config import Config, ModelConfig
 LIVE_KEYS = frozenset(
     {"log_level", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s", "restart_window_s",
      "max_restarts", "monitor_interval_s", "thermal_sysfs_root", "thermal_action", "thermal_max_c", "pin_supervisor",
-     "cpu_latency_us"}
+     "cpu_latency_us", "keep_warm_ms"}
 )  # fmt: skip
 #: Top-level keys every worker was launched with: changing them restarts every model, rolling.
 WORKER_KEYS = frozenset({"heartbeat_interval_ms", "heartbeat_liveness", "cache_dir"})

@@ -94,6 +94,12 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
         "rss": _rss(os.getpid()),
         "cpus": sorted(arbiter.affinity.current),
         "cpu_latency": arbiter.cpu_latency.status(arbiter.config.cpu_latency_us),
+        "keep_warm": {
+            "ms": arbiter.config.keep_warm_ms,
+            "model": broker.rehearsal.model.name if broker.rehearsal is not None else None,
+            "rehearsals": broker.rehearsals,
+            "error": broker.rehearsal_error,
+        },
         "config": {
             "path": str(arbiter.config_path),
             "digest": arbiter.config.digest,

@@ -38,3 +38,14 @@ def test_link_bench_times_both_paths() -> None:
     """bench/link.py with a 600 KB payload: a row for ZeroMQ, a row for the link, and their ratio."""
     out = _bench("bench/link.py", "--count", "20", "--size", "602112")
     assert "ZeroMQ DEALER/ROUTER, ipc" in out and "socketpair link" in out and "link / zmq p50: x" in out
+
+
+def test_legs_bench_alternates_both_sides_and_splits_every_leg() -> None:
+    """bench/legs.py on tiny with keep_warm_ms 1: a row for A then B, each with every leg, and a range line per leg."""
+    out = _bench("bench/legs.py", "--model", "tiny", "--pairs", "1", "--requests", "25", "--set", "keep_warm_ms=1")
+    legs = ("send", "dispatch", "decode", "model", "encode", "reply", "overhead")
+    rows = [line.split() for line in out.splitlines() if line.startswith("1 ")]
+    assert [row[1 : -len(legs)] for row in rows] == [["as", "is"], ["keep_warm_ms=1"]]
+    assert all(float(value) >= 0 for row in rows for value in row[-len(legs) :])
+    for leg in legs:
+        assert any(line.startswith(f"  {leg} ") and "(B lower in" in line for line in out.splitlines())
