@@ -421,7 +421,8 @@ def parse_config(text: str, base: Path) -> Config:
         cpu_latency_us=None
         if raw.get("cpu_latency_us") is None
         else r.integer(raw, "cpu_latency_us", "", 0, 0, 2_000_000_000),
-        keep_warm_ms=None if raw.get("keep_warm_ms") is None else r.integer(raw, "keep_warm_ms", "", 1, 1, 1000),
+        # At most the loop's housekeeping interval (20 ms): a longer idle wait would delay heartbeats and deadlines.
+        keep_warm_ms=None if raw.get("keep_warm_ms") is None else r.integer(raw, "keep_warm_ms", "", 1, 1, 10),
         heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
         heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),
         hang_factor=r.number(raw, "hang_factor", "", 20.0, 1.0),
