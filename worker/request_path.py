@@ -50,9 +50,9 @@ def prepare(launch: LaunchSpec, runner: ModelRunner, request: wm.Request, frames
         raise ProtocolError(ErrorCode.INTERNAL, f"request for {infer.model!r} reached a {launch.model!r} worker")
     check_against_spec(infer.inputs, runner.specs)
     # The NaN/Inf scan is here, not in the broker: the frames were just received into this core's
-    # cache, and the rehearsal keeps the scan's code warm. The broker would scan them on code the
-    # last forward pass left cold, in the one loop every request waits on (resnet18, alternating
-    # runs: the leg to the broker 90 us shorter, decode_ms 33 us longer).
+    # cache, and the rehearsal keeps the scan's code warm. The broker would scan them on code its
+    # idle wait through the last forward pass left cold, in the one loop every request waits on
+    # (resnet18, alternating runs: the leg to the broker 90 us shorter, decode_ms 33 us longer).
     inputs = runner.inputs_from_frames(infer.inputs, buffers)
     # Encoded now, while caches are warm: after the forward pass each line costs several times more.
     return Prepared(
