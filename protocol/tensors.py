@@ -43,6 +43,10 @@ class TensorSpec:
         dims = ",".join("*" if d is None else str(d) for d in self.shape)
         return f"{self.name} {self.dtype}[{dims}]"
 
+    def example_shape(self, batch: int = 1) -> tuple[int, ...]:
+        """A shape this spec accepts: each dynamic dim set to `batch`."""
+        return tuple(batch if d is None else d for d in self.shape)
+
     def mismatch(self, desc: TensorDesc) -> str | None:
         """Why `desc` does not fit this spec, or None when it does."""
         if desc.dtype != self.dtype:

@@ -274,17 +274,11 @@ class Link:
                     ErrorCode.BAD_REQUEST, f"link frame of {max(lengths)} bytes, limit {self.max_frame_bytes}"
                 )
             body = start + prefix.size
-            padded = [(length + _ALIGN - 1) & -_ALIGN for length in lengths]
-            total = sum(padded)
+            total = sum(_padded(length) for length in lengths)
             if end - body >= total:
                 # A fresh bytes object per message: its data is 16-byte aligned, and no later
                 # receive can overwrite frames the caller still holds.
-                view = memoryview(self._view[body : body + total].tobytes())
-                offset, frames = 0, []
-                for length, step in zip(lengths, padded, strict=True):
-                    frames.append(view[offset : offset + length])
-                    offset += step
-                messages.append(frames)
+                messages.append(_split(self._view[body : body + total].tobytes(), lengths))
                 start = body + total
                 continue
             if prefix.size + total > _CHUNK // 2:

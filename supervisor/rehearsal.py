@@ -30,7 +30,7 @@ class Rehearsal:
         self.model = model
         self.max_frame_bytes = max_frame_bytes
         # Dynamic dims as 1: the request is only decoded and checked, its tensors are never made.
-        descs = tuple(TensorDesc(s.name, s.dtype, tuple(1 if d is None else d for d in s.shape)) for s in model.inputs)
+        descs = tuple(TensorDesc(s.name, s.dtype, s.example_shape()) for s in model.inputs)
         self.header = encode_infer(InferRequest(0, model.name, descs))
         self.frame_lengths = [d.nbytes for d in descs]
         output = TensorDesc("output", "uint8", (_OUTPUT_BYTES,))

@@ -51,7 +51,7 @@ class ModelRunner:
         generator = torch.Generator().manual_seed(0)
         inputs: dict[str, torch.Tensor] = {}
         for spec in self.specs:
-            shape = tuple(batch if d is None else d for d in spec.shape)
+            shape = spec.example_shape(batch)
             dtype = _TORCH_DTYPES[spec.dtype]
             if dtype.is_floating_point:
                 inputs[spec.name] = torch.randn(shape, generator=generator).to(dtype)
