@@ -1,9 +1,12 @@
 """Where a sequential client's round trip goes, leg by leg, for the daemon with and without one config change.
 
     python bench/legs.py [--model resnet18] [--pairs 4] [--requests 130] [--cpu-latency-us 0] [--set keep_warm_ms=1]
+                         [--shm] [--both keep_warm_ms=1]
 
 Runs the daemon (one worker of the model) alternately without and with `--set KEY=JSON` (top-level
-config keys), `--pairs` times each, so both sides see the same phases of a noisy machine. Each run
+config keys; `--both` sets one on both sides), `--pairs` times each, so both sides see the same
+phases of a noisy machine. With `--shm` the B side's client puts the input in a shared-memory
+region instead of a frame. Each run
 sends `--requests` sequential requests from a raw DEALER socket, drops the first 20, and splits
 every round trip by the reply's own timing, as `infervisor probe` does: client to broker, broker to
 worker, the worker's checks, model, encode, and worker back to the client. Prints the medians of
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import statistics
 import sys
@@ -31,26 +35,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client_messages import InferRequest, encode_infer  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from protocol.shared_memory import SharedRegion  # noqa: E402
 from protocol.tensors import TensorDesc  # noqa: E402
 
 LEGS = ("send", "dispatch", "decode", "model", "encode", "reply", "overhead")
 _SKIP = 20
 
 
-def run(model: str, requests: int, config: dict[str, Any], runtime_dir: Path) -> dict[str, float]:
-    """One daemon, `requests` sequential requests; the median of each leg in ms."""
+def run(model: str, requests: int, config: dict[str, Any], runtime_dir: Path, shm: bool) -> dict[str, float]:
+    """One daemon, `requests` sequential requests (input in shared memory if `shm`); the median of each leg in ms."""
     daemon = start_daemon(config, runtime_dir)
     context: zmq.Context[Any] = zmq.Context()
     socket = context.socket(zmq.DEALER)
+    name, shape = SHAPES[model]
+    region = SharedRegion(math.prod(shape) * 4)
     try:
         socket.connect(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}")
-        name, shape = SHAPES[model]
-        tensor = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        shared = region.tensor(np.float32, shape)
+        shared.array[:] = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        desc = shared.desc(name) if shm else TensorDesc(name, "float32", shape)
+        tensors = [] if shm else [shared.array.copy()]
         legs: dict[str, list[float]] = {leg: [] for leg in LEGS}
         for index in range(requests):
-            header = encode_infer(InferRequest(index, model, (TensorDesc(name, "float32", shape),)))
+            header = encode_infer(InferRequest(index, model, (desc,)))
             sent = time.monotonic() * 1000.0
-            socket.send_multipart([b"", header, tensor], copy=False)
+            socket.send_multipart([b"", header, *tensors], copy=False)
             frames = socket.recv_multipart()
             received = time.monotonic() * 1000.0
             timing = msgpack.unpackb(frames[1])["timing"]
@@ -64,6 +73,7 @@ def run(model: str, requests: int, config: dict[str, Any], runtime_dir: Path) ->
             legs["overhead"].append(received - sent - timing["model_ms"])
         return {leg: statistics.median(values) for leg, values in legs.items()}
     finally:
+        region.close()
         socket.close(linger=0)
         context.term()
         daemon.send_signal(signal.SIGTERM)
@@ -78,24 +88,32 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=130)
     parser.add_argument("--cpu-latency-us", type=int, help="config cpu_latency_us on both sides (root)")
     parser.add_argument("--set", action="append", default=[], help="KEY=JSON, top-level config of the B side")
+    parser.add_argument("--both", action="append", default=[], help="KEY=JSON, top-level config of both sides")
+    parser.add_argument("--shm", action="store_true", help="the B side's input in shared memory, not a frame")
     args = parser.parse_args()
     if args.requests <= _SKIP:
         parser.error(f"--requests must be more than {_SKIP}")
-    change = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.set)}
+    change, common = (
+        {key: json.loads(value) for key, value in (item.split("=", 1) for item in items)}
+        for items in (args.set, args.both)
+    )
     base = {
         "log_level": "warning",
         "cpu_latency_us": args.cpu_latency_us,
         "models": {args.model: builtin_entry(args.model, workers=1, warmup_iterations=3)},
+        **common,
     }
     sides = {"A": base, "B": {**base, **change}}
-    label = {"A": "as is", "B": " ".join(args.set) or "as is"}
+    label = {"A": "as is", "B": " ".join([*args.set, *(["shm"] if args.shm else [])]) or "as is"}
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-legs-"))
     results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
-    print(f"{args.model}, one worker, cpu_latency_us {args.cpu_latency_us}; medians in ms of {args.requests - _SKIP}")
+    both = "".join(f"; {item}" for item in args.both)
+    count = args.requests - _SKIP
+    print(f"{args.model}, one worker, cpu_latency_us {args.cpu_latency_us}{both}; medians in ms of {count}")
     print(f"{'run':<6} {'side':<24}" + "".join(f"{leg:>10}" for leg in LEGS))
     for pair in range(args.pairs):
         for side in ("A", "B"):
-            medians = run(args.model, args.requests, sides[side], tmp / f"{side}{pair}")
+            medians = run(args.model, args.requests, sides[side], tmp / f"{side}{pair}", args.shm and side == "B")
             results[side].append(medians)
             print(f"{pair + 1:<6} {label[side]:<24}" + "".join(f"{medians[leg]:>10.3f}" for leg in LEGS))
     print("\nper leg, ranges over the runs (A -> B):")

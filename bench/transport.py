@@ -76,19 +76,25 @@ def in_process(model: str, seconds: float, threads: int) -> list[float]:
     return latencies
 
 
-def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw: bool, out: Any) -> None:
-    """One client process: back-to-back requests until the shared stop time; sends its latencies home.
+#: How a client process sends: a bare DEALER with the tensor as a frame (the same client cost for
+#: daemon and baseline), the same with the tensor in a shared-memory region, or protocol.Client,
+#: what an application would use.
+CLIENT_KINDS = {"raw": "raw socket", "shm": "raw socket, shared memory", "client": "protocol.Client"}
 
-    raw=True speaks the wire protocol with a bare DEALER (the same client cost for daemon and baseline);
-    raw=False uses protocol.Client, what an application would use.
-    """
+
+def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind: str, out: Any) -> None:
+    """One client process: back-to-back requests until the shared stop time; sends its latencies home."""
     import zmq
 
     from protocol.client_messages import InferRequest, encode_infer
+    from protocol.shared_memory import SharedRegion
     from protocol.tensors import TensorDesc
 
     name, shape = SHAPES[model]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    region = SharedRegion(x.nbytes)
+    shared = region.tensor(x.dtype, x.shape)
+    shared.array[:] = x
     latencies: list[float] = []
     errors = 0
     client = Client(endpoint)
@@ -97,12 +103,18 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
     socket.setsockopt(zmq.RCVTIMEO, 60_000)
     socket.connect(endpoint)
     desc = (TensorDesc(name, "float32", shape),)
+    shared_desc = (shared.desc(name),)
     counter = iter(range(10**9))
 
     def call() -> float | None:
         """One request; returns the worker's own model time when the reply reports it."""
-        if raw:
-            send_frames(socket, [b"", encode_infer(InferRequest(next(counter), model, desc)), x])
+        if kind != "client":
+            frames: list[Any] = (
+                [b"", encode_infer(InferRequest(next(counter), model, desc)), x]
+                if kind == "raw"
+                else [b"", encode_infer(InferRequest(next(counter), model, shared_desc))]
+            )
+            send_frames(socket, frames)
             header = msgpack.unpackb(socket.recv_multipart()[1])
             if header.get("type") != "result":
                 raise RuntimeError("error reply")
@@ -135,11 +147,12 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, raw:
             overheads.append(latencies[-1] - model_ms)
     client.close()
     socket.close()
+    region.close()
     out.send((latencies, overheads, errors))
 
 
 def run_clients(
-    endpoint: str, model: str, clients: int, seconds: float, raw: bool
+    endpoint: str, model: str, clients: int, seconds: float, kind: str
 ) -> tuple[list[float], list[float], int]:
     """Latencies, overheads (latency minus the worker's model time) and errors of `clients` client processes."""
     ctx = multiprocessing.get_context("spawn")
@@ -148,7 +161,7 @@ def run_clients(
     start_at = time.time() + 3.0 + 0.3 * clients
     for _ in range(clients):
         receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, start_at, raw, sender))
+        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, start_at, kind, sender))
         proc.start()
         pipes.append(receiver)
         procs.append(proc)
@@ -227,7 +240,7 @@ def measure(
         try:
             endpoint = f"ipc://{bare_dir / CLIENT_SOCKET_NAME}"
             for n in (1, clients):
-                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=True)
+                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, "raw")
                 rows.append(row(model, f"bare pyzmq, {n} client(s)", latencies, seconds, errors, overheads))
         finally:
             for process in processes:
@@ -247,12 +260,12 @@ def measure(
         daemon = start_daemon(config, daemon_dir)
         try:
             endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
-            for raw in (True, False) if warm is None else (True,):
+            for kind in CLIENT_KINDS if warm is None else ("raw", "shm"):
                 for n in (1, clients):
-                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, raw=raw)
-                    how = "raw socket" if raw else "protocol.Client"
+                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
                     name = "daemon" if warm is None else f"daemon keep_warm {warm}"
-                    rows.append(row(model, f"{name}, {n} client(s), {how}", latencies, seconds, errors, overheads))
+                    label = f"{name}, {n} client(s), {CLIENT_KINDS[kind]}"
+                    rows.append(row(model, label, latencies, seconds, errors, overheads))
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
@@ -301,12 +314,12 @@ def main() -> int:
             f"bare broker {args.bare_workers} worker(s) x 1 core; {args.clients} client processes"
         )
     print(
-        f"{'model':<9} {'path':<44} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
+        f"{'model':<9} {'path':<58} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
     )
     for r in rows:
         overhead = "" if r["overhead_p50_ms"] is None else f"{r['overhead_p50_ms']:.3f}"
         print(
-            f"{r['model']:<9} {r['path']:<44} {r['n']:>7} {r['errors']:>4} "
+            f"{r['model']:<9} {r['path']:<58} {r['n']:>7} {r['errors']:>4} "
             f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f} {overhead:>13}"
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
@@ -323,6 +336,11 @@ def main() -> int:
                 f"added over in-process p50: daemon {ours['p50_ms'] - base['p50_ms']:.3f} ms, "
                 f"bare {bare['p50_ms'] - base['p50_ms']:.3f} ms"
             )
+            shared = by[f"daemon, {n} client(s), {CLIENT_KINDS['shm']}"]
+            print(
+                f"    input in shared memory: p50 x{shared['p50_ms'] / ours['p50_ms']:.2f}, "
+                f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {shared['overhead_p50_ms']:.3f} ms"
+            )
             warm = by.get(f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), raw socket")
             if warm is not None:
                 print(
@@ -330,6 +348,8 @@ def main() -> int:
                     "without it, "
                     f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {warm['overhead_p50_ms']:.3f} ms"
                 )
+                warm_shared = by[f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), {CLIENT_KINDS['shm']}"]
+                print(f"      and the input in shared memory: overhead p50 {warm_shared['overhead_p50_ms']:.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -9,8 +9,17 @@ from protocol.errors import InferenceError, ProtocolError
 
 if TYPE_CHECKING:
     from protocol.client import Client
+    from protocol.shared_memory import SharedRegion, SharedTensor
 
-__all__ = ["PROTOCOL_VERSION", "Client", "ErrorCode", "InferenceError", "ProtocolError"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Client",
+    "ErrorCode",
+    "InferenceError",
+    "ProtocolError",
+    "SharedRegion",
+    "SharedTensor",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from protocol.client import Client
 
         return Client
+    if name in ("SharedRegion", "SharedTensor"):
+        from protocol import shared_memory
+
+        return getattr(shared_memory, name)
     raise AttributeError(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -15,7 +16,12 @@ from protocol.arrays import from_frame, to_frame
 from protocol.client_messages import InferRequest, decode_reply, encode_infer
 from protocol.constants import MAX_DEADLINE_MS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
+from protocol.shared_memory import SharedTensor
 from protocol.sockets import recv_frames, send_frames
+from protocol.tensors import TensorDesc
+
+#: What an input may be: an array sent as a frame, or a tensor already in a shared-memory region.
+Input = np.ndarray[Any, Any] | SharedTensor
 
 #: Socket send buffer: room for a large input tensor in one write.
 _SEND_BUFFER_BYTES = 4 * 2**20
@@ -52,31 +58,42 @@ class Client:
     def infer(
         self,
         model: str,
-        inputs: dict[str, np.ndarray[Any, Any]],
+        inputs: Mapping[str, Input],
         timeout: float = 30.0,
         deadline_ms: int | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
-        """Run `model` on `inputs`; returns output arrays (read-only views) or raises InferenceError."""
+        """Run `model` on `inputs`; returns output arrays (read-only views) or raises InferenceError.
+
+        An input given as a `SharedTensor` travels by reference (ipc endpoint only): see `SharedRegion`.
+        """
         outputs, _ = self.infer_with_timing(model, inputs, timeout, deadline_ms)
         return outputs
 
     def infer_with_timing(
         self,
         model: str,
-        inputs: dict[str, np.ndarray[Any, Any]],
+        inputs: Mapping[str, Input],
         timeout: float = 30.0,
         deadline_ms: int | None = None,
     ) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, float]]:
         """Like infer, also returning the server's per-stage timings in ms."""
         request_id = next(self._ids)
+        descs: list[TensorDesc] = []
+        tensor_frames: list[Any] = []
         try:
-            pairs = [to_frame(name, array) for name, array in inputs.items()]
+            for name, value in inputs.items():
+                if isinstance(value, SharedTensor):
+                    descs.append(value.desc(name))
+                else:
+                    desc, array = to_frame(name, value)
+                    descs.append(desc)
+                    tensor_frames.append(array)
         except ProtocolError as exc:
             raise InferenceError(exc.code, exc.message, request_id) from exc
         # By default the server's deadline is our timeout: it must not start work we will not wait for.
         budget = deadline_ms if deadline_ms is not None else min(MAX_DEADLINE_MS, max(1, int(timeout * 1000)))
-        header = encode_infer(InferRequest(request_id, model, tuple(d for d, _ in pairs), budget))
-        frames: list[Any] = [b"", header, *(a for _, a in pairs)]
+        header = encode_infer(InferRequest(request_id, model, tuple(descs), budget))
+        frames: list[Any] = [b"", header, *tensor_frames]
         send_frames(self._socket, frames)
         give_up = time.monotonic() + timeout
         while True:

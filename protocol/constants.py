@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from typing import Final
 
 #: Version carried in every header; a peer answers any other value with UNSUPPORTED_VERSION.
@@ -96,3 +97,9 @@ MAX_REQUEST_ID_LEN: Final = 64
 MAX_MESSAGE_LEN: Final = 4096
 MAX_DEADLINE_MS: Final = 2**31 - 1
 DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
+
+#: Names of shared-memory objects an input may lie in: what `shm_open` takes, without its leading slash.
+SHM_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+#: Where Linux keeps POSIX shared-memory objects (`shm_open("/NAME")` is the file `SHM_DIR/NAME`).
+SHM_DIR: Final = "/dev/shm"
+MAX_SHM_OFFSET: Final = 2**48

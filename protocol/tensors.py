@@ -7,26 +7,50 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.constants import DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS, ErrorCode
+from protocol.constants import (
+    DTYPE_ITEMSIZE,
+    MAX_NAME_LEN,
+    MAX_RANK,
+    MAX_SHM_OFFSET,
+    MAX_TENSORS,
+    SHM_NAME_PATTERN,
+    ErrorCode,
+)
 from protocol.errors import ProtocolError, shown
 
 
 @dataclass(frozen=True, slots=True)
+class ShmRef:
+    """Where an input lies in a POSIX shared-memory object instead of a frame: the object's name and a byte offset."""
+
+    name: str
+    offset: int
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack map form of this reference."""
+        return {"name": self.name, "offset": self.offset}
+
+
+@dataclass(frozen=True, slots=True)
 class TensorDesc:
-    """Name, dtype and shape of one raw tensor frame."""
+    """Name, dtype and shape of one raw tensor: in a frame, or in shared memory when `shm` is set (inputs only)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    shm: ShmRef | None = None
 
     @property
     def nbytes(self) -> int:
-        """Byte length the frame must have."""
+        """Byte length of the tensor's data (its frame's length when it has one)."""
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack map form of this descriptor."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        wire: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.shm is not None:
+            wire["shm"] = self.shm.to_wire()
+        return wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +91,26 @@ def _bad(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_REQUEST, message)
 
 
-def parse_descs(raw: Any, what: str = "inputs", allow_empty_dims: bool = False) -> tuple[TensorDesc, ...]:
-    """Validate the `inputs`/`outputs` array of a header into descriptors (outputs may have empty dims)."""
+def parse_shm(raw: Any, where: str) -> ShmRef:
+    """Validate a descriptor's `shm` map: a name `shm_open` takes without its slash, and an offset."""
+    if type(raw) is not dict:
+        raise _bad(f"{where}.shm must be a map")
+    name, offset = raw.get("name"), raw.get("offset")
+    # The name becomes a path under /dev/shm in the worker: no slash, no leading dot, nothing else odd.
+    if type(name) is not str or SHM_NAME_PATTERN.fullmatch(name) is None:
+        raise _bad(f"{where}.shm.name {shown(name)} must match {SHM_NAME_PATTERN.pattern}")
+    if type(offset) is not int or not 0 <= offset <= MAX_SHM_OFFSET:
+        raise _bad(f"{where}.shm.offset must be an integer of 0..{MAX_SHM_OFFSET}")
+    return ShmRef(name, offset)
+
+
+def parse_descs(
+    raw: Any, what: str = "inputs", allow_empty_dims: bool = False, allow_shm: bool = False
+) -> tuple[TensorDesc, ...]:
+    """Validate the `inputs`/`outputs` array of a header into descriptors.
+
+    Outputs may have empty dims; only inputs (`allow_shm`) may lie in shared memory.
+    """
     min_dim = 0 if allow_empty_dims else 1
     if type(raw) is not list:
         raise _bad(f"{what} must be an array")
@@ -96,7 +138,13 @@ def parse_descs(raw: Any, what: str = "inputs", allow_empty_dims: bool = False) 
                     ErrorCode.INVALID_INPUT,
                     f"{what}[{index}] ({shown(name)}) shape {shown(shape)}: dims must be integers >= {min_dim}",
                 )
-        descs.append(TensorDesc(name, dtype, tuple(shape)))
+        shm_raw = item.get("shm")
+        if shm_raw is None:
+            descs.append(TensorDesc(name, dtype, tuple(shape)))
+        elif allow_shm:
+            descs.append(TensorDesc(name, dtype, tuple(shape), parse_shm(shm_raw, f"{what}[{index}]")))
+        else:
+            raise _bad(f"{what}[{index}] ({shown(name)}) cannot lie in shared memory")
     if len(descs) > 1 and len({d.name for d in descs}) != len(descs):
         seen: set[str] = set()
         for index, desc in enumerate(descs):
@@ -107,15 +155,22 @@ def parse_descs(raw: Any, what: str = "inputs", allow_empty_dims: bool = False) 
 
 
 def check_frames(descs: Sequence[TensorDesc], frame_lengths: Sequence[int], max_frame_bytes: int) -> None:
-    """Check one frame per descriptor and that each frame's length is shape x itemsize."""
-    if len(descs) != len(frame_lengths):
-        raise _bad(f"header describes {len(descs)} tensors but {len(frame_lengths)} frames follow")
-    for desc, length in zip(descs, frame_lengths, strict=True):
-        expected = desc.nbytes
-        if expected > max_frame_bytes:
+    """Check one frame per descriptor without `shm`, in order, and that each is shape x itemsize long.
+
+    The size limit holds for tensors in shared memory too: the worker copies them out.
+    """
+    in_frames = descs if all(d.shm is None for d in descs) else [d for d in descs if d.shm is None]
+    if len(in_frames) != len(frame_lengths):
+        shared = len(descs) - len(in_frames)
+        described = f"{len(in_frames)} tensors in frames" if shared else f"{len(descs)} tensors"
+        raise _bad(f"header describes {described} but {len(frame_lengths)} frames follow")
+    for desc in descs:
+        if desc.nbytes > max_frame_bytes:
             raise ProtocolError(
-                ErrorCode.INVALID_INPUT, f"tensor {desc.name!r} is {expected} bytes, limit {max_frame_bytes}"
+                ErrorCode.INVALID_INPUT, f"tensor {desc.name!r} is {desc.nbytes} bytes, limit {max_frame_bytes}"
             )
+    for desc, length in zip(in_frames, frame_lengths, strict=True):
+        expected = desc.nbytes
         if length != expected:
             raise ProtocolError(
                 ErrorCode.INVALID_INPUT,

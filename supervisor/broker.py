@@ -194,6 +194,9 @@ class Broker:
                 )
             # NaN/Inf are the worker's to find: it reads the frames anyway, right before the model.
             check_against_spec(request.inputs, model.inputs)
+            if client[0] is not self.frontend and any(d.shm is not None for d in request.inputs):
+                # A worker opens what a shared-memory input names: only a client of this box may name it.
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "inputs in shared memory are for the ipc endpoint only")
         except ProtocolError as exc:
             self.count(f"rejected_{exc.code.value}", exc.message)
             self.reply_error(client, request.request_id, exc.code, exc.message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -187,6 +188,14 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
                 10,
                 f"worker {pid} gone",
             )
+
+
+def free_loopback_port() -> int:
+    """A tcp port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def model_entry(source: dict[str, str], inputs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

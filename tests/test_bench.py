@@ -49,3 +49,13 @@ def test_legs_bench_alternates_both_sides_and_splits_every_leg() -> None:
     assert all(float(value) >= 0 for row in rows for value in row[-len(legs) :])
     for leg in legs:
         assert any(line.startswith(f"  {leg} ") and "(B lower in" in line for line in out.splitlines())
+
+
+def test_legs_bench_sends_the_b_sides_input_in_shared_memory() -> None:
+    """bench/legs.py --shm --both keep_warm_ms=1: both sides keep warm, only B's input travels by reference."""
+    out = _bench(
+        "bench/legs.py", "--model", "tiny", "--pairs", "1", "--requests", "25", "--shm", "--both", "keep_warm_ms=1"
+    )
+    assert "; keep_warm_ms=1;" in out.splitlines()[0]
+    rows = [line.split() for line in out.splitlines() if line.startswith("1 ")]
+    assert [row[1:-7] for row in rows] == [["as", "is"], ["shm"]]

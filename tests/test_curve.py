@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,19 +12,12 @@ import zmq.auth
 from protocol import ErrorCode, InferenceError
 from protocol.client import Client
 from supervisor.config import ConfigError, parse_config
-from tests.conftest import TINY_INPUTS, Daemon, model_entry
+from tests.conftest import TINY_INPUTS, Daemon, free_loopback_port, model_entry
 
 MODELS = (
     '"models": {"tiny": {"source": {"builtin": "tiny"}, '
     '"inputs": [{"name": "x", "dtype": "float32", "shape": [1, 16]}]}}'
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture
@@ -63,7 +55,7 @@ def test_non_loopback_tcp_needs_curve(keys: dict[str, Path]) -> None:
 
 def test_curve_admits_known_clients_only(start_daemon: Callable[..., Daemon], keys: dict[str, Path]) -> None:
     """A client with an authorized key is served over tcp; a stranger's key gets no answer; ipc is unaffected."""
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_loopback_port()}"
     config = {
         "tcp_endpoint": endpoint,
         "curve": {"server_secret_key": str(keys["server_secret"]), "authorized_clients": str(keys["clients"])},

@@ -15,6 +15,7 @@ from protocol.tensors import TensorDesc, TensorSpec
 from worker.models import build_builtin
 from worker.request_path import Rehearsal, prepare
 from worker.runner import ModelRunner
+from worker.shared_inputs import SharedInputs
 
 # Frames are read-only buffers, as the link delivers them; worker.runner silences this in a worker.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -40,7 +41,7 @@ def test_a_rehearsal_prepares_the_models_own_example_and_runs_nothing() -> None:
     rehearsal.run()
     assert calls == []
     assert wm.decode(rehearsal.header) == rehearsal.request
-    prepared = prepare(rehearsal.launch, runner, rehearsal.request, rehearsal.frames)
+    prepared = prepare(rehearsal.launch, runner, rehearsal.shared, rehearsal.request, rehearsal.frames)
     for name, example in runner.example_inputs().items():
         assert torch.equal(prepared.inputs[name], example)
 
@@ -51,7 +52,11 @@ def test_prepare_encodes_the_reply_parts_a_client_can_read() -> None:
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     header = encode_infer(InferRequest("req-7", "tiny", (TensorDesc("x", "float32", (3, 16)),)))
     prepared = prepare(
-        _launch("tiny", specs), _runner("tiny", specs), wm.Request(41, None, 0.0, 0.0), [header, x.tobytes()]
+        _launch("tiny", specs),
+        _runner("tiny", specs),
+        SharedInputs(),
+        wm.Request(41, None, 0.0, 0.0),
+        [header, x.tobytes()],
     )
     assert torch.equal(prepared.inputs["x"], torch.from_numpy(x))
     assert wm.decode(prepared.success[0]) == wm.Reply(41, None, "")
@@ -74,6 +79,6 @@ def test_prepare_refuses_what_the_model_must_not_see(model: str, inputs: dict[st
     descs = tuple(TensorDesc(name, "float32", a.shape) for name, a in inputs.items())
     frames = [encode_infer(InferRequest(1, model, descs)), *[a.tobytes() for a in inputs.values()]]
     with pytest.raises(ProtocolError) as caught:
-        prepare(_launch("tiny", specs), _runner("tiny", specs), wm.Request(1, None, 0.0, 0.0), frames)
+        prepare(_launch("tiny", specs), _runner("tiny", specs), SharedInputs(), wm.Request(1, None, 0.0, 0.0), frames)
     assert caught.value.code in (ErrorCode.INTERNAL, ErrorCode.INVALID_INPUT)
     assert needle in caught.value.message

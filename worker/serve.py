@@ -31,6 +31,7 @@ from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
 from worker.request_path import REHEARSE_AFTER_MS, Rehearsal, prepare
 from worker.runner import ModelRunner, timed_ms
+from worker.shared_inputs import SharedInputs
 
 log = structlog.get_logger("worker")
 
@@ -59,6 +60,7 @@ class WorkerLoop:
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
         #: The request path run on a canned request after a long forward pass (worker/request_path.py).
+        self.shared_inputs = SharedInputs()
         self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
         self.rehearse_due = False
         self.rehearsals = 0
@@ -199,7 +201,7 @@ class WorkerLoop:
         started = time.perf_counter()
         self.requests += 1
         try:
-            prepared = prepare(self.launch, self.runner, request, frames)
+            prepared = prepare(self.launch, self.runner, self.shared_inputs, request, frames)
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(prepared.inputs)

@@ -1,0 +1,244 @@
+"""Inputs in POSIX shared memory: the descriptor rules, the client's region, the worker's reader and a live daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protocol import ErrorCode, InferenceError, SharedRegion
+from protocol.client import Client
+from protocol.client_messages import InferRequest, decode_infer, encode_infer
+from protocol.constants import SHM_DIR
+from protocol.errors import ProtocolError
+from protocol.shared_memory import SharedTensor
+from protocol.tensors import ShmRef, TensorDesc, check_frames, parse_descs
+from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, Daemon, free_loopback_port, model_entry
+from worker.models import build_builtin
+from worker.shared_inputs import SharedInputs
+
+IMAGE = (1, 3, 224, 224)
+
+
+def _desc(name: str = "x", shape: tuple[int, ...] = (2, 4), shm: Any = None) -> dict[str, Any]:
+    wire: dict[str, Any] = {"name": name, "dtype": "float32", "shape": list(shape)}
+    if shm is not None:
+        wire["shm"] = shm
+    return wire
+
+
+@pytest.fixture
+def region() -> Iterator[SharedRegion]:
+    """A fresh 1 MiB region, unlinked at teardown."""
+    with SharedRegion(2**20) as made:
+        yield made
+
+
+# ---- the descriptor ----------------------------------------------------------------------------
+
+
+def test_an_input_descriptor_may_point_into_shared_memory_and_keeps_its_frame_order() -> None:
+    """`shm` parses to a ShmRef that to_wire gives back; frames are counted for the other inputs only."""
+    descs = parse_descs([_desc("a"), _desc("b", shm={"name": "cam-0.f32", "offset": 4096})], allow_shm=True)
+    assert descs[1].shm == ShmRef("cam-0.f32", 4096)
+    assert parse_descs([d.to_wire() for d in descs], allow_shm=True) == descs
+    check_frames(descs, [32], 1024)
+    with pytest.raises(ProtocolError, match="describes 1 tensors in frames but 2 frames follow"):
+        check_frames(descs, [32, 32], 1024)
+
+
+@pytest.mark.parametrize(
+    ("shm", "needle"),
+    [
+        ("cam", "must be a map"),
+        ({"name": "../etc/passwd", "offset": 0}, "must match"),
+        ({"name": "a/b", "offset": 0}, "must match"),
+        ({"name": ".hidden", "offset": 0}, "must match"),
+        ({"name": "x" * 201, "offset": 0}, "must match"),
+        ({"name": 7, "offset": 0}, "must match"),
+        ({"name": "cam", "offset": -1}, "offset must be"),
+        ({"name": "cam", "offset": True}, "offset must be"),
+        ({"name": "cam", "offset": 2**60}, "offset must be"),
+        ({"name": "cam"}, "offset must be"),
+    ],
+)
+def test_a_bad_shared_memory_reference_is_a_bad_request(shm: Any, needle: str) -> None:
+    """Names that could leave /dev/shm, and offsets that are not small non-negative integers, are refused."""
+    with pytest.raises(ProtocolError, match=needle) as caught:
+        parse_descs([_desc(shm=shm)], allow_shm=True)
+    assert caught.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_outputs_and_oversized_inputs_cannot_use_shared_memory() -> None:
+    """Only inputs may lie in shared memory, and the frame size limit holds for them too."""
+    with pytest.raises(ProtocolError, match="cannot lie in shared memory"):
+        parse_descs([_desc(shm={"name": "cam", "offset": 0})], "outputs")
+    header = encode_infer(InferRequest(1, "m", (TensorDesc("x", "float32", (1024,), ShmRef("cam", 0)),)))
+    assert decode_infer(header, [], 4096).inputs[0].shm == ShmRef("cam", 0)
+    with pytest.raises(ProtocolError, match="is 4096 bytes, limit 4095") as caught:
+        decode_infer(header, [], 4095)
+    assert caught.value.code == ErrorCode.INVALID_INPUT
+
+
+# ---- the client's region -----------------------------------------------------------------------
+
+
+def test_a_region_is_a_private_dev_shm_file_that_close_unlinks(region: SharedRegion) -> None:
+    """The object is /dev/shm/NAME with mode 0600 and the asked size; tensors are aligned views of it."""
+    path = Path(SHM_DIR) / region.name
+    info = path.stat()
+    assert (stat.S_IMODE(info.st_mode), info.st_size) == (0o600, 2**20)
+    first = region.tensor(np.float32, (3,))
+    second = region.tensor(np.int64, (2, 2))
+    assert (first.offset, second.offset) == (0, 64)
+    second.array[:] = 7
+    assert np.frombuffer(path.read_bytes()[64:96], np.int64).tolist() == [7, 7, 7, 7]
+    with pytest.raises(ValueError, match="do not fit"):
+        region.tensor(np.float32, (2**20,))
+    region.close()
+    assert not path.exists()
+    assert second.array.tolist() == [[7, 7], [7, 7]]  # the mapping outlives the name while views need it
+
+
+def test_a_region_refuses_a_taken_name_and_a_name_the_daemon_would_refuse(region: SharedRegion) -> None:
+    """Creating never opens another process's object, and never makes a name no worker will read."""
+    with pytest.raises(FileExistsError):
+        SharedRegion(64, name=region.name)
+    with pytest.raises(ValueError, match="must match"):
+        SharedRegion(64, name="a/b")
+
+
+# ---- the worker's reader -----------------------------------------------------------------------
+
+
+def test_the_reader_copies_the_bytes_and_reuses_its_buffer_only_when_nothing_holds_it(region: SharedRegion) -> None:
+    """A read copies what is there now; a tensor still viewing the last buffer makes the next read use a new one."""
+    tensor = region.tensor(np.float32, (2, 4))
+    tensor.array[:] = np.arange(8).reshape(2, 4)
+    desc = TensorDesc("x", "float32", (2, 4), ShmRef(region.name, tensor.offset))
+    shared = SharedInputs()
+    first = shared.read(desc)
+    assert np.frombuffer(first, np.float32).tolist() == list(range(8))
+    first_id = id(first)
+    del first
+    tensor.array[:] = -1
+    second = shared.read(desc)
+    assert id(second) == first_id
+    assert np.frombuffer(second, np.float32).tolist() == [-1.0] * 8
+    held = torch.frombuffer(second, dtype=torch.float32)
+    del second
+    third = shared.read(desc)
+    assert id(third) != first_id
+    assert held.tolist() == [-1.0] * 8
+
+
+def test_the_reader_refuses_what_it_cannot_or_must_not_read(region: SharedRegion, tmp_path: Path) -> None:
+    """Missing, too short, a symlink or a FIFO: each an INVALID_INPUT that says which."""
+    name = f"infervisor-test-{os.getpid()}"
+    cases = {
+        "does not exist": TensorDesc("x", "float32", (4,), ShmRef(name + "-none", 0)),
+        f"is {2**20} bytes; float32[4] at offset {2**20 - 8} needs {2**20 + 8}": TensorDesc(
+            "x", "float32", (4,), ShmRef(region.name, 2**20 - 8)
+        ),
+    }
+    link, fifo = Path(SHM_DIR) / (name + "-link"), Path(SHM_DIR) / (name + "-fifo")
+    link.symlink_to(Path(SHM_DIR) / region.name)
+    os.mkfifo(fifo)
+    try:
+        cases["is a symbolic link"] = TensorDesc("x", "float32", (4,), ShmRef(link.name, 0))
+        cases["is not a regular file"] = TensorDesc("x", "float32", (4,), ShmRef(fifo.name, 0))
+        for needle, desc in cases.items():
+            with pytest.raises(ProtocolError) as caught:
+                SharedInputs().read(desc)
+            assert caught.value.code == ErrorCode.INVALID_INPUT
+            assert needle in caught.value.message
+    finally:
+        link.unlink()
+        fifo.unlink()
+
+
+# ---- a live daemon -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """resnet18 and the encoder, one worker each, on ipc and on a loopback tcp endpoint."""
+    config = {
+        "oversubscribe": True,
+        "tcp_endpoint": f"tcp://127.0.0.1:{free_loopback_port()}",
+        "models": {
+            "resnet18": model_entry({"builtin": "resnet18"}, IMAGE_INPUTS),
+            "encoder": model_entry({"builtin": "encoder"}, ENCODER_INPUTS),
+        },
+    }
+    started = Daemon(tmp_path_factory.mktemp("shm"), config)
+    try:
+        started.wait_ready(timeout=180)
+        yield started
+    finally:
+        assert started.stop() == 0, started.log_text()[-3000:]
+
+
+def _worker_pids(daemon: Daemon) -> dict[str, list[int]]:
+    models = daemon.status()["models"]
+    return {name: [w["pid"] for w in model["workers"]] for name, model in models.items()}
+
+
+def test_inputs_in_shared_memory_give_the_in_process_outputs(daemon: Daemon, region: SharedRegion) -> None:
+    """resnet18 from a region, and the encoder with ids in a region and the mask in a frame, equal eager runs."""
+    rng = np.random.default_rng(5)
+    image = region.tensor(np.float32, IMAGE)
+    image.array[:] = rng.standard_normal(IMAGE, dtype=np.float32)
+    ids = region.tensor(np.int64, (2, 128))
+    ids.array[:] = rng.integers(0, 30522, size=(2, 128))
+    mask = np.ones((2, 128), np.int64)
+    mask[1, 90:] = 0
+    torch.set_num_threads(1)
+    with Client(daemon.endpoint) as client, torch.inference_mode():
+        logits = client.infer("resnet18", {"image": image})["logits"]
+        expected = build_builtin("resnet18").eval()(torch.from_numpy(image.array.copy()))
+        np.testing.assert_allclose(logits, expected.numpy(), rtol=1e-4, atol=1e-5)
+        assert np.array_equal(logits, client.infer("resnet18", {"image": image.array.copy()})["logits"])
+        embedding = client.infer("encoder", {"input_ids": ids, "attention_mask": mask})["embedding"]
+        expected = build_builtin("encoder").eval()(torch.from_numpy(ids.array.copy()), torch.from_numpy(mask))
+        np.testing.assert_allclose(embedding, expected.numpy(), rtol=1e-4, atol=1e-5)
+        # The worker reads the region per request: new contents, new answer.
+        image.array[:] = 0.5
+        again = client.infer("resnet18", {"image": image})["logits"]
+        assert np.array_equal(again, client.infer("resnet18", {"image": np.full(IMAGE, 0.5, np.float32)})["logits"])
+
+
+def test_an_unreadable_region_is_an_error_reply_and_the_worker_serves_on(daemon: Daemon, region: SharedRegion) -> None:
+    """A region that is gone, or too short for the tensor, costs that request only; the same worker answers next."""
+    before = _worker_pids(daemon)
+    image = region.tensor(np.float32, IMAGE)
+    image.array[:] = 1.0
+    with Client(daemon.endpoint) as client, SharedRegion(1024) as short:
+        for bad, needle in (
+            (SharedTensor(short.name, 0, image.array), "is 1024 bytes"),
+            (SharedTensor(f"infervisor-gone-{os.getpid()}", 0, image.array), "does not exist"),
+        ):
+            with pytest.raises(InferenceError, match=needle) as caught:
+                client.infer("resnet18", {"image": bad}, timeout=10)
+            assert caught.value.code == ErrorCode.INVALID_INPUT
+        assert client.infer("resnet18", {"image": image}, timeout=10)["logits"].shape == (1, 1000)
+    assert _worker_pids(daemon) == before
+
+
+def test_shared_memory_is_refused_on_the_tcp_endpoint(daemon: Daemon, region: SharedRegion) -> None:
+    """A tcp client may be on another box: naming a region there is a bad request, answered by the broker."""
+    image = region.tensor(np.float32, IMAGE)
+    image.array[:] = 1.0
+    endpoint = json.loads(daemon.config_path.read_text())["tcp_endpoint"]
+    with Client(endpoint) as client:
+        with pytest.raises(InferenceError, match="ipc endpoint only") as caught:
+            client.infer("resnet18", {"image": image}, timeout=10)
+        assert caught.value.code == ErrorCode.BAD_REQUEST
+        assert client.infer("resnet18", {"image": image.array}, timeout=10)["logits"].shape == (1, 1000)
