@@ -59,8 +59,9 @@ class WorkerLoop:
         self.profiler: Any = None
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
-        #: The request path run on a canned request after a long forward pass (worker/request_path.py).
+        #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
         self.shared_inputs = SharedInputs()
+        #: The request path run on a canned request after a long forward pass (worker/request_path.py).
         self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
         self.rehearse_due = False
         self.rehearsals = 0

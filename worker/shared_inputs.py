@@ -25,13 +25,13 @@ class SharedInputs:
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = {}
 
-    def buffers_in_order(self, descs: Sequence[TensorDesc], frames: Sequence[Any]) -> list[Any]:
+    def buffers_in_order(self, descs: Sequence[TensorDesc], frames: Sequence[Any]) -> Sequence[Any]:
         """One buffer per descriptor, in order: its frame, or its bytes read out of shared memory.
 
         `frames` are those of the descriptors without `shm`, already counted against them (check_frames).
         """
         if len(frames) == len(descs):
-            return list(frames)
+            return frames
         remaining = iter(frames)
         return [next(remaining) if desc.shm is None else self.read(desc) for desc in descs]
 
