@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import statistics
 import sys
@@ -48,13 +47,15 @@ def run(model: str, requests: int, config: dict[str, Any], runtime_dir: Path, sh
     context: zmq.Context[Any] = zmq.Context()
     socket = context.socket(zmq.DEALER)
     name, shape = SHAPES[model]
-    region = SharedRegion(math.prod(shape) * 4)
+    tensor = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    region = SharedRegion(tensor.nbytes) if shm else None
     try:
         socket.connect(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}")
-        shared = region.tensor(np.float32, shape)
-        shared.array[:] = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-        desc = shared.desc(name) if shm else TensorDesc(name, "float32", shape)
-        tensors = [] if shm else [shared.array.copy()]
+        desc, tensors = TensorDesc(name, "float32", shape), [tensor]
+        if region is not None:
+            shared = region.tensor(tensor.dtype, shape)
+            shared.array[:] = tensor
+            desc, tensors = shared.desc(name), []
         legs: dict[str, list[float]] = {leg: [] for leg in LEGS}
         for index in range(requests):
             header = encode_infer(InferRequest(index, model, (desc,)))
@@ -73,7 +74,8 @@ def run(model: str, requests: int, config: dict[str, Any], runtime_dir: Path, sh
             legs["overhead"].append(received - sent - timing["model_ms"])
         return {leg: statistics.median(values) for leg, values in legs.items()}
     finally:
-        region.close()
+        if region is not None:
+            region.close()
         socket.close(linger=0)
         context.term()
         daemon.send_signal(signal.SIGTERM)

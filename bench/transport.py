@@ -92,9 +92,12 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind
 
     name, shape = SHAPES[model]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    region = SharedRegion(x.nbytes)
-    shared = region.tensor(x.dtype, x.shape)
-    shared.array[:] = x
+    # Only the shared-memory kind makes a region: the others must leave nothing in /dev/shm.
+    region = SharedRegion(x.nbytes) if kind == "shm" else None
+    if region is not None:
+        shared = region.tensor(x.dtype, x.shape)
+        shared.array[:] = x
+        shared_desc = (shared.desc(name),)
     latencies: list[float] = []
     errors = 0
     client = Client(endpoint)
@@ -103,7 +106,6 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind
     socket.setsockopt(zmq.RCVTIMEO, 60_000)
     socket.connect(endpoint)
     desc = (TensorDesc(name, "float32", shape),)
-    shared_desc = (shared.desc(name),)
     counter = iter(range(10**9))
 
     def call() -> float | None:
@@ -147,7 +149,8 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind
             overheads.append(latencies[-1] - model_ms)
     client.close()
     socket.close()
-    region.close()
+    if region is not None:
+        region.close()
     out.send((latencies, overheads, errors))
 
 
