@@ -213,6 +213,7 @@ class Custom:
     #: The docs' allowed column.
     allows: str
     default: object = None
+    #: For the docs' default column only: the reader of a required key is handed None when it is absent, and says so.
     required: bool = False
 
     def read(self, ctx: ReadContext, obj: dict[str, Any], key: str, path: str) -> object:
