@@ -1,4 +1,7 @@
-"""config.json: parsed into frozen dataclasses; every problem names the JSON path of the bad key."""
+"""config.json: every key declared once below (MODEL_KEYS, TOP_KEYS), parsed into frozen dataclasses.
+
+Each problem names the JSON path of the bad key. How to add a key: docs/configuration.md, "Adding a config key".
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,19 @@ from typing import Any
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, PROFILE_NAMES, ModelSource
 from protocol.tensors import TensorSpec
+from supervisor.config_keys import (
+    Applied,
+    Choice,
+    Custom,
+    Flag,
+    Fraction,
+    Integer,
+    Key,
+    Number,
+    ReadContext,
+    Text,
+    read_object,
+)
 from supervisor.fields import FieldReader
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -58,7 +74,7 @@ class CurveConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One served model and its worker pool."""
+    """One served model and its worker pool: its name, then one field per declaration of MODEL_KEYS."""
 
     name: str
     source: ModelSource
@@ -73,7 +89,6 @@ class ModelConfig:
     max_retries: int
     prefetch: int
     max_memory_mb: int | None
-    # Recycling and monitors (all applied live):
     rollout: str
     profiles: tuple[str, ...]
     pick: str
@@ -98,7 +113,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """The whole daemon configuration."""
+    """The whole daemon configuration: one field per declaration of TOP_KEYS, then the file's digest."""
 
     models: dict[str, ModelConfig]
     runtime_dir: str | None
@@ -130,7 +145,8 @@ class Config:
     digest: str
 
 
-def _read_source(r: FieldReader, raw: Any, path: str, base: Path) -> ModelSource:
+def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
+    r = ctx.fields
     if not isinstance(raw, dict) or len(raw) != 1:
         r.fail(path, f"must be an object with exactly one of {', '.join(SOURCE_KINDS)}")
         return ModelSource("builtin", "invalid")
@@ -146,7 +162,7 @@ def _read_source(r: FieldReader, raw: Any, path: str, base: Path) -> ModelSource
             r.fail(f"{path}.python", f"must be 'package.module:callable', got {value!r}")
         return ModelSource("python", name=value)
     else:
-        file = Path(value) if Path(value).is_absolute() else base / value
+        file = Path(value) if Path(value).is_absolute() else ctx.base / value
         if not file.is_file():
             # Caught here, a missing model file is a refused reload instead of a worker that cannot start.
             r.fail(f"{path}.{kind}", f"{file} is not an existing file")
@@ -154,7 +170,8 @@ def _read_source(r: FieldReader, raw: Any, path: str, base: Path) -> ModelSource
     return ModelSource("builtin", "invalid")
 
 
-def _read_inputs(r: FieldReader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
+def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...]:
+    r = ctx.fields
     if not isinstance(raw, list) or not raw:
         r.fail(path, "must be a non-empty array of {name, dtype, shape}")
         return ()
@@ -190,7 +207,15 @@ def _read_inputs(r: FieldReader, raw: Any, path: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _read_profiles(r: FieldReader, raw: Any, path: str) -> tuple[str, ...]:
+def _read_outputs(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...] | None:
+    if raw is not None and (not isinstance(raw, list) or not all(isinstance(o, str) and o for o in raw)):
+        ctx.fields.fail(path, "must be an array of output names or null")
+        return None
+    return tuple(raw) if raw else None
+
+
+def _read_profiles(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...]:
+    r = ctx.fields
     if not isinstance(raw, list) or not raw or not all(isinstance(p, str) for p in raw):
         r.fail(path, f"must be a non-empty array of profile names ({', '.join(PROFILE_NAMES)}), got {raw!r}")
         return ("eager",)
@@ -202,7 +227,8 @@ def _read_profiles(r: FieldReader, raw: Any, path: str) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def _read_tolerance(r: FieldReader, raw: Any, path: str) -> dict[str, Any]:
+def _read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
+    r = ctx.fields
     if not isinstance(raw, dict):
         r.fail(path, "must be an object with min_cosine, max_abs_error, top1")
         return {}
@@ -217,31 +243,21 @@ def _read_tolerance(r: FieldReader, raw: Any, path: str) -> dict[str, Any]:
     }
 
 
-_MODEL_KEYS = {
-    "source", "inputs", "outputs", "workers", "cores_per_worker", "use_smt", "threads",
-    "queue_size", "warmup_iterations", "max_retries", "prefetch", "max_memory_mb", "rollout", "profiles", "tolerance",
-    "channels_last", "pick", "calibration", "validation",
-    "max_age_s",
-    "max_requests", "recycle_jitter", "rss_soft_mb", "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor",
-    "drift_window", "canary_interval_s", "canary_tolerance",
-}  # fmt: skip
-
-
-def _read_data_file(r: FieldReader, raw: dict[str, Any], key: str, path: str, base: Path) -> str | None:
-    """An .npz path (relative to config.json's folder) that must exist, as an absolute path."""
-    value = r.optional_string(raw, key, path)
+def _read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    """An .npz path (relative to config.json's folder) that must exist and fit the inputs, as an absolute path."""
+    value = ctx.fields.string_or_null(raw, path)
     if value is None:
         return None
-    file = Path(value) if Path(value).is_absolute() else base / value
+    file = Path(value) if Path(value).is_absolute() else ctx.base / value
     if not file.is_file():
-        r.fail(f"{path}.{key}", f"no such file: {file}")
+        ctx.fields.fail(path, f"no such file: {file}")
+    else:
+        _check_data_file(ctx.fields, str(file), ctx.earlier["inputs"], path)
     return str(file)
 
 
-def _check_data_file(r: FieldReader, file: str | None, specs: tuple[TensorSpec, ...], where: str) -> None:
+def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], where: str) -> None:
     """A calibration/validation .npz holds one array per input, samples along dim 0, each sample fitting the spec."""
-    if file is None or not Path(file).is_file():
-        return
     import numpy as np  # only when a data file is configured: validating a config needs no numpy otherwise
 
     if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
@@ -271,103 +287,221 @@ def _check_data_file(r: FieldReader, file: str | None, specs: tuple[TensorSpec, 
         r.fail(where, "its arrays must share a non-empty first (sample) dimension")
 
 
-def _read_model(r: FieldReader, name: str, raw: Any, base: Path) -> ModelConfig | None:
-    path = f"models.{name}"
-    if not _MODEL_NAME.fullmatch(name) or len(name) > MAX_NAME_LEN:
-        r.fail(path, "model names use letters, digits, '_', '.', '-' and start with a letter or digit")
-    if not isinstance(raw, dict):
-        r.fail(path, "must be an object")
-        return None
-    r.check_keys(raw, path, _MODEL_KEYS)
-    outputs = raw.get("outputs")
-    if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, str) and o for o in outputs)):
-        r.fail(f"{path}.outputs", "must be an array of output names or null")
-        outputs = None
-    rollout = raw.get("rollout", "surge")
-    if rollout not in ROLLOUT_STRATEGIES:
-        r.fail(f"{path}.rollout", f"must be one of {', '.join(ROLLOUT_STRATEGIES)}, got {rollout!r}")
-        rollout = "surge"
-    memory = raw.get("max_memory_mb")
-    if memory is not None and (type(memory) is not int or memory < 512):
-        r.fail(f"{path}.max_memory_mb", f"must be an integer >= 512 (MB) or null, got {memory!r}")
-        memory = None
-    pick = raw.get("pick", "first")
-    if pick not in PICK_MODES:
-        r.fail(f"{path}.pick", f"must be one of {', '.join(PICK_MODES)}, got {pick!r}")
-        pick = "first"
-    inputs = _read_inputs(r, raw.get("inputs"), f"{path}.inputs")
-    calibration = _read_data_file(r, raw, "calibration", path, base)
-    validation = _read_data_file(r, raw, "validation", path, base)
-    _check_data_file(r, calibration, inputs, f"{path}.calibration")
-    _check_data_file(r, validation, inputs, f"{path}.validation")
-    threads = raw.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        r.fail(f"{path}.threads", f"must be a positive integer or null (= one per pinned cpu), got {threads!r}")
-        threads = None
-    return ModelConfig(
-        name=name,
-        source=_read_source(r, raw.get("source"), f"{path}.source", base),
-        inputs=inputs,
-        outputs=tuple(outputs) if outputs else None,
-        workers=r.integer(raw, "workers", path, 1, 1, 256),
-        cores_per_worker=r.integer(raw, "cores_per_worker", path, 1, 1, 1024),
-        use_smt=r.boolean(raw, "use_smt", path, False),
-        threads=threads,
-        queue_size=r.integer(raw, "queue_size", path, 64, 0, 1_000_000),
-        warmup_iterations=r.integer(raw, "warmup_iterations", path, 3, 1, 1000),
-        max_retries=r.integer(raw, "max_retries", path, 2, 0, 10),
-        prefetch=r.integer(raw, "prefetch", path, 1, 1, 16),
-        max_memory_mb=memory,
-        rollout=rollout,
-        profiles=_read_profiles(r, raw.get("profiles", ["eager"]), f"{path}.profiles"),
-        pick=pick,
-        tolerance=_read_tolerance(r, raw.get("tolerance", {}), f"{path}.tolerance"),
-        channels_last=r.boolean(raw, "channels_last", path, False),
-        calibration=calibration,
-        validation=validation,
-        max_age_s=r.optional_number(raw, "max_age_s", path, 1.0),
-        max_requests=r.optional_integer(raw, "max_requests", path, 1),
-        recycle_jitter=r.fraction(raw, "recycle_jitter", path, 0.1, 0.5),
-        rss_soft_mb=r.optional_integer(raw, "rss_soft_mb", path, 1),
-        rss_hard_mb=r.optional_integer(raw, "rss_hard_mb", path, 1),
-        leak_mb_per_min=r.optional_number(raw, "leak_mb_per_min", path, 0.001),
-        leak_window_s=r.number(raw, "leak_window_s", path, 120.0, 1.0),
-        drift_factor=r.optional_number(raw, "drift_factor", path, 1.01),
-        # Baseline and recent window both live in the 2048-sample latency buffer.
-        drift_window=r.integer(raw, "drift_window", path, 100, 5, 1000),
-        canary_interval_s=r.optional_number(raw, "canary_interval_s", path, 0.1),
-        canary_tolerance=r.number(raw, "canary_tolerance", path, 1e-4, 0.0),
-    )
+def _choices(names: tuple[str, ...]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
 
 
-_TOP_KEYS = {
-    "models", "runtime_dir", "log_level", "tcp_endpoint", "oversubscribe", "heartbeat_interval_ms",
-    "heartbeat_liveness", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s",
-    "max_frame_bytes", "restart_window_s", "max_restarts", "curve", "monitor_interval_s", "thermal_sysfs_root",
-    "thermal_action", "thermal_max_c", "cache_dir", "pin_supervisor",
-    "cpu_latency_us", "keep_warm_ms",
-}  # fmt: skip
+# fmt: off
+#: A model entry's keys, in the order they are read and documented (`inputs` before the data files checked against it).
+MODEL_KEYS: tuple[Key, ...] = (
+    Key("source", Custom(_read_source, f"object with exactly one key: {_choices(SOURCE_KINDS)}", required=True),
+        Applied.ROLLING,
+        "where the model comes from; a model file must exist when the config is validated ([more](#source))."),
+    Key("inputs", Custom(_read_inputs, "non-empty array of `{name, dtype, shape, allow_non_finite}`", required=True),
+        Applied.ROLLING,
+        "the model's inputs, in the order its `forward` takes them; admission checks requests against new ones at "
+        "once ([more](#inputs))."),
+    Key("outputs", Custom(_read_outputs, "array of non-empty strings, or null (`[]` = null)"), Applied.ROLLING,
+        "names for the model's outputs in order; default: the built-in's names, the keys of a returned dict, else "
+        "`output`, `output_1`, ..."),
+    Key("workers", Integer(1, 1, 256), Applied.SCALED,
+        "worker processes for this model."),
+    Key("cores_per_worker", Integer(1, 1, 1024), Applied.ROLLING,
+        "physical cores per worker, all on one NUMA node, disjoint from other workers."),
+    Key("use_smt", Flag(False), Applied.ROLLING,
+        "also give each worker the SMT siblings of its cores."),
+    Key("threads", Integer(None, 1, why="must be a positive integer or null (= one per pinned cpu)"),
+        Applied.ROLLING,
+        "torch intra-op threads; null: one per pinned logical CPU."),
+    Key("queue_size", Integer(64, 0, 1_000_000), Applied.LIVE,
+        "requests waiting for a worker; one more is answered `OVERLOADED` at once. A smaller value refuses new "
+        "requests until the queue is below it."),
+    Key("warmup_iterations", Integer(3, 1, 1000), Applied.ROLLING,
+        "forward passes on inputs of the declared spec before READY; the last pass's outputs are the worker's canary "
+        "reference."),
+    Key("max_retries", Integer(2, 0, 10), Applied.LIVE,
+        "times a request is re-dispatched after its worker died or hung; then `WORKER_LOST`."),
+    Key("prefetch", Integer(1, 1, 16), Applied.LIVE,
+        "requests a worker may hold at once (1 = one at a time) ([more](#prefetch))."),
+    Key("max_memory_mb", Integer(None, 512, why="must be an integer >= 512 (MB) or null"), Applied.ROLLING,
+        "cap on the worker's private writable memory (`RLIMIT_DATA`): a request that would allocate past it fails "
+        "inside torch and is answered `INTERNAL`; the worker keeps serving, and the box's OOM killer is never woken."),
+    Key("rollout", Choice("surge", ROLLOUT_STRATEGIES), Applied.LIVE,
+        "how a [rolling restart](#rolling-restarts) replaces this model's workers."),
+    Key("profiles", Custom(_read_profiles, f"array of {_choices(PROFILE_NAMES)}", ["eager"]), Applied.ROLLING,
+        "the optimisation chain ([optimization.md](optimization.md)); a profile serves only if the CPU allows it, "
+        "it builds, and it matches eager fp32 within `tolerance` ([more](#profiles))."),
+    Key("pick", Choice("first", PICK_MODES), Applied.ROLLING,
+        "`first`: the first profile of the chain that passes serves; `fastest`: every one is built, validated and "
+        "timed, and the fastest that passes serves ([more](#pick))."),
+    Key("calibration", Custom(_read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
+        "an `.npz` that `int8_static` observes to set activation scales; null: seeded random inputs "
+        "([more](#calibration-and-validation))."),
+    Key("validation", Custom(_read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
+        "an `.npz` of the inputs every profile is checked on against eager fp32; null: seeded random inputs "
+        "([more](#calibration-and-validation))."),
+    Key("tolerance",
+        Custom(_read_tolerance, "`min_cosine` (-1..1), `max_abs_error` (≥ 0 or null), `top1` (bool)",
+               {"min_cosine": 0.999}),
+        Applied.ROLLING,
+        "how close to eager fp32 a profile must stay on the golden (or validation) inputs: the cosine of the worst "
+        "sample (each row of the batch, all outputs joined), the largest absolute difference, and argmax agreement "
+        "on every row."),
+    Key("channels_last", Flag(False), Applied.ROLLING,
+        "NHWC memory layout for CNNs: the module and every 4-D input are converted (inputs arrive NCHW on the wire "
+        "as usual) ([more](#channels_last))."),
+    Key("max_age_s", Number(None, 1.0), Applied.LIVE,
+        "recycle a worker this long after its READY (± jitter)."),
+    Key("max_requests", Integer(None, 1), Applied.LIVE,
+        "recycle a worker after this many replies (± jitter)."),
+    Key("recycle_jitter", Fraction(0.1, 0.5), Applied.LIVE,
+        "each process's age and request limits are `limit × (1 + u)`, `u` uniform in ±`recycle_jitter`."),
+    Key("rss_soft_mb", Integer(None, 1), Applied.LIVE,
+        "RSS above this (MiB) → recycle."),
+    Key("rss_hard_mb", Integer(None, 1), Applied.LIVE,
+        "RSS above this (MiB) → SIGKILL. Not checked against `rss_soft_mb`."),
+    Key("leak_mb_per_min", Number(None, 0.001), Applied.LIVE,
+        "RSS growth above this (MiB/min, least-squares slope) → recycle."),
+    Key("leak_window_s", Number(120.0, 1.0), Applied.LIVE,
+        "RSS history the slope is fitted over."),
+    Key("drift_factor", Number(None, 1.01), Applied.LIVE,
+        "recent median latency / the worker's own baseline above this → recycle."),
+    # Baseline and recent window both live in the 2048-sample latency buffer.
+    Key("drift_window", Integer(100, 5, 1000), Applied.LIVE,
+        "requests in the baseline and in the recent window (the per-worker latency buffer keeps the last 2048)."),
+    Key("canary_interval_s", Number(None, 0.1), Applied.LIVE,
+        "period of canaries."),
+    Key("canary_tolerance", Number(1e-4, 0.0), Applied.LIVE,
+        "a canary fails when its largest absolute error exceeds `canary_tolerance × max(1, scale)`."),
+)
+# fmt: on
 
 
-def _read_curve(r: FieldReader, raw: Any, base: Path) -> CurveConfig | None:
+def _read_models(ctx: ReadContext, raw: Any, path: str) -> dict[str, ModelConfig]:
+    models: dict[str, ModelConfig] = {}
+    if not isinstance(raw, dict) or not raw:
+        ctx.fields.fail(path, "must be a non-empty object of model name -> model")
+        return models
+    for name, entry in raw.items():
+        where = f"{path}.{name}"
+        if not _MODEL_NAME.fullmatch(name) or len(name) > MAX_NAME_LEN:
+            ctx.fields.fail(where, "model names use letters, digits, '_', '.', '-' and start with a letter or digit")
+        if not isinstance(entry, dict):
+            ctx.fields.fail(where, "must be an object")
+            continue
+        models[name] = ModelConfig(name=name, **read_object(ctx.fields, MODEL_KEYS, entry, where, ctx.base))
+    return models
+
+
+def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
+    r = ctx.fields
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        r.fail("curve", "must be an object with server_secret_key and authorized_clients")
+        r.fail(path, "must be an object with server_secret_key and authorized_clients")
         return None
-    r.check_keys(raw, "curve", {"server_secret_key", "authorized_clients"})
+    r.check_keys(raw, path, {"server_secret_key", "authorized_clients"})
     paths: list[str] = []
     for key, want_dir in (("server_secret_key", False), ("authorized_clients", True)):
         value = raw.get(key)
         if not isinstance(value, str) or not value:
-            r.fail(f"curve.{key}", "must be a path")
+            r.fail(f"{path}.{key}", "must be a path")
             continue
-        path = Path(value) if Path(value).is_absolute() else base / value
-        if not (path.is_dir() if want_dir else path.is_file()):
-            r.fail(f"curve.{key}", f"{path} is not an existing {'directory' if want_dir else 'file'}")
+        file = Path(value) if Path(value).is_absolute() else ctx.base / value
+        if not (file.is_dir() if want_dir else file.is_file()):
+            r.fail(f"{path}.{key}", f"{file} is not an existing {'directory' if want_dir else 'file'}")
             continue
-        paths.append(str(path))
+        paths.append(str(file))
     return CurveConfig(*paths) if len(paths) == 2 else None
+
+
+def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    tcp = ctx.fields.string_or_null(raw, path)
+    if tcp is None:
+        return None
+    match = _TCP_ENDPOINT.fullmatch(tcp)
+    if match is None or not 1 <= int(match["port"]) <= 65535:
+        ctx.fields.fail(path, f"must look like tcp://127.0.0.1:5555 (port 1-65535), got {tcp!r}")
+    elif not _is_loopback(match["host"]) and ctx.earlier["curve"] is None:
+        # Without CURVE anyone who can reach the port could send requests: off-box needs keys.
+        ctx.fields.fail(path, f"host {match['host']!r} is not loopback; that needs `curve` keys configured")
+    return tcp
+
+
+# fmt: off
+#: The top-level keys, in the order they are read and documented (`curve` before the tcp_endpoint rule that needs it).
+TOP_KEYS: tuple[Key, ...] = (
+    Key("models", Custom(_read_models, "non-empty object", required=True), Applied.PER_MODEL,
+        "model name → model entry ([below](#model-entry)). Names match `[A-Za-z0-9][A-Za-z0-9_.-]*`, at most "
+        f"{MAX_NAME_LEN} characters."),
+    Key("runtime_dir", Text(), Applied.DAEMON_RESTART,
+        "socket directory; `--runtime-dir` wins over it; default order in the README."),
+    Key("cache_dir", Text(), Applied.ROLLING,
+        "where compiled packages (`aoti`, `int8_*`), fastest-pick decisions and torch.compile's cache are kept "
+        "across restarts ([default](#cache_dir))."),
+    Key("log_level", Choice("info", LOG_LEVELS), Applied.LIVE,
+        "the least severe log event written."),
+    Key("curve",
+        Custom(_read_curve, '`{"server_secret_key": FILE, "authorized_clients": DIR}` (both must exist) or null'),
+        Applied.DAEMON_RESTART,
+        "zmq certificates (`zmq.auth.create_certificates`) making the tcp endpoint a CURVE server that admits only "
+        "the public keys found in `authorized_clients`. The ipc endpoint is not affected (it is guarded by file "
+        "permissions)."),
+    Key("tcp_endpoint", Custom(_read_tcp_endpoint, "`tcp://HOST:PORT`, PORT 1..65535, or null"),
+        Applied.DAEMON_RESTART,
+        "extra client endpoint on its own socket. A host that is not loopback (`localhost`, 127.0.0.0/8, `[::1]`) "
+        "is refused unless `curve` is set."),
+    Key("oversubscribe", Flag(False), Applied.DAEMON_RESTART,
+        "when the workers ask for more physical cores than the cpuset has, share cores round-robin (status shows "
+        "`shared_cores`) instead of refusing to start."),
+    Key("pin_supervisor", Flag(True), Applied.LIVE,
+        "keep the supervisor (every thread: broker loop, ZeroMQ I/O, file watcher) on the allowed cpus no worker "
+        "holds, so it never shares a core with a model ([more](#pin_supervisor))."),
+    # The kernel reads an s32 and treats 2,000,000,000 µs as "no limit".
+    Key("cpu_latency_us", Integer(None, 0, 2_000_000_000), Applied.LIVE,
+        "a CPU latency QoS request (`/dev/cpu_dma_latency`) held while the daemon runs: idle CPUs use no sleep "
+        "state that takes longer than this to leave; `0`: they poll ([more](#cpu_latency_us))."),
+    # At most the loop's housekeeping interval (20 ms): a longer idle wait would delay heartbeats and deadlines.
+    Key("keep_warm_ms", Integer(None, 1, 10), Applied.LIVE,
+        "while a worker holds a request and the broker has had nothing to do for this many ms, the broker runs its "
+        "own request path on canned messages, so the real reply finds that code in cache ([more](#keep_warm_ms))."),
+    Key("heartbeat_interval_ms", Integer(500, 10, 60_000), Applied.ROLLING,
+        "in-band heartbeat period, both ways."),
+    Key("heartbeat_liveness", Integer(10, 2, 1000), Applied.ROLLING,
+        "an idle serving worker silent for this many intervals is killed and replaced; a worker that hears nothing "
+        "from the supervisor for as long exits (exit 5)."),
+    Key("hang_factor", Number(20.0, 1.0), Applied.LIVE,
+        "a busy worker is declared hung (SIGKILL) when the head of its pipeline made no progress for "
+        "`max(hang_min_s, hang_factor × its mean warm-up iteration time)`."),
+    Key("hang_min_s", Number(10.0, 0.1), Applied.LIVE,
+        "floor of the hang budget above."),
+    Key("worker_start_timeout_s", Number(300.0, 1.0), Applied.LIVE,
+        "a worker not READY after this long is killed (load + optimise + warm-up must fit)."),
+    Key("shutdown_grace_s", Number(10.0, 0.0), Applied.LIVE,
+        "on SIGTERM, queued and in-flight requests get this long to finish; the rest are answered `SHUTTING_DOWN`. "
+        "A retiring (draining) worker is SIGKILLed if it has not exited `shutdown_grace_s` + 5 s after it began "
+        "draining."),
+    Key("max_frame_bytes", Integer(DEFAULT_MAX_FRAME_BYTES, 1024, 2**40), Applied.DAEMON_RESTART,
+        "largest tensor frame (also `ZMQ_MAXMSGSIZE` on the client socket), and largest input a client leaves in "
+        "shared memory (the worker copies it out)."),
+    Key("restart_window_s", Number(60.0, 1.0), Applied.LIVE,
+        "window for counting a slot's failures."),
+    Key("max_restarts", Integer(5, 1, 1000), Applied.LIVE,
+        "failures (exits not asked for: crash, hang or heartbeat kill, a monitor's KILL) within the window after "
+        "which the slot is `FAILED` (no more respawns; `infervisor restart` replaces it). When every slot of every "
+        "model has failed, the daemon exits 1."),
+    Key("monitor_interval_s", Number(1.0, 0.05), Applied.LIVE,
+        "period of the [monitors](#monitors) (also the granularity of canaries)."),
+    Key("thermal_sysfs_root", Text("/sys"), Applied.LIVE,
+        "where the thermal monitor reads sysfs; used as given, not relative to the config file (a test hook). A new "
+        "one starts a fresh thermal monitor."),
+    Key("thermal_action", Choice("none", THERMAL_ACTIONS), Applied.LIVE,
+        "what throttling does: `none` only reports it; `shed` routes to half of each model's workers while "
+        "throttled."),
+    Key("thermal_max_c", Number(None, 1.0), Applied.LIVE,
+        "a zone at or above this temperature (°C) counts as throttling, besides rising throttle counters."),
+)
+# fmt: on
 
 
 def parse_config(text: str, base: Path) -> Config:
@@ -381,66 +515,10 @@ def parse_config(text: str, base: Path) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(["(file): must be a JSON object"])
     r = FieldReader()
-    r.check_keys(raw, "", _TOP_KEYS)
-    models_raw = raw.get("models")
-    models: dict[str, ModelConfig] = {}
-    if not isinstance(models_raw, dict) or not models_raw:
-        r.fail("models", "must be a non-empty object of model name -> model")
-    else:
-        for name, model_raw in models_raw.items():
-            model = _read_model(r, name, model_raw, base)
-            if model is not None:
-                models[name] = model
-    log_level = raw.get("log_level", "info")
-    if log_level not in LOG_LEVELS:
-        r.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-        log_level = "info"
-    thermal_action = raw.get("thermal_action", "none")
-    if thermal_action not in THERMAL_ACTIONS:
-        r.fail("thermal_action", f"must be one of {', '.join(THERMAL_ACTIONS)}, got {thermal_action!r}")
-        thermal_action = "none"
-    tcp = r.optional_string(raw, "tcp_endpoint", "")
-    curve = _read_curve(r, raw.get("curve"), base)
-    if tcp is not None:
-        match = _TCP_ENDPOINT.fullmatch(tcp)
-        if match is None or not 1 <= int(match["port"]) <= 65535:
-            r.fail("tcp_endpoint", f"must look like tcp://127.0.0.1:5555 (port 1-65535), got {tcp!r}")
-        elif not _is_loopback(match["host"]) and curve is None:
-            # Without CURVE anyone who can reach the port could send requests: off-box needs keys.
-            r.fail("tcp_endpoint", f"host {match['host']!r} is not loopback; that needs `curve` keys configured")
-    config = Config(
-        models=models,
-        runtime_dir=r.optional_string(raw, "runtime_dir", ""),
-        cache_dir=r.optional_string(raw, "cache_dir", ""),
-        log_level=log_level,
-        tcp_endpoint=tcp,
-        curve=curve,
-        oversubscribe=r.boolean(raw, "oversubscribe", "", False),
-        pin_supervisor=r.boolean(raw, "pin_supervisor", "", True),
-        # The kernel reads an s32 and treats 2,000,000,000 µs as "no limit".
-        cpu_latency_us=None
-        if raw.get("cpu_latency_us") is None
-        else r.integer(raw, "cpu_latency_us", "", 0, 0, 2_000_000_000),
-        # At most the loop's housekeeping interval (20 ms): a longer idle wait would delay heartbeats and deadlines.
-        keep_warm_ms=None if raw.get("keep_warm_ms") is None else r.integer(raw, "keep_warm_ms", "", 1, 1, 10),
-        heartbeat_interval_ms=r.integer(raw, "heartbeat_interval_ms", "", 500, 10, 60_000),
-        heartbeat_liveness=r.integer(raw, "heartbeat_liveness", "", 10, 2, 1000),
-        hang_factor=r.number(raw, "hang_factor", "", 20.0, 1.0),
-        hang_min_s=r.number(raw, "hang_min_s", "", 10.0, 0.1),
-        worker_start_timeout_s=r.number(raw, "worker_start_timeout_s", "", 300.0, 1.0),
-        shutdown_grace_s=r.number(raw, "shutdown_grace_s", "", 10.0, 0.0),
-        max_frame_bytes=r.integer(raw, "max_frame_bytes", "", DEFAULT_MAX_FRAME_BYTES, 1024, 2**40),
-        restart_window_s=r.number(raw, "restart_window_s", "", 60.0, 1.0),
-        max_restarts=r.integer(raw, "max_restarts", "", 5, 1, 1000),
-        monitor_interval_s=r.number(raw, "monitor_interval_s", "", 1.0, 0.05),
-        thermal_sysfs_root=r.optional_string(raw, "thermal_sysfs_root", "") or "/sys",
-        thermal_action=thermal_action,
-        thermal_max_c=r.optional_number(raw, "thermal_max_c", "", 1.0),
-        digest=hashlib.sha256(text.encode()).hexdigest()[:16],
-    )
+    values = read_object(r, TOP_KEYS, raw, "", base)
     if r.problems:
         raise ConfigError(r.problems)
-    return config
+    return Config(**values, digest=hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
 def load_config(path: Path) -> Config:

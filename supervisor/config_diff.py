@@ -1,47 +1,30 @@
-"""What a new config.json changes, sorted by how it is applied: live, by rolling restart, or not at all."""
+"""What a new config.json changes, sorted by how each key's declaration says it is applied."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from supervisor.config import Config, ModelConfig
+from supervisor.config import MODEL_KEYS, TOP_KEYS, Config, ModelConfig
+from supervisor.config_keys import Applied, Key
 
-#: Top-level keys the running daemon adopts at once.
-LIVE_KEYS = frozenset(
-    {"log_level", "hang_factor", "hang_min_s", "worker_start_timeout_s", "shutdown_grace_s", "restart_window_s",
-     "max_restarts", "monitor_interval_s", "thermal_sysfs_root", "thermal_action", "thermal_max_c", "pin_supervisor",
-     "cpu_latency_us", "keep_warm_ms"}
-)  # fmt: skip
-#: Top-level keys every worker was launched with: changing them restarts every model, rolling.
-WORKER_KEYS = frozenset({"heartbeat_interval_ms", "heartbeat_liveness", "cache_dir"})
-#: Top-level keys bound into sockets at start: they need a restart of the daemon itself.
-DAEMON_KEYS = frozenset({"runtime_dir", "tcp_endpoint", "curve", "max_frame_bytes", "oversubscribe"})
-#: Model keys the broker applies at once.
-MODEL_LIVE_KEYS = frozenset(
-    {"queue_size", "max_retries", "prefetch", "rollout", "max_age_s", "max_requests", "recycle_jitter", "rss_soft_mb",
-     "rss_hard_mb", "leak_mb_per_min", "leak_window_s", "drift_factor", "drift_window", "canary_interval_s",
-     "canary_tolerance"}
-)  # fmt: skip
-#: Model keys a worker is built from: changing one replaces that model's workers, one at a time.
-MODEL_ROLLING_KEYS = frozenset(
-    {
-        "source",
-        "inputs",
-        "outputs",
-        "threads",
-        "cores_per_worker",
-        "use_smt",
-        "warmup_iterations",
-        "max_memory_mb",
-        "profiles",
-        "pick",
-        "tolerance",
-        "channels_last",
-        "calibration",
-        "validation",
-    }
-)
-_IGNORED = frozenset({"models", "digest", "name", "workers"})
+#: The rules diff_configs has for each level; a key declared with another rule would be ignored on reload.
+_TOP_RULES = frozenset({Applied.LIVE, Applied.ROLLING, Applied.DAEMON_RESTART, Applied.PER_MODEL})
+_MODEL_RULES = frozenset({Applied.LIVE, Applied.ROLLING, Applied.SCALED})
+#: Fields that are not keys: the model's name is its key in `models`, the digest is computed from the text.
+_DERIVED = frozenset({"name", "digest"})
+
+
+def _names(keys: Sequence[Key], applied: Applied) -> frozenset[str]:
+    return frozenset(key.name for key in keys if key.applied is applied)
+
+
+_LIVE = _names(TOP_KEYS, Applied.LIVE)
+#: Every worker was launched with these: a change restarts every model, rolling.
+_WORKER = _names(TOP_KEYS, Applied.ROLLING)
+_DAEMON = _names(TOP_KEYS, Applied.DAEMON_RESTART)
+_MODEL_LIVE = _names(MODEL_KEYS, Applied.LIVE)
+_MODEL_ROLLING = _names(MODEL_KEYS, Applied.ROLLING)
 
 
 @dataclass
@@ -73,16 +56,16 @@ def _changed(old: object, new: object, names: frozenset[str]) -> list[str]:
 def diff_configs(old: Config, new: Config) -> ConfigDiff:
     """Classify every difference between two validated configs."""
     diff = ConfigDiff(
-        live=_changed(old, new, LIVE_KEYS),
-        needs_daemon_restart=_changed(old, new, DAEMON_KEYS),
+        live=_changed(old, new, _LIVE),
+        needs_daemon_restart=_changed(old, new, _DAEMON),
         added=sorted(set(new.models) - set(old.models)),
         removed=sorted(set(old.models) - set(new.models)),
     )
-    worker_keys = _changed(old, new, WORKER_KEYS)
+    worker_keys = _changed(old, new, _WORKER)
     for name in sorted(set(old.models) & set(new.models)):
         before, after = old.models[name], new.models[name]
-        live = _changed(before, after, MODEL_LIVE_KEYS)
-        rolling = _changed(before, after, MODEL_ROLLING_KEYS) + worker_keys
+        live = _changed(before, after, _MODEL_LIVE)
+        rolling = _changed(before, after, _MODEL_ROLLING) + worker_keys
         if live:
             diff.model_live[name] = live
         if rolling:
@@ -93,7 +76,10 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
 
 
 def unclassified_keys() -> set[str]:
-    """Config fields without a reload rule; a test keeps this empty so no key is silently ignored on reload."""
-    top = {f.name for f in fields(Config)} - _IGNORED - LIVE_KEYS - WORKER_KEYS - DAEMON_KEYS
-    model = {f.name for f in fields(ModelConfig)} - _IGNORED - MODEL_LIVE_KEYS - MODEL_ROLLING_KEYS
+    """Keys a reload could ignore: declared with a rule diff_configs lacks at their level, or fields undeclared."""
+    top = {key.name for key in TOP_KEYS if key.applied not in _TOP_RULES}
+    model = {key.name for key in MODEL_KEYS if key.applied not in _MODEL_RULES}
+    # A field no declaration reads (or a declaration without a field) would also fail every parse.
+    top |= ({f.name for f in fields(Config)} - _DERIVED) ^ {key.name for key in TOP_KEYS}
+    model |= ({f.name for f in fields(ModelConfig)} - _DERIVED) ^ {key.name for key in MODEL_KEYS}
     return top | model

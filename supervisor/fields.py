@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+#: Integers without a tighter upper bound stop here.
+INTEGER_LIMIT = 2**62
+
 
 def join_path(path: str, key: str) -> str:
     """`models.m` + `workers` -> `models.m.workers`; top-level keys have no prefix."""
@@ -24,10 +27,21 @@ class FieldReader:
         for key in sorted(set(obj) - allowed):
             self.fail(join_path(path, key), f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
-    def integer(self, obj: dict[str, Any], key: str, path: str, default: int, low: int, high: int = 2**62) -> int:
+    def integer(
+        self,
+        obj: dict[str, Any],
+        key: str,
+        path: str,
+        default: int,
+        low: int,
+        high: int = INTEGER_LIMIT,
+        why: str | None = None,
+    ) -> int:
+        """`why` replaces the problem text where the bounds alone would not say what the value means."""
         value = obj.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            self.fail(join_path(path, key), f"must be an integer in [{low}, {high}], got {value!r}")
+            text = why or f"must be an integer in [{low}, {high}]"
+            self.fail(join_path(path, key), f"{text}, got {value!r}")
             return default
         return value
 
@@ -63,8 +77,11 @@ class FieldReader:
         return self.integer(obj, key, path, low, low)
 
     def optional_string(self, obj: dict[str, Any], key: str, path: str) -> str | None:
-        value = obj.get(key)
+        return self.string_or_null(obj.get(key), join_path(path, key))
+
+    def string_or_null(self, value: Any, where: str) -> str | None:
+        """A value already taken out of its object (`where` is its whole path): a non-empty string, or None."""
         if value is not None and (not isinstance(value, str) or not value):
-            self.fail(join_path(path, key), f"must be a non-empty string or null, got {value!r}")
+            self.fail(where, f"must be a non-empty string or null, got {value!r}")
             return None
         return value

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_type_hints
 
 import numpy as np
 import pytest
@@ -13,7 +14,10 @@ import pytest
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
-from supervisor.config import Config, ConfigError, load_config, parse_config
+from supervisor import config_docs
+from supervisor.config import MODEL_KEYS, TOP_KEYS, Config, ConfigError, ModelConfig, load_config, parse_config
+from supervisor.config_diff import diff_configs, unclassified_keys
+from supervisor.config_keys import Applied, Choice, Custom, Flag, Fraction, Integer, Key, Number, Text
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG: Final = ROOT / "configs" / "default.json"
@@ -662,3 +666,128 @@ def test_optimisation_keys_are_read_and_checked(tmp_path: Path) -> None:
         parse_config(_text(_model(validation="wrong.npz")), tmp_path)
     assert any(p.startswith("models.m.validation: array 'x' is float32[4, 8]") for p in caught.value.problems)
     _assert_problem_at(_text(cache_dir=""), "cache_dir")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# declarations: the parser, the reload diff and the docs tables all follow them
+
+_DERIVED: Final = {"name", "digest"}
+_BY_LEVEL: Final = [(Config, TOP_KEYS), (ModelConfig, MODEL_KEYS)]
+
+
+@pytest.mark.parametrize(("cls", "keys"), _BY_LEVEL, ids=["top", "model"])
+def test_every_field_is_a_declared_key_of_the_same_type(cls: type, keys: tuple[Key, ...]) -> None:
+    """Each dataclass field but the derived ones is declared once, reading the type the field is annotated with."""
+    names = [key.name for key in keys]
+    assert len(names) == len(set(names))
+    assert set(names) == {f.name for f in fields(cls)} - _DERIVED
+    hints = get_type_hints(cls)
+    assert {key.name: key.value.value_type() for key in keys} == {name: hints[name] for name in names}
+
+
+def test_every_config_key_has_a_reload_rule() -> None:
+    """Each declared key is applied in a way the diff knows at its level, and no field lacks a declaration."""
+    assert unclassified_keys() == set()
+
+
+def test_docs_key_tables_match_the_declarations() -> None:
+    """docs/configuration.md shows the tables the declarations render (`python -m supervisor.config_docs --write`)."""
+    text = config_docs.DOCS.read_text()
+    assert config_docs.render(text) == text, f"the docs tables are stale: run `{config_docs.COMMAND}`"
+    assert config_docs.main([]) == 0
+
+
+def test_docs_without_the_generated_blocks_are_refused() -> None:
+    """Rendering text that lacks a generated block is an error, not a silent no-op."""
+    with pytest.raises(ValueError, match="generated blocks"):
+        config_docs.render("# config.json\n")
+
+
+def _explicit(key: Key, value: object) -> str:
+    """Config JSON with the valid model and `key` (top level or model, by where it is declared) set to `value`."""
+    if key in MODEL_KEYS:
+        return _text(_model(**{key.name: value}))
+    return _top(key.name, value)
+
+
+def _field(config: Config, key: Key) -> object:
+    """The parsed value of `key` from `config` (of model m for a model key)."""
+    return getattr(config.models["m"] if key in MODEL_KEYS else config, key.name)
+
+
+_OPTIONAL: Final = [key for key in TOP_KEYS + MODEL_KEYS if not (isinstance(key.value, Custom) and key.value.required)]
+
+
+@pytest.mark.parametrize("key", _OPTIONAL, ids=lambda key: key.name)
+def test_the_declared_default_is_what_an_absent_key_reads_as(key: Key) -> None:
+    """Writing out a key's documented default parses exactly as leaving the key out."""
+    absent = _parse(_text())
+    default = json.loads(key.value.default_text().strip("`"))
+    assert _field(_parse(_explicit(key, default)), key) == _field(absent, key)
+
+
+def _another(key: Key, folder: Path) -> object:
+    """A valid JSON value for `key` other than its default (files it names are made in `folder`)."""
+    value = key.value
+    if isinstance(value, Integer):
+        if value.default is None:
+            return value.low
+        return value.default + 1 if value.default < value.high else value.low
+    if isinstance(value, Number):
+        return value.low if value.default is None else value.default + 1
+    if isinstance(value, Fraction):
+        return value.default / 2
+    if isinstance(value, Flag):
+        return not value.default
+    if isinstance(value, Choice):
+        return next(choice for choice in value.choices if choice != value.default)
+    if isinstance(value, Text):
+        return "/elsewhere"
+    np.savez(folder / "samples.npz", x=np.zeros((4, 16), np.float32))
+    (folder / "server.key_secret").write_text("")
+    (folder / "clients").mkdir(exist_ok=True)
+    custom: dict[str, object] = {
+        "source": {"builtin": "tiny"},
+        "inputs": [{**TINY_INPUT, "allow_non_finite": True}],
+        "outputs": ["y"],
+        "profiles": ["jit", "eager"],
+        "calibration": "samples.npz",
+        "validation": "samples.npz",
+        "tolerance": {"min_cosine": 0.9},
+        "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
+        "tcp_endpoint": "tcp://127.0.0.1:5555",
+    }
+    return custom[key.name]
+
+
+def _expected_diff(key: Key) -> dict[str, object]:
+    """What diff_configs should report when only `key` changed, from its declaration."""
+    if key in MODEL_KEYS:
+        return {
+            Applied.LIVE: {"model_live": {"m": [key.name]}},
+            Applied.ROLLING: {"rolling": {"m": [key.name]}},
+            Applied.SCALED: {"scaled": {"m": (1, 2)}},
+        }[key.applied]
+    return {
+        Applied.LIVE: {"live": [key.name]},
+        Applied.ROLLING: {"rolling": {"m": [key.name]}},
+        Applied.DAEMON_RESTART: {"needs_daemon_restart": [key.name]},
+    }[key.applied]
+
+
+@pytest.mark.parametrize("key", [k for k in TOP_KEYS + MODEL_KEYS if k.name != "models"], ids=lambda key: key.name)
+def test_a_change_of_one_key_is_classified_as_declared(key: Key, tmp_path: Path) -> None:
+    """diff_configs puts a change of any one key where its declaration's `applied` says, and nowhere else."""
+    before = parse_config(_text(), tmp_path)
+    after = parse_config(_explicit(key, _another(key, tmp_path)), tmp_path)
+    assert _field(before, key) != _field(after, key)
+    assert diff_configs(before, after).summary() == _expected_diff(key)
+
+
+def test_models_added_and_removed_are_reported_by_name() -> None:
+    """A model entry that appears or disappears is `added` or `removed`; the kept one is unchanged."""
+    one = _parse(_text())
+    two = _parse(json.dumps({"models": {"m": _model(), "n": _model()}}))
+    assert diff_configs(one, two).summary() == {"added": ["n"]}
+    assert diff_configs(two, one).summary() == {"removed": ["n"]}
+    assert diff_configs(one, one).empty
