@@ -45,7 +45,7 @@ NATIVE_BF16 = CpuNeed(
 
 @dataclass(frozen=True, kw_only=True)
 class Profile:
-    """One optimisation profile: its name (part of the config contract) and all the supervisor side knows of it."""
+    """One optimisation profile: its name (part of the config contract) and what both sides know of it."""
 
     name: str
     #: One line: what the worker does to the loaded module.
