@@ -8,8 +8,6 @@ from typing import Any
 
 from protocol.tensors import TensorSpec
 
-#: Profiles a worker can build, in the order of the seed's stack (names are part of the config contract).
-PROFILE_NAMES = ("eager", "jit", "jit_onednn", "compile", "aoti", "int8_static", "int8_dynamic", "bf16")
 #: How a worker chooses among the profiles of its chain that meet the tolerance.
 PICK_MODES = ("first", "fastest")
 
@@ -42,6 +40,7 @@ class LaunchSpec:
     stats_interval_ms: int = 2000
     max_frame_bytes: int = 256 * 1024 * 1024
     max_memory_mb: int | None = None
+    #: The chain of profile names, each declared in common/profiles.py (config validation checks them).
     profiles: tuple[str, ...] = ("eager",)
     #: first: the first profile of the chain that passes serves; fastest: every one is tried and timed.
     pick: str = "first"

@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from protocol.launch import PROFILE_NAMES
+from common.profiles import PROFILE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

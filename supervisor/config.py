@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.profiles import PROFILE_NAMES
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
-from protocol.launch import PICK_MODES, PROFILE_NAMES, ModelSource
+from protocol.launch import PICK_MODES, ModelSource
 from protocol.tensors import TensorSpec
 from supervisor.config_keys import (
     Applied,

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol.launch import PROFILE_NAMES, LaunchSpec, ModelSource
+from common.cpuinfo import read_caps
+from common.profiles import PROFILE_NAMES, PROFILES, cpu_refusal
+from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
 
 #: Input specs of the built-ins (dynamic batch), as a config would declare them.
@@ -64,12 +66,11 @@ def launch_of(args: argparse.Namespace) -> LaunchSpec:
 def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[str, Any]:
     """Build one profile on a fresh model, check it against eager, time it at batch 1 and --batch."""
     import psutil
-    import torch
 
-    from worker.cpu_caps import read_caps
     from worker.loader import load_model
     from worker.profiles.build import ProfileError, build_profile
     from worker.profiles.calibration import load_calibration
+    from worker.profiles.flags import reset_global_flags
     from worker.profiles.select import golden_cases
     from worker.profiles.validate import compare
     from worker.runner import ModelRunner
@@ -77,7 +78,7 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
 
     launch = LaunchSpec.from_json(json.dumps({**json.loads(launch.to_json()), "profiles": [profile]}))
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
-    refusal = read_caps().refusal(profile)
+    refusal = cpu_refusal(profile, read_caps())
     if refusal is not None:
         return {"profile": profile, "skipped": refusal}
     validation = load_calibration(Path(launch.validation), launch.inputs) if launch.validation else None
@@ -102,7 +103,7 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
     single = _timed(lambda: runner.forward(one), args.seconds)
     runner.forward(many)  # a dynamic-shape graph may specialise on its first batch of this size
     batched = _timed(lambda: runner.forward(many), args.seconds)
-    torch.jit.enable_onednn_fusion(False)
+    reset_global_flags()
     return {
         "profile": profile,
         "build_s": round(build_s, 2),
@@ -128,7 +129,12 @@ def main() -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", choices=sorted(BUILTIN_SPECS))
     source.add_argument("--launch", help="a worker LaunchSpec as JSON (any model source)")
-    parser.add_argument("--profiles", default=",".join(PROFILE_NAMES))
+    parser.add_argument(
+        "--profiles",
+        default=",".join(PROFILE_NAMES),
+        help="comma-separated, measured in this order: "
+        + "; ".join(f"{p.name}: {p.summary}" for p in PROFILES.values()),
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)

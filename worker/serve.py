@@ -14,6 +14,8 @@ import psutil
 import structlog
 import torch
 
+from common.cpuinfo import read_caps
+from common.profiles import PROFILES
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
 from protocol.client_messages import encode_outputs, encode_timing
@@ -22,9 +24,8 @@ from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
-from worker.cpu_caps import read_caps
 from worker.loader import ModelLoadError, default_output_names, load_model
-from worker.profiles.build import PACKAGED, BuildContext
+from worker.profiles.build import BuildContext
 from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
@@ -279,7 +280,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
     if launch.channels_last:
         example = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in example)
     # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is cached under the digest.
-    cached = launch.pick == "fastest" or any(p in PACKAGED for p in launch.profiles)
+    cached = launch.pick == "fastest" or any(PROFILES[p].packaged for p in launch.profiles if p in PROFILES)
     return BuildContext(
         module=runner.module,
         example=example,

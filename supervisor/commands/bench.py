@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.profiles import REFERENCE_PROFILE
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from supervisor.cache_dir import resolve_cache_dir
@@ -163,7 +164,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"skipping {threads} threads: only {allowed} CPUs are allowed here", file=sys.stderr)
                 continue
             spec, measured = in_process(model, threads, args, cache_dir)
-            eager = next((r["p50_ms"] for r in measured if r["profile"] == "eager" and "p50_ms" in r), None)
+            eager = next((r["p50_ms"] for r in measured if r["profile"] == REFERENCE_PROFILE and "p50_ms" in r), None)
             for row in measured:
                 row.update(model=model, threads=threads)
                 if "p50_ms" not in row:

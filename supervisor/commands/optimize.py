@@ -12,14 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.profiles import PROFILES, REFERENCE_PROFILE
 from protocol.launch import LaunchSpec
 from supervisor.cache_dir import resolve_cache_dir
 from supervisor.config import ConfigError, ModelConfig, load_config
 from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
-from supervisor.toolkit.optimize import RISKS, Verdict, chain_of, judge, rank, rewrite, within_budget
-
-#: Profiles whose first start compiles: their restart (cached) cold start is measured by a second child.
-_PACKAGED = ("aoti", "int8_static", "int8_dynamic")
+from supervisor.toolkit.optimize import Verdict, chain_of, judge, rank, rewrite, within_budget
 
 
 def _launch(model: ModelConfig, args: argparse.Namespace, cache_dir: Path) -> LaunchSpec:
@@ -50,15 +48,17 @@ def _child(launch: LaunchSpec, profile: str, args: argparse.Namespace, cache_dir
 
 
 def measure_all(model: ModelConfig, args: argparse.Namespace, cache_dir: Path) -> list[dict[str, Any]]:
-    """Every requested profile, each in its own process (cached ones twice: first start and restart)."""
+    """Every requested profile, each in its own process (packaged ones twice: first start and restart)."""
     launch = _launch(model, args, cache_dir)
     rows = []
     for profile in args.profiles.split(","):
+        declared = PROFILES.get(profile)
         row = _child(launch, profile, args, cache_dir)
-        if profile in _PACKAGED and "p50_ms" in row:
+        if declared is not None and declared.packaged and "p50_ms" in row:
+            # The first start compiled the package; a second child measures the restart that loads it.
             again = _child(launch, profile, args, cache_dir)
             row["restart_s"] = again.get("cold_start_s")
-        row["risk"] = RISKS.get(profile, "")
+        row["risk"] = declared.risk if declared is not None else ""
         rows.append(row)
         print(f"measured {profile}: " + (f"p50 {row['p50_ms']:.2f} ms" if "p50_ms" in row else row["skipped"][:120]),
               file=sys.stderr, flush=True)  # fmt: skip
@@ -67,7 +67,7 @@ def measure_all(model: ModelConfig, args: argparse.Namespace, cache_dir: Path) -
 
 def format_report(rows: list[dict[str, Any]], budget: Accuracy, verdict: Verdict, workers: int) -> str:
     """The ranked table, then the verdict."""
-    eager = next((r for r in rows if r["profile"] == "eager" and "p50_ms" in r), None)
+    eager = next((r for r in rows if r["profile"] == REFERENCE_PROFILE and "p50_ms" in r), None)
     lines = [
         f"{'profile':<12} {'budget':<6} {'cosine':>8} {'max err':>8} {'p50 ms':>8} {'p99 ms':>8} {'Δp50':>7} "
         f"{'QPS':>8} {'RSS MB':>7} {'ΔRSS':>6} {'first s':>7} {'restart':>7}  risk / why not"

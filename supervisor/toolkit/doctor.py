@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.cpuinfo import parse_cpuinfo
+from common.profiles import cpu_refusal
 from supervisor.config import Config
 from supervisor.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
 from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from supervisor.toolkit.constraints import Constraints
 from supervisor.topology import TopologyError, read_topology
-from worker.cpu_caps import parse_cpuinfo
 
 #: What the supervisor itself and one idle worker's interpreter, torch and pools take before the model.
 SUPERVISOR_MB = 60
@@ -83,7 +84,7 @@ def check_instruction_set(config: Config, constraints: Constraints | None, machi
     """The CPU's tier against every profile the config's chains name."""
     caps = parse_cpuinfo(_read(machine.proc / "cpuinfo") or "")
     refused = sorted(
-        {f"{p} ({caps.refusal(p)})" for m in config.models.values() for p in m.profiles if caps.refusal(p)}
+        {f"{p} ({cpu_refusal(p, caps)})" for m in config.models.values() for p in m.profiles if cpu_refusal(p, caps)}
     )
     where = f"{caps.model_name}, tier {caps.tier}, flags {' '.join(sorted(caps.flags)) or 'none'}"
     caches = cache_sizes(machine)

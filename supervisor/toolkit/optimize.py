@@ -10,19 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.profiles import REFERENCE_PROFILE
 from supervisor.toolkit.constraints import Accuracy, Sla
-
-#: What each profile risks, beside its measured numbers.
-RISKS: dict[str, str] = {
-    "eager": "none: the reference",
-    "jit": "TorchScript is deprecated; tracing bakes in Python control flow (checked at batch 1 and N)",
-    "jit_onednn": "as jit; the oneDNN fusion flag is process-wide",
-    "compile": "compiles at every start; a new input shape recompiles while serving",
-    "aoti": "the first start compiles (cached after); export refuses data-dependent control flow",
-    "int8_static": "accuracy rests on the calibration set",
-    "int8_dynamic": "activations quantized per call: accuracy varies with input range",
-    "bf16": "reduced precision (8-bit mantissa)",
-}
 
 
 @dataclass(frozen=True)
@@ -74,8 +63,8 @@ def judge(ranked: list[dict[str, Any]], sla: Sla, workers: int) -> Verdict:
 
 def chain_of(ranked: list[dict[str, Any]]) -> list[str]:
     """The fallback chain to serve: every profile inside the budget, fastest first, eager last."""
-    chain = [r["profile"] for r in ranked if r["profile"] != "eager"]
-    return [*chain, "eager"]
+    chain = [r["profile"] for r in ranked if r["profile"] != REFERENCE_PROFILE]
+    return [*chain, REFERENCE_PROFILE]
 
 
 def rewrite(text: str, model: str, changes: dict[str, Any]) -> tuple[str, str]:

@@ -1,28 +1,29 @@
 """Builds one profile of a model: the named transformation that turns the loaded module into what serves.
 
-eager (as loaded), jit (trace/script + freeze + optimize_for_inference), jit_onednn (frozen + oneDNN
-fusion), compile (torch.compile, inductor, freezing), aoti (torch.export + AOTInductor package),
-int8_static / int8_dynamic (PT2E with X86InductorQuantizer, then an AOTInductor package) and bf16
-(autocast). Packages are cached on disk; see cache.py.
+Each profile declared in common/profiles.py has exactly one builder here, registered with
+`@builds(name)`: eager (as loaded), jit (trace/script + freeze + optimize_for_inference), jit_onednn
+(frozen + oneDNN fusion), compile (torch.compile, inductor, freezing), aoti (torch.export +
+AOTInductor package), int8_static / int8_dynamic (PT2E with X86InductorQuantizer, then an
+AOTInductor package) and bf16 (autocast). Packages are cached on disk; see cache.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from protocol.launch import PROFILE_NAMES as PROFILES
+from common.profiles import PROFILE_NAMES, PROFILES
 from protocol.tensors import TensorSpec
 from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
 from worker.profiles.calibration import Inputs, load_calibration, random_calibration
 from worker.profiles.export import ExportError, ShapeDispatch, compile_package, export, load_package, quantize
-
-#: Profiles whose build product is an AOTInductor package, cached between restarts.
-PACKAGED = ("aoti", "int8_static", "int8_dynamic")
+from worker.profiles.flags import apply_global_flags
 
 
 class ProfileError(Exception):
@@ -51,6 +52,36 @@ class Built:
 
     callable: Callable[..., Any]
     notes: list[str] = field(default_factory=list)
+
+
+Builder = Callable[[BuildContext], Built]
+_BUILDERS: dict[str, Builder] = {}
+#: The builder of every declared profile, by name (a test checks the two tables name the same profiles).
+BUILDERS: Mapping[str, Builder] = MappingProxyType(_BUILDERS)
+
+
+def builds(name: str) -> Callable[[Builder], Builder]:
+    """Register the decorated function as the one builder of the profile declared as `name`."""
+    if name not in PROFILES:
+        raise LookupError(f"profile {name!r} has a builder but no declaration in common/profiles.py")
+    if name in _BUILDERS:
+        raise LookupError(f"profile {name!r} has two builders")
+
+    def register(builder: Builder) -> Builder:
+        _BUILDERS[name] = builder
+        return builder
+
+    return register
+
+
+class _Quantization(enum.Enum):
+    """How a packaged profile quantizes the exported program before compiling it."""
+
+    NONE = "none"
+    #: Activation ranges observed on a calibration set.
+    STATIC = "static"
+    #: Activations quantized per call.
+    DYNAMIC = "dynamic"
 
 
 def _frozen_script(module: Any, example: Inputs, optimize: bool) -> Any:
@@ -85,7 +116,7 @@ def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inpu
     return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
 
 
-def _packaged(name: str, context: BuildContext) -> Built:
+def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> Built:
     """Export (and quantize) the module into AOTInductor packages, or load the cached ones.
 
     With a dynamic dim in the spec there are two packages: one compiled for exactly the example's
@@ -95,7 +126,7 @@ def _packaged(name: str, context: BuildContext) -> Built:
     notes: list[str] = []
     calibration: list[Inputs] = []
     calibration_id = ""
-    if name == "int8_static":
+    if quantization is _Quantization.STATIC:
         calibration, calibration_id = _calibration_set(context, notes)
     if context.cache is None:
         raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
@@ -111,10 +142,11 @@ def _packaged(name: str, context: BuildContext) -> Built:
 
         def build(path: Path) -> None:
             program = export(context.module, context.example, specs)
-            if name == "aoti":
+            if quantization is _Quantization.NONE:
                 compile_package(program, context.example, specs, path)
                 return
-            quantized = quantize(program, calibration or [context.example], dynamic=name == "int8_dynamic")
+            dynamic = quantization is _Quantization.DYNAMIC
+            quantized = quantize(program, calibration or [context.example], dynamic=dynamic)
             compile_package(quantized, context.example, specs, path)
 
         path = cache.path_for(name, key)
@@ -129,23 +161,56 @@ def _packaged(name: str, context: BuildContext) -> Built:
     return Built(ShapeDispatch(static, [tuple(t.shape) for t in context.example], dynamic, context.specs), notes)
 
 
+@builds("eager")
+def _eager(context: BuildContext) -> Built:
+    return Built(context.module)
+
+
+@builds("jit")
+def _jit(context: BuildContext) -> Built:
+    return Built(_frozen_script(context.module, context.example, optimize=True))
+
+
+@builds("jit_onednn")
+def _jit_onednn(context: BuildContext) -> Built:
+    return Built(_frozen_script(context.module, context.example, optimize=False))
+
+
+@builds("compile")
+def _compile(context: BuildContext) -> Built:
+    # Compiled lazily: the selection's first golden run pays for it (inductor's on-disk
+    # cache, kept under cache_dir, makes a restart's compile shorter but not free).
+    return Built(torch.compile(context.module, backend="inductor", options={"freezing": True}))
+
+
+@builds("aoti")
+def _aoti(context: BuildContext) -> Built:
+    return _packaged("aoti", context, _Quantization.NONE)
+
+
+@builds("int8_static")
+def _int8_static(context: BuildContext) -> Built:
+    return _packaged("int8_static", context, _Quantization.STATIC)
+
+
+@builds("int8_dynamic")
+def _int8_dynamic(context: BuildContext) -> Built:
+    return _packaged("int8_dynamic", context, _Quantization.DYNAMIC)
+
+
+@builds("bf16")
+def _bf16(context: BuildContext) -> Built:
+    return Built(_autocast_bf16(context.module))
+
+
 def build_profile(name: str, context: BuildContext) -> Built:
-    """What serves `name`; ProfileError when it cannot be built."""
-    torch.jit.enable_onednn_fusion(name == "jit_onednn")
-    if name not in PROFILES:
-        raise ProfileError(f"profile {name!r} is not implemented; available: {', '.join(PROFILES)}")
+    """What serves `name`, built with the profile's global flags switched; ProfileError when it cannot be built."""
+    apply_global_flags(name)
+    builder = BUILDERS.get(name)
+    if builder is None:
+        raise ProfileError(f"profile {name!r} is not implemented; available: {', '.join(PROFILE_NAMES)}")
     try:
-        if name == "eager":
-            return Built(context.module)
-        if name == "bf16":
-            return Built(_autocast_bf16(context.module))
-        if name == "compile":
-            # Compiled lazily: the selection's first golden run pays for it (inductor's on-disk
-            # cache, kept under cache_dir, makes a restart's compile shorter but not free).
-            return Built(torch.compile(context.module, backend="inductor", options={"freezing": True}))
-        if name in PACKAGED:
-            return _packaged(name, context)
-        return Built(_frozen_script(context.module, context.example, optimize=name == "jit"))
+        return builder(context)
     except ProfileError:
         raise
     except Exception as exc:  # noqa: BLE001 - building from a user model can fail in many ways; each is a skip reason

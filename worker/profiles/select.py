@@ -21,9 +21,11 @@ from typing import Any
 import structlog
 import torch
 
-from worker.cpu_caps import CpuCaps
+from common.cpuinfo import CpuCaps
+from common.profiles import REFERENCE_PROFILE, cpu_refusal
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
+from worker.profiles.flags import apply_global_flags, reset_global_flags
 from worker.profiles.validate import Tolerance, compare
 from worker.runner import ModelRunner
 
@@ -107,7 +109,7 @@ class _Trial:
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
-        refusal = self.caps.refusal(name)
+        refusal = cpu_refusal(name, self.caps)
         if refusal is not None:
             return refusal
         started = time.perf_counter()
@@ -133,19 +135,19 @@ class _Trial:
     def time(self, candidate: _Candidate) -> float:
         """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
         self.runner.module = candidate.built.callable
-        torch.jit.enable_onednn_fusion(candidate.name == "jit_onednn")
+        apply_global_flags(candidate.name)
         golden = self.cases[0]
         return _median_ms(lambda: self.runner.forward(golden))
 
     def reset(self) -> None:
-        """Back to eager, with the process-wide oneDNN fusion flag off."""
+        """Back to eager, with every process-wide flag a profile switches off."""
         self.runner.module = self.eager
-        torch.jit.enable_onednn_fusion(False)
+        reset_global_flags()
 
     def install(self, candidate: _Candidate) -> None:
         """Serve the candidate."""
         self.runner.module = candidate.built.callable
-        torch.jit.enable_onednn_fusion(candidate.name == "jit_onednn")
+        apply_global_flags(candidate.name)
 
 
 def _decision_path(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
@@ -195,10 +197,10 @@ def select_profile(
 
 def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Selection:
     trial.reset()
-    if "eager" not in chain:
-        skipped.append("eager: last resort, no profile in the chain passed")
+    if REFERENCE_PROFILE not in chain:
+        skipped.append(f"{REFERENCE_PROFILE}: last resort, no profile in the chain passed")
     log.warning("profile_fallback_to_eager", skipped=skipped)
-    return Selection("eager", skipped)
+    return Selection(REFERENCE_PROFILE, skipped)
 
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:

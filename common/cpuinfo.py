@@ -1,11 +1,11 @@
-"""What this CPU can do, from /proc/cpuinfo (no torch), and which profiles that makes worth trying (seed 1, 2.3)."""
+"""What this CPU can do, read from /proc/cpuinfo without torch: the flags the profile strategy and doctor look at."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Flags that decide the strategy.
+#: Flags that decide the strategy (a flag not listed here is dropped by the parser, so a profile needing it is refused).
 WATCHED_FLAGS = (
     "sse4_2", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
 )  # fmt: skip
@@ -20,22 +20,11 @@ class CpuCaps:
 
     @property
     def tier(self) -> str:
-        """amx, avx512, avx2 or sse4_2 (or baseline): the instruction-set layer of the seed's stack."""
+        """amx, avx512, avx2 or sse4_2 (or baseline): the instruction-set layer of the CPU acceleration stack."""
         for tier, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"), ("sse4_2", "sse4_2")):
             if flag in self.flags:
                 return tier
         return "baseline"
-
-    def refusal(self, profile: str) -> str | None:
-        """Why `profile` is not worth trying here, or None when it is."""
-        if profile == "eager":
-            return None
-        if "avx2" not in self.flags and "avx512f" not in self.flags:
-            # Without AVX2 the oneDNN kernels behind jit/compile/int8 fall back to slow paths: tuned eager only.
-            return f"cpu tier {self.tier}: no AVX2, so only eager fp32 is worth running"
-        if profile == "bf16" and not {"amx_bf16", "avx512_bf16"} & self.flags:
-            return "no AMX or avx512_bf16: bf16 runs slower than fp32 (measured 3x on AVX-512)"
-        return None
 
 
 def parse_cpuinfo(text: str) -> CpuCaps:

@@ -1,0 +1,78 @@
+"""The package layering declared as import-linter contracts in pyproject.toml holds, and the check catches a breach."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protocol", "common", "supervisor", "worker")
+#: import-linter's own command line, run by this interpreter so the venv's import-linter and grimp are used.
+LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """Run the contracts of `root`/pyproject.toml on the packages under `root` (a fresh process: grimp finds
+    packages through the import system, and this one has the repository's already imported)."""
+    return subprocess.run(
+        [sys.executable, "-c", LINT_IMPORTS, "--no-cache", "--no-logo"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+    )
+
+
+def copy_of_the_tree(destination: Path) -> Path:
+    """The four packages and pyproject.toml, copied so one module can be broken without touching the repository."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, destination / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", destination / "pyproject.toml")
+    return destination
+
+
+def add_line_after_future_import(module: Path, line: str) -> None:
+    """Put `line` right after the module's `from __future__` import, where a real import would go."""
+    text = module.read_text()
+    anchor = "from __future__ import annotations\n"
+    if anchor not in text:
+        raise ValueError(f"{module} has no `from __future__ import annotations` line")
+    module.write_text(text.replace(anchor, anchor + line + "\n", 1))
+
+
+def test_the_packages_keep_their_layering() -> None:
+    """protocol, common, supervisor and worker import only what the contracts allow, lazy imports included."""
+    done = lint_imports(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Contracts: 4 kept, 0 broken." in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "offence"),
+    [
+        ("supervisor/commands/serve.py", "import worker", "supervisor.commands.serve -> worker"),
+        (
+            "supervisor/toolkit/doctor.py",
+            "def _probe() -> object:\n    import torch\n\n    return torch",
+            "supervisor.toolkit.doctor -> torch",
+        ),
+        ("protocol/launch.py", "import common.profiles", "protocol.launch -> common.profiles"),
+    ],
+)
+def test_a_forbidden_import_breaks_the_layering_and_is_named(
+    tmp_path: Path, module: str, line: str, offence: str
+) -> None:
+    """One forbidden import added to a copy of the tree (a lazy one too) fails the check, which names the import."""
+    tree = copy_of_the_tree(tmp_path)
+    add_line_after_future_import(tree / module, line)
+    done = lint_imports(tree)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert offence in done.stdout, done.stdout
+    assert "Contracts: 3 kept, 1 broken." in done.stdout
