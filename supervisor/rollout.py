@@ -1,20 +1,22 @@
-"""Rolling restarts: replace workers one at a time, each replacement readiness-gated, the old one drained."""
+"""Rolling restarts: replace workers one at a time, each replacement readiness-gated, the old one drained.
+
+The rollout decides the order of a replacement's steps; the pool that hosts it performs them (it
+alone creates, spawns, retires and moves slots), through the `RolloutHost` calls below.
+"""
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from supervisor.config import ModelConfig
 from supervisor.planner import Assignment
 from supervisor.slot import SlotState, WorkerSlot
-
-if TYPE_CHECKING:
-    from supervisor.arbiter import Arbiter
 
 log = structlog.get_logger("supervisor")
 
@@ -32,6 +34,31 @@ class Replacement:
     #: Drain-first only: where in the pool the replacement goes, and that it went straight there.
     index: int = 0
     in_pool: bool = False
+
+
+class RolloutHost(Protocol):
+    """The pool's operations a rollout step needs."""
+
+    def members_of(self, model: str) -> Sequence[WorkerSlot] | None:
+        """The slots a model routes to, or None once the model left the config."""
+
+    def model_config(self, model: str) -> ModelConfig | None:
+        """The model as configured now."""
+
+    def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:
+        """Spawn a new slot beside the pool (surge): alive, but not routed to yet."""
+
+    def take_out(self, slot: WorkerSlot, reason: str) -> int:
+        """Remove a slot from its pool and retire it; returns where it was."""
+
+    def put_in(self, model: ModelConfig, assignment: Assignment, index: int) -> WorkerSlot:
+        """Spawn a new slot in the pool at `index` (drain-first)."""
+
+    def swap_in(self, old: WorkerSlot, successor: WorkerSlot, reason: str) -> bool:
+        """Route to `successor` in `old`'s place and retire `old`; False when `old` left the pool meanwhile."""
+
+    def abandon(self, successor: WorkerSlot, reason: str) -> None:
+        """Give up on a successor that is not in the pool."""
 
 
 class Rollout:
@@ -66,80 +93,73 @@ class Rollout:
         """Replacements not finished yet, the running one included."""
         return len(self.queue) + (self.current is not None)
 
-    def advance(self, arbiter: Arbiter) -> None:
+    @property
+    def mid_drain(self) -> bool:
+        """A drain-first step took a worker out of its pool and has not put the replacement in yet."""
+        return self.current is not None and self.current.successor is None
+
+    @property
+    def successor(self) -> WorkerSlot | None:
+        """The replacement being warmed up now, if any."""
+        return self.current.successor if self.current is not None else None
+
+    def advance(self, host: RolloutHost) -> None:
         """Start the next replacement, settle a ready successor, or give up on a failed one."""
         if self.current is None:
             while self.queue and self.current is None:
                 self.current = self.queue.popleft()
-                if not self.start(arbiter, self.current):
+                if not self.start(host, self.current):
                     self.current = None
             return
         replacement = self.current
         successor = replacement.successor
         if successor is None:  # drain-first: waiting for the old worker to go
-            self.after_drain(arbiter, replacement)
-        elif replacement.in_pool and successor not in arbiter.slots.get(replacement.model.name, []):
+            self.after_drain(host, replacement)
+        elif replacement.in_pool and successor not in (host.members_of(replacement.model.name) or ()):
             self.current = None  # a scale-down or removal took the slot away: nothing left to replace
         elif successor.state is SlotState.SERVING:
-            self.promote(arbiter, replacement, successor)
+            self.promote(host, replacement, successor)
         elif successor.state in (SlotState.BACKOFF, SlotState.FAILED, SlotState.STOPPED):
-            self.fail(arbiter, replacement, successor)
+            self.fail(host, replacement, successor)
 
-    def start(self, arbiter: Arbiter, replacement: Replacement) -> bool:
+    def start(self, host: RolloutHost, replacement: Replacement) -> bool:
         """Surge: spawn the successor beside the old worker. Drain-first: take the old one out of service first.
 
         Returns False when there is nothing to replace any more (the worker was scaled away or its model removed).
         """
         name = replacement.old.model.name
-        pool = arbiter.slots.get(name)
-        if pool is None or replacement.old not in pool or name not in arbiter.config.models:
+        pool = host.members_of(name)
+        model = host.model_config(name)
+        if pool is None or replacement.old not in pool or model is None:
             return False
         # The model as configured now: a restart queued before a live change must not bring old values back.
-        replacement.model = arbiter.config.models[name]
+        replacement.model = model
         replacement.started_at = time.monotonic()
-        if replacement.model.rollout == "drain_first":
-            replacement.index = pool.index(replacement.old)
-            pool.remove(replacement.old)
-            log.info(
-                "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy="drain_first"
-            )
-            arbiter.retire(replacement.old, f"replaced, drain first ({replacement.reason})")
-            return True
-        successor = WorkerSlot(replacement.model, replacement.assignment)
-        replacement.successor = successor
-        arbiter.extra.append(successor)
+        strategy = replacement.model.rollout
         log.info(
-            "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy="surge",
+            "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy=strategy,
             queued=len(self.queue),
         )  # fmt: skip
-        arbiter.spawn(successor)
+        if strategy == "drain_first":
+            replacement.index = host.take_out(replacement.old, f"replaced, drain first ({replacement.reason})")
+            return True
+        replacement.successor = host.start_successor(replacement.model, replacement.assignment)
         return True
 
-    def after_drain(self, arbiter: Arbiter, replacement: Replacement) -> None:
+    def after_drain(self, host: RolloutHost, replacement: Replacement) -> None:
         """Drain-first: once the old worker is gone, its replacement takes the slot and warms up in the pool."""
         if replacement.old.state is not SlotState.STOPPED:
             return
-        pool = arbiter.slots.get(replacement.model.name)
-        if pool is None:  # the model was removed meanwhile: nothing to bring back
+        if host.members_of(replacement.model.name) is None:  # the model was removed meanwhile
             self.current = None
             return
-        successor = WorkerSlot(replacement.model, replacement.assignment)
-        replacement.successor = successor
+        replacement.successor = host.put_in(replacement.model, replacement.assignment, replacement.index)
         replacement.in_pool = True
-        pool.insert(min(replacement.index, len(pool)), successor)
-        arbiter.spawn(successor)
 
-    def promote(self, arbiter: Arbiter, replacement: Replacement, successor: WorkerSlot) -> None:
+    def promote(self, host: RolloutHost, replacement: Replacement, successor: WorkerSlot) -> None:
         """Move traffic to the successor (surge) and drain the old worker; the step is done."""
-        if not replacement.in_pool:
-            pool = arbiter.slots.get(replacement.model.name, [])
-            arbiter.extra.remove(successor)
-            if replacement.old in pool:
-                pool[pool.index(replacement.old)] = successor
-                arbiter.retire(replacement.old, f"replaced ({replacement.reason})")
-            else:  # the old slot went away meanwhile (scaled down); the successor is not needed
-                arbiter.extra.append(successor)
-                arbiter.retire(successor, "its slot was removed during the rollout")
+        if not replacement.in_pool and not host.swap_in(replacement.old, successor, replacement.reason):
+            host.abandon(successor, "its slot was removed during the rollout")
         # Later replacements asked for the old worker now mean its successor.
         for queued in self.queue:
             if queued.old is replacement.old:
@@ -153,9 +173,8 @@ class Rollout:
             took_s=round(time.monotonic() - replacement.started_at, 3),
             queued=len(self.queue),
         )
-        arbiter.broker.dispatch(replacement.model.name)
 
-    def fail(self, arbiter: Arbiter, replacement: Replacement, successor: WorkerSlot) -> None:
+    def fail(self, host: RolloutHost, replacement: Replacement, successor: WorkerSlot) -> None:
         """The replacement died before READY: stop this model's rollout and say so.
 
         Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot stays in
@@ -165,9 +184,10 @@ class Rollout:
         self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); {keeps}"
         log.error("rollout_failed", slot=successor.name, how=successor.last_exit, reason=replacement.reason)
         if not replacement.in_pool:
-            if successor.state is SlotState.BACKOFF:
-                successor.transition(SlotState.STOPPED, "replacement abandoned")
-            arbiter.extra.remove(successor)
-            arbiter.broker.forget(successor)
+            host.abandon(successor, "replacement abandoned")
         self.current = None
         self.drop_model(replacement.model.name, "an earlier replacement of this model failed")
+
+    def clear(self) -> None:
+        """Forget queued replacements (the daemon is stopping); the running step, if any, is left to the stop."""
+        self.queue.clear()

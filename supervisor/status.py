@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
+from supervisor.broker import Broker
+from supervisor.pool import WorkerPool
 from supervisor.slot import SlotState, WorkerSlot
-
-if TYPE_CHECKING:
-    from supervisor.arbiter import Arbiter
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -24,7 +21,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return round(ordered[rank], 3)
 
 
-def _rss(pid: int | None) -> int | None:
+def rss_of(pid: int | None) -> int | None:
+    """Resident memory of a process in bytes, or None when it is gone."""
     if pid is None:
         return None
     try:
@@ -40,13 +38,14 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "slot": slot.assignment.slot,
         "pid": pid,
         "state": slot.state.value,
+        "reason": slot.reason,
         "busy": bool(slot.inflight),
         "inflight": len(slot.inflight),
         "cores": list(slot.assignment.cpus),
         "node": slot.assignment.node,
         "shared_cores": slot.assignment.shared,
         "threads": slot.threads_seen if slot.threads_seen is not None else slot.assignment.threads,
-        "rss": _rss(pid),
+        "rss": rss_of(pid),
         "requests": slot.requests,
         "rehearsals": slot.rehearsals_seen,
         "p50_ms": percentile(slot.latencies_ms, 50),
@@ -62,17 +61,16 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
     }
 
 
-def build_status(arbiter: Arbiter) -> dict[str, Any]:
-    """Everything an operator asks first: who serves what, where, how fast, and what went wrong."""
-    broker = arbiter.broker
+def models_status(pool: WorkerPool, broker: Broker) -> dict[str, Any]:
+    """Per model: its spec, queue, counters and workers (members first, then successors and retiring ones)."""
     models: dict[str, Any] = {}
-    for name, slots in arbiter.slots.items():
+    config = pool.serving.current
+    for name, slots in pool.members.items():
         queue = broker.queues[name]
+        model = config.models[name]
         models[name] = {
-            "source": {k: v for k, v in vars(arbiter.config.models[name].source).items() if v is not None},
-            "inputs": [
-                {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in arbiter.config.models[name].inputs
-            ],
+            "source": {k: v for k, v in vars(model.source).items() if v is not None},
+            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in model.inputs],
             "queued": len(queue.waiting),
             "queue_size": queue.capacity,
             "completed": queue.completed,
@@ -82,39 +80,19 @@ def build_status(arbiter: Arbiter) -> dict[str, Any]:
             "workers": [slot_status(s) for s in slots]
             + [
                 slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
-                for s in arbiter.extra
+                for s in pool.extra
                 if s.model.name == name
             ],
         }
+    return models
+
+
+def rollout_status(pool: WorkerPool) -> dict[str, Any]:
+    """The rolling-restart queue."""
+    rollout = pool.rollout
     return {
-        "ok": True,
-        "pid": os.getpid(),
-        "state": "stopping" if arbiter.stopping else ("ready" if arbiter.announced_ready else "starting"),
-        "uptime_s": round(time.time() - arbiter.started_at, 3),
-        "rss": _rss(os.getpid()),
-        "cpus": sorted(arbiter.affinity.current),
-        "cpu_latency": arbiter.cpu_latency.status(arbiter.config.cpu_latency_us),
-        "keep_warm": {
-            "ms": arbiter.config.keep_warm_ms,
-            "model": broker.rehearsal.model.name if broker.rehearsal is not None else None,
-            "rehearsals": broker.rehearsals,
-            "error": broker.rehearsal_error,
-        },
-        "config": {
-            "path": str(arbiter.config_path),
-            "digest": arbiter.config.digest,
-            "applied_at": arbiter.config_applied_at,
-            "last_error": arbiter.config_error,
-            "last_diff": arbiter.last_diff,
-        },
-        "rollout": {
-            "pending": arbiter.rollout.pending,
-            "current": arbiter.rollout.current.old.name if arbiter.rollout.current else None,
-            "completed": arbiter.rollout.completed,
-            "last_error": arbiter.rollout.last_error,
-        },
-        "endpoints": {"client": broker.client_endpoint, "tcp": arbiter.config.tcp_endpoint},
-        "counters": dict(broker.counters),
-        "thermal": {**arbiter.thermal.reading, "shedding": broker.shed},
-        "models": models,
+        "pending": rollout.pending,
+        "current": rollout.current.old.name if rollout.current else None,
+        "completed": rollout.completed,
+        "last_error": rollout.last_error,
     }

@@ -17,13 +17,41 @@ from protocol import worker_messages as wm
 from protocol.client_messages import InferRequest, encode_infer, encode_result
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link
+from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import parse_config
+from supervisor.endpoints import ClientEndpoints
+from supervisor.event_loop import EventLoop
 from supervisor.planner import Assignment
+from supervisor.serving_config import ServingConfig
 from supervisor.slot import SlotState, WorkerSlot
+from supervisor.worker_links import WorkerLinks
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
 DESC = (TensorDesc("x", "float32", (1, 16)),)
+
+
+class BrokenLinks:
+    """The broker's event sink in this rig: only records which links it reported broken."""
+
+    def __init__(self) -> None:
+        self.broken: list[tuple[str, str]] = []
+
+    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
+        """Not expected here."""
+
+    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
+        """Remember the report."""
+        self.broken.append((slot.name, reason))
+
+    def worker_drained(self, slot: WorkerSlot) -> None:
+        """Not expected here."""
+
+    def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
+        """Not expected here."""
+
+    def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
+        """Not expected here."""
 
 
 class Rig:
@@ -33,7 +61,12 @@ class Rig:
         model = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
         config = parse_config(json.dumps({"models": {"tiny": {**model, "workers": 2, "prefetch": 1}}}), tmp)
         self.context: zmq.Context[Any] = zmq.Context()
-        self.broker = Broker(self.context, config, tmp)
+        self.loop = EventLoop()
+        anomalies = Anomalies()
+        self.links = WorkerLinks(self.loop, anomalies)
+        self.events = BrokenLinks()
+        self.endpoints = ClientEndpoints(self.context, config, tmp)
+        self.broker = Broker(self.endpoints, self.loop, self.links, ServingConfig(config), self.events, anomalies)
         self.slots: list[WorkerSlot] = []
         self.workers: list[Link] = []
         for index in range(2):
@@ -43,18 +76,18 @@ class Rig:
             slot.state = SlotState.SERVING
             self.slots.append(slot)
             self.workers.append(Link(theirs, WORKER_LINK_FRAMES, 2**30))
-        self.broker.set_pools({"tiny": self.slots})
+        self.broker.route_to({"tiny": self.slots})
         for slot in self.slots:
-            self.broker.register(slot)
+            self.links.attach(slot)
         self.client = self.context.socket(zmq.DEALER)
         self.client.setsockopt(zmq.LINGER, 0)
-        self.client.connect(self.broker.client_endpoint)
+        self.client.connect(self.endpoints.ipc_endpoint)
 
     def send_request(self, request_id: int) -> None:
         """One infer request from the client, taken in by the broker."""
         self.client.send_multipart([b"", encode_infer(InferRequest(request_id, "tiny", DESC)), X])
-        assert self.broker.frontend.poll(5000)
-        self.broker.handle_clients(self.broker.frontend)
+        assert self.endpoints.ipc.poll(5000)
+        self.broker.handle_clients(self.endpoints.ipc)
 
     def request_at(self, worker: int) -> wm.Request:
         """The REQUEST the broker sent to worker `worker`."""
@@ -79,11 +112,12 @@ class Rig:
     def close(self) -> None:
         """Close every socket and link."""
         for slot in self.slots:
-            self.broker.forget(slot)
+            self.links.detach(slot)
         for link in self.workers:
             link.close()
         self.client.close()
         self.broker.close()
+        self.loop.close()
         self.context.term()
 
 
@@ -102,7 +136,7 @@ def test_a_reply_written_just_before_the_worker_died_is_delivered_not_rerun(rig:
     request = rig.request_at(busy)
     rig.reply(busy, request, 41)
     rig.workers[busy].close()  # the process exits; nothing of it was read yet
-    rig.broker.drain(rig.slots[busy])
+    rig.links.drain(rig.slots[busy])
     header = rig.client_reply()
     assert (header["type"], header["id"]) == ("result", 41)
     assert not rig.slots[busy].inflight, "answered, so nothing is left to re-dispatch"
@@ -116,12 +150,12 @@ def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig
     rig.reply(first, rig.request_at(first), 1)
     assert rig.slots[first].link is not None
     assert rig.slots[first].link.wait_readable(5.0)
-    rig.broker.read_link(rig.slots[first])
+    rig.links.read(rig.slots[first])
     assert rig.client_reply()["id"] == 1
     rig.workers[first].close()  # dies idle; the broker has not read the EOF yet
-    rig.slots[first].process = None  # nothing to SIGKILL in this rig
     rig.send_request(2)  # ties go to the most recently busy worker: the dead one is tried first
     other = 1 - first
     assert rig.request_at(other).request_id > 0
     assert rig.slots[other].inflight and not rig.slots[first].inflight
     assert not rig.broker.queues["tiny"].waiting
+    assert rig.events.broken == [(rig.slots[first].name, "worker link closed")], "reported, not acted on"

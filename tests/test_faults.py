@@ -164,9 +164,13 @@ def test_crash_loop_backs_off_then_fails_and_the_daemon_exits_non_zero(start_dae
     daemon = start_daemon(config, env={"PYTHONPATH": str(ROOT)})
     assert daemon.process.wait(120) == 1
     events = daemon.log_events()
-    backoffs = [e["reason"] for e in events if e["event"] == "worker_state" and e["new"] == "backoff"]
-    assert len(backoffs) == 3 and all("LOAD_FAILED" in r for r in backoffs)
-    delays = [float(r.split("respawn in ")[1].split(" s")[0]) for r in backoffs[:2]]
+    states = [e for e in events if e["event"] == "worker_state"]
+    backoffs = [e["reason"] for e in states if e["new"] == "backoff"]
+    failed = [e["reason"] for e in states if e["new"] == "failed"]
+    # Three starts: the first two exits back off, the third one fails the slot for good.
+    assert len(backoffs) == 2 and all("LOAD_FAILED" in r for r in backoffs)
+    assert len(failed) == 1 and "3 failures" in failed[0] and "LOAD_FAILED" in failed[0]
+    delays = [float(r.split("respawn in ")[1].split(" s")[0]) for r in backoffs]
     assert delays[0] < delays[1], "back-off must grow"
     assert any(e["event"] == "worker_slot_failed" for e in events)
     assert any(e["event"] == "all_workers_failed" for e in events)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import random
 
+from supervisor.config import ModelConfig
 from supervisor.monitors.findings import Action, Finding
+from supervisor.monitors.view import MonitorView
 from supervisor.slot import WorkerSlot
+
+#: The settings a process's limits were drawn from, and the drawn age and request limits.
+_Limits = tuple[tuple[float | None, int | None, float], float | None, float | None]
 
 
 class AgeWatch:
@@ -13,12 +18,18 @@ class AgeWatch:
 
     def __init__(self, seed: int | None = None) -> None:
         self.random = random.Random(seed)
-        #: pid -> (the settings the limits were drawn from, the drawn age limit, the drawn request limit)
-        self.limits: dict[int, tuple[tuple[float | None, int | None, float], float | None, float | None]] = {}
+        self.limits: dict[int, _Limits] = {}
 
-    def check(self, slot: WorkerSlot, now: float) -> Finding | None:
+    def check(self, now: float, view: MonitorView) -> list[Finding]:
+        """A finding for each serving worker that reached its age or request limit."""
+        findings = [f for slot in view.all_serving() if (f := self.judge(slot, view.model_of(slot), now))]
+        for pid in set(self.limits) - view.live_pids:
+            del self.limits[pid]
+        return findings
+
+    def judge(self, slot: WorkerSlot, model: ModelConfig, now: float) -> Finding | None:
         """A finding when this worker reached its age or request limit."""
-        model, pid = slot.model, slot.pid
+        pid = slot.pid
         if pid is None or (model.max_age_s is None and model.max_requests is None):
             return None
         settings = (model.max_age_s, model.max_requests, model.recycle_jitter)
@@ -37,8 +48,3 @@ class AgeWatch:
             detail: dict[str, object] = {"requests": slot.process_requests, "limit": round(max_requests)}
             return Finding("max_requests", Action.RECYCLE, slot, detail)
         return None
-
-    def forget_dead(self, live_pids: set[int]) -> None:
-        """Drop limits of processes that are gone."""
-        for pid in set(self.limits) - live_pids:
-            del self.limits[pid]

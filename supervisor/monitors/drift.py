@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
+from supervisor.config import ModelConfig
 from supervisor.monitors.findings import Action, Finding
+from supervisor.monitors.view import MonitorView
 from supervisor.slot import WorkerSlot
 
 
@@ -14,9 +17,20 @@ class DriftWatch:
     def __init__(self) -> None:
         self.baselines: dict[int, float] = {}
 
-    def ratio(self, slot: WorkerSlot) -> float | None:
+    def check(self, now: float, view: MonitorView) -> list[Finding]:
+        """Findings for every model's serving workers."""
+        findings: list[Finding] = []
+        for name, slots in view.serving.items():
+            model = view.config.models.get(name)
+            if model is not None and slots:
+                findings.extend(self.judge_model(model, slots))
+        for pid in set(self.baselines) - view.live_pids:
+            del self.baselines[pid]
+        return findings
+
+    def ratio(self, slot: WorkerSlot, window: int) -> float | None:
         """Recent median over baseline median, once both exist."""
-        window, pid = slot.model.drift_window, slot.pid
+        pid = slot.pid
         if pid is None or slot.process_requests < window:
             return None
         samples = list(slot.latencies_ms)
@@ -28,25 +42,20 @@ class DriftWatch:
         baseline = self.baselines[pid]
         return statistics.median(samples[-window:]) / baseline if baseline > 0 else None
 
-    def check_model(self, slots: list[WorkerSlot]) -> list[Finding]:
+    def judge_model(self, model: ModelConfig, slots: Sequence[WorkerSlot]) -> list[Finding]:
         """Findings for one model's serving workers."""
-        factor = slots[0].model.drift_factor if slots else None
+        factor = model.drift_factor
         if factor is None:
             return []
-        ratios = {id(s): r for s in slots if (r := self.ratio(s)) is not None}
+        ratios = {id(s): r for s in slots if (r := self.ratio(s, model.drift_window)) is not None}
         drifted = [s for s in slots if ratios.get(id(s), 0.0) > factor]
         if not drifted:
             return []
         # When every measured worker slowed down, the cause is the box (heat, a noisy neighbour), not a
         # worker: replacing them would not help, so it is only noted.
         if len(drifted) == len(ratios) and len(ratios) > 1:
-            return [Finding("latency_drift_all", Action.NOTE, None, {"model": slots[0].model.name, "factor": factor})]
+            return [Finding("latency_drift_all", Action.NOTE, None, {"model": model.name, "factor": factor})]
         return [
             Finding("latency_drift", Action.RECYCLE, s, {"ratio": round(ratios[id(s)], 2), "factor": factor})
             for s in drifted
         ]
-
-    def forget_dead(self, live_pids: set[int]) -> None:
-        """Drop baselines of processes that are gone."""
-        for pid in set(self.baselines) - live_pids:
-            del self.baselines[pid]

@@ -11,7 +11,9 @@ from supervisor.slot import WorkerSlot
 class Action(enum.Enum):
     """The arbiter's response to a finding."""
 
+    RECORD = "record"  # show it in status only: a passing check, too frequent to log
     NOTE = "note"  # log it and show it in status
+    CANARY = "canary"  # send the worker its golden inputs; the answer is judged when it comes back
     RECYCLE = "recycle"  # rolling replacement: the worker finishes what it holds first
     KILL = "kill"  # SIGKILL now; its requests are re-dispatched
 

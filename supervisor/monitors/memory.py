@@ -6,7 +6,9 @@ import collections
 
 import psutil
 
+from supervisor.config import ModelConfig
 from supervisor.monitors.findings import Action, Finding
+from supervisor.monitors.view import MonitorView
 from supervisor.slot import WorkerSlot
 
 MB = 2**20
@@ -29,9 +31,20 @@ class MemoryWatch:
     def __init__(self) -> None:
         self.history: dict[int, collections.deque[tuple[float, float]]] = {}
 
-    def check(self, slot: WorkerSlot, now: float, hard_only: bool = False) -> Finding | None:
-        """Sample one worker and judge it against its model's limits (only the hard one for a retiring worker)."""
-        model, pid = slot.model, slot.pid
+    def check(self, now: float, view: MonitorView) -> list[Finding]:
+        """Serving workers against every limit of their model; draining ones against the hard limit only.
+
+        A retiring worker still runs its last requests: one that balloons meanwhile must not escape the hard limit.
+        """
+        findings = [f for slot in view.all_serving() if (f := self.judge(slot, view.model_of(slot), now, False))]
+        findings += [f for slot in view.draining if (f := self.judge(slot, view.model_of(slot), now, True))]
+        for pid in set(self.history) - view.live_pids:
+            del self.history[pid]
+        return findings
+
+    def judge(self, slot: WorkerSlot, model: ModelConfig, now: float, hard_only: bool) -> Finding | None:
+        """Sample one worker and judge it against its model's limits."""
+        pid = slot.pid
         if pid is None:
             return None
         try:
@@ -55,19 +68,10 @@ class MemoryWatch:
         if model.leak_mb_per_min is not None and len(history) >= 5 and covered >= 0.8 * model.leak_window_s:
             slope = leak_slope_mb_per_min(history)
             if slope > model.leak_mb_per_min:
-                return Finding(
-                    "rss_leak",
-                    Action.RECYCLE,
-                    slot,
-                    {
-                        "mb_per_min": round(slope, 2),
-                        "limit_mb_per_min": model.leak_mb_per_min,
-                        "rss_mb": round(rss_mb, 1),
-                    },
-                )
+                detail: dict[str, object] = {
+                    "mb_per_min": round(slope, 2),
+                    "limit_mb_per_min": model.leak_mb_per_min,
+                    "rss_mb": round(rss_mb, 1),
+                }
+                return Finding("rss_leak", Action.RECYCLE, slot, detail)
         return None
-
-    def forget_dead(self, live_pids: set[int]) -> None:
-        """Drop the history of processes that are gone."""
-        for pid in set(self.history) - live_pids:
-            del self.history[pid]

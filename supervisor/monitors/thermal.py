@@ -8,6 +8,7 @@ from typing import Any
 import psutil
 
 from supervisor.monitors.findings import Action, Finding
+from supervisor.monitors.view import MonitorView
 
 
 def _read_int(path: Path) -> int | None:
@@ -20,8 +21,8 @@ def _read_int(path: Path) -> int | None:
 class ThermalWatch:
     """Reports throttling as an event and a status field; it never restarts workers (that does not cool a CPU)."""
 
-    def __init__(self, sysfs_root: str) -> None:
-        self.root = Path(sysfs_root)
+    def __init__(self) -> None:
+        self.root = Path("/sys")
         self.last_throttle_count: int | None = None
         self.throttled = False
         self.reading: dict[str, Any] = {}
@@ -53,8 +54,16 @@ class ThermalWatch:
             "min_freq_ratio": round(min(ratios), 3) if ratios else None,
         }
 
-    def check(self, max_temp_c: float | None) -> Finding | None:
+    def check(self, now: float, view: MonitorView) -> list[Finding]:
         """A finding when throttling starts or ends."""
+        root = Path(view.config.thermal_sysfs_root)
+        if root != self.root:  # a reload pointed the monitor elsewhere: counters there start afresh
+            self.root, self.last_throttle_count = root, None
+        finding = self.judge(view.config.thermal_max_c)
+        return [] if finding is None else [finding]
+
+    def judge(self, max_temp_c: float | None) -> Finding | None:
+        """Read the sensors once; a finding when throttling starts or ends."""
         reading = self.read()
         count = reading["throttle_events"]
         new_events = count is not None and self.last_throttle_count is not None and count > self.last_throttle_count

@@ -1,0 +1,56 @@
+"""The client-facing sockets: the ipc endpoint in the runtime dir, and the opt-in tcp one (CURVE when configured)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from protocol.constants import CLIENT_SOCKET_NAME
+from supervisor.config import Config
+from supervisor.curve import ThreadAuthenticator, enable_curve_server
+
+#: Per-peer queue limits inside ZeroMQ; the broker's own bounded queues do the real admission control.
+_HWM = 10_000
+
+
+def _router(context: zmq.Context[Any], max_message: int) -> zmq.Socket[Any]:
+    socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.setsockopt(zmq.SNDHWM, _HWM)
+    socket.setsockopt(zmq.RCVHWM, _HWM)
+    socket.setsockopt(zmq.LINGER, 0)
+    if max_message > 0:
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message)
+    return socket
+
+
+class ClientEndpoints:
+    """Binds the ROUTER sockets clients connect to; the broker reads and writes them."""
+
+    def __init__(self, context: zmq.Context[Any], config: Config, runtime_dir: Path) -> None:
+        self.ipc_endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
+        self.ipc = _router(context, config.max_frame_bytes)
+        self.ipc.bind(self.ipc_endpoint)
+        (runtime_dir / CLIENT_SOCKET_NAME).chmod(0o600)
+        # TCP gets its own socket so CURVE (when configured) guards it without touching the ipc endpoint.
+        self.tcp: zmq.Socket[Any] | None = None
+        self.authenticator: ThreadAuthenticator | None = None
+        if config.tcp_endpoint:
+            self.tcp = _router(context, config.max_frame_bytes)
+            if config.curve is not None:
+                self.authenticator = enable_curve_server(context, self.tcp, config.curve)
+            self.tcp.bind(config.tcp_endpoint)
+
+    @property
+    def sockets(self) -> list[zmq.Socket[Any]]:
+        """The client-facing sockets: ipc, and tcp when configured."""
+        return [self.ipc] if self.tcp is None else [self.ipc, self.tcp]
+
+    def close(self) -> None:
+        """Close the sockets and stop the CURVE authenticator."""
+        for socket in self.sockets:
+            socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()

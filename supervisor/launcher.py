@@ -1,0 +1,122 @@
+"""Starting a worker process: a fresh interpreter (exec, never a fork of a torch process) linked by a socketpair."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from protocol.constants import MAX_HEADER_BYTES
+from protocol.launch import LaunchSpec
+from protocol.worker_link import WORKER_LINK_FRAMES, Link
+from supervisor.cache_dir import resolve_cache_dir
+from supervisor.config import Config, ModelConfig
+from supervisor.planner import Assignment
+
+_generations = itertools.count(1)
+
+#: Send buffer asked for on each end of a worker link (Linux doubles it, up to 2 x net.core.wmem_max).
+_LINK_BUFFER_BYTES = 4 * 2**20
+
+#: Read once by the OpenMP/MKL runtimes when torch loads, so they are set at exec, not later.
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class WorkerProcess(Protocol):
+    """What the pool needs of a worker process (a subprocess.Popen)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+@dataclass
+class Launched:
+    """A started worker: its process, the supervisor's end of its link, and its id."""
+
+    process: WorkerProcess
+    link: Link | None
+    worker_id: str
+
+
+#: Starts one worker of a model on an assignment under a config (replaced in tests that need no processes).
+Launcher = Callable[[ModelConfig, Assignment, Config], Launched]
+
+
+def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
+    """The supervisor's environment with thread pools sized to the worker's core set, inductor's cache in ours."""
+    env = dict(os.environ)
+    for name in THREAD_ENV_VARS:
+        env[name] = str(threads)
+    # torch.compile's own on-disk caches then survive reboots and are shared with our packages' lifetime.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    return env
+
+
+def launch_spec(model: ModelConfig, assignment: Assignment, config: Config, worker_id: str, link_fd: int) -> LaunchSpec:
+    """Everything the worker needs before it imports torch, from the model's config and its cores."""
+    return LaunchSpec(
+        worker_id=worker_id,
+        model=model.name,
+        link_fd=link_fd,
+        source=model.source,
+        inputs=model.inputs,
+        output_names=model.outputs,
+        cpus=assignment.cpus,
+        threads=assignment.threads,
+        warmup_iterations=model.warmup_iterations,
+        heartbeat_interval_ms=config.heartbeat_interval_ms,
+        heartbeat_liveness=config.heartbeat_liveness,
+        max_frame_bytes=config.max_frame_bytes,
+        max_memory_mb=model.max_memory_mb,
+        profiles=model.profiles,
+        pick=model.pick,
+        tolerance=model.tolerance,
+        channels_last=model.channels_last,
+        cache_dir=str(resolve_cache_dir(config.cache_dir)),
+        calibration=model.calibration,
+        validation=model.validation,
+    )
+
+
+def launch_worker(model: ModelConfig, assignment: Assignment, config: Config) -> Launched:
+    """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now."""
+    worker_id = f"{model.name}.{assignment.slot}.{next(_generations)}"
+    cache_dir = resolve_cache_dir(config.cache_dir)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for end in (ours, theirs):
+            # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
+            # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
+        spec = launch_spec(model, assignment, config, worker_id, theirs.fileno())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "worker", spec.to_json()],
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            # The only descriptor the worker inherits besides stdio: its end of the link.
+            pass_fds=(theirs.fileno(),),
+            env=worker_environment(assignment.threads, cache_dir),
+            # Its own session: a Ctrl-C or a group-wide SIGTERM reaches the supervisor, which then
+            # drains and stops workers in order instead of losing them mid-request.
+            start_new_session=True,
+        )
+    except BaseException:  # nothing may keep our end open when no process got the other
+        ours.close()
+        raise
+    finally:
+        theirs.close()  # the child has its copy; ours would only hide the worker's EOF
+    # Workers refuse to send an output frame over max_frame_bytes, so a longer one is a garbled stream.
+    link = Link(ours, WORKER_LINK_FRAMES, max(config.max_frame_bytes, MAX_HEADER_BYTES))
+    return Launched(process, link, worker_id)

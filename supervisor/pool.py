@@ -1,0 +1,396 @@
+"""The worker pool: every slot's lifecycle, reconciled toward the configured shape on each `tick`.
+
+The pool alone creates, spawns, kills, retires and moves slots, and it is the only caller of slot
+transitions. It holds each model's members (the slots the broker routes to) and the slots outside
+them (successors warming up, old workers draining away), works the rolling-restart queue, and stops
+everything in order. The broker tells it what it saw of a worker; the monitors tell the arbiter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import structlog
+
+from protocol import worker_messages as wm
+from protocol.constants import ErrorCode, WorkerExitCode
+from supervisor.broker import Broker
+from supervisor.config import Config, ModelConfig
+from supervisor.config_diff import ConfigDiff
+from supervisor.launcher import Launcher, launch_worker
+from supervisor.planner import Assignment
+from supervisor.rollout import Replacement, Rollout
+from supervisor.serving_config import ServingConfig
+from supervisor.slot import LIVE_STATES, SlotState, WorkerSlot, describe_exit
+from supervisor.worker_links import WorkerLinks
+
+log = structlog.get_logger("supervisor")
+
+#: How long stopped workers get to exit before SIGKILL.
+STOP_KILL_AFTER_S = 5.0
+_BACKOFF_BASE_S = 0.5
+_BACKOFF_MAX_S = 30.0
+
+
+class WorkerPool:
+    """Owns the worker slots of every model and drives their state machines."""
+
+    def __init__(
+        self,
+        serving: ServingConfig,
+        plan: dict[str, list[Assignment]],
+        links: WorkerLinks,
+        broker: Broker,
+        launcher: Launcher = launch_worker,
+    ) -> None:
+        self.serving = serving
+        self.links = links
+        self.broker = broker
+        self.launcher = launcher
+        models = serving.current.models
+        #: The slots each model routes to, in slot order (the broker reads this mapping).
+        self.members: dict[str, list[WorkerSlot]] = {
+            name: [WorkerSlot(models[name], a) for a in assignments] for name, assignments in plan.items()
+        }
+        #: Successors still warming up and old workers draining away: alive, but not routed to.
+        self.extra: list[WorkerSlot] = []
+        self.rollout = Rollout()
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.kill_deadline: float | None = None
+        broker.route_to(self.members)
+
+    # ---- what is there ----------------------------------------------------------------------
+
+    def member_slots(self) -> Iterator[WorkerSlot]:
+        """Every slot the broker routes to."""
+        for slots in self.members.values():
+            yield from slots
+
+    def all_slots(self) -> list[WorkerSlot]:
+        """Every slot with a process to watch: the members plus successors and retiring workers."""
+        return [*self.member_slots(), *self.extra]
+
+    def serving_members(self) -> dict[str, list[WorkerSlot]]:
+        """Per model, the members that serve now."""
+        return {name: [s for s in slots if s.state is SlotState.SERVING] for name, slots in self.members.items()}
+
+    def draining(self) -> list[WorkerSlot]:
+        """Retired workers that still finish their requests."""
+        return [s for s in self.extra if s.state is SlotState.DRAINING]
+
+    def live_pids(self) -> frozenset[int]:
+        """The pid of every live worker process."""
+        return frozenset(pid for s in self.all_slots() if (pid := s.pid) is not None)
+
+    def every_model_serving(self) -> bool:
+        """True once each model has at least one serving member."""
+        return all(any(s.state is SlotState.SERVING for s in slots) for slots in self.members.values())
+
+    def all_failed(self) -> bool:
+        """True when every slot of every model has FAILED: nothing will ever serve again."""
+        slots = list(self.member_slots())
+        return bool(slots) and all(s.state is SlotState.FAILED for s in slots)
+
+    # ---- the reconcile step ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn every member."""
+        for slot in self.all_slots():
+            self.spawn(slot)
+
+    def tick(self, now: float) -> None:
+        """One reconcile step: reap exits, kill the stuck, heartbeat, then stop or roll out and manage."""
+        self.reap(now)
+        self.murder(now)
+        self.heartbeat(now)
+        if self.stopping:
+            self.advance_stop(now)
+            return
+        self.rollout.advance(self)
+        self.manage(now)
+
+    def spawn(self, slot: WorkerSlot) -> None:
+        """Start the slot's process and listen to it; a failed fork/exec is retried later, not fatal."""
+        self.links.detach(slot)
+        config = self.serving.current
+        try:
+            launched = self.launcher(slot.model, slot.assignment, config)
+        except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
+            log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
+            if slot.state is not SlotState.BACKOFF:
+                slot.transition(SlotState.BACKOFF, f"spawn failed: {exc}")
+            slot.respawn_at = time.monotonic() + _BACKOFF_MAX_S
+            return
+        slot.adopt_process(launched, config.heartbeat_interval_ms / 1000.0, config.heartbeat_liveness, time.monotonic())
+        slot.transition(SlotState.STARTING, f"spawned pid {launched.process.pid} on cpus {list(slot.assignment.cpus)}")
+        self.links.attach(slot)
+
+    def reap(self, now: float) -> None:
+        """Collect exited workers: settle their state, then re-dispatch what they held."""
+        for slot in self.all_slots():
+            if slot.process is None or slot.state not in LIVE_STATES:
+                continue
+            code = slot.process.poll()
+            if code is not None:
+                self.on_exit(slot, code, now)
+
+    def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
+        """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
+        how = describe_exit(code)
+        slot.last_exit = how
+        self.links.drain(slot)
+        self.links.detach(slot)
+        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
+            log.warning("worker_exited", slot=slot.name, pid=slot.process.pid if slot.process else None, how=how)
+        self.settle_exit(slot, how, code, now)
+        # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
+        self.broker.worker_lost(slot, how)
+        if slot.state is SlotState.FAILED and not self.broker.has_capacity(slot.model.name):
+            self.broker.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
+
+    def settle_exit(self, slot: WorkerSlot, how: str, code: int, now: float) -> None:
+        """The state after an exit: STOPPED if we asked for it, else BACKOFF, or FAILED after too many."""
+        if slot.state in (SlotState.DRAINING, SlotState.STOPPING):
+            slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
+            return
+        config = self.serving.current
+        failures = slot.record_failure(now, config.restart_window_s)
+        if failures >= config.max_restarts:
+            why = f"{failures} failures within {config.restart_window_s:.0f} s; last: {how}"
+            slot.transition(SlotState.FAILED, why)
+            log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
+            return
+        # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
+        never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
+        delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
+        slot.respawn_at = now + (delay if never_ready or failures > 1 else 0.0)
+        slot.transition(SlotState.BACKOFF, f"{how}; respawn in {slot.respawn_at - now:.1f} s")
+
+    def murder(self, now: float) -> None:
+        """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
+        config = self.serving.current
+        for slot in self.all_slots():
+            if slot.state not in LIVE_STATES or slot.process is None:
+                continue
+            if slot.kill_at is not None and now >= slot.kill_at:
+                slot.kill("did not exit after STOP")
+            elif slot.state is SlotState.STARTING and now - slot.spawned_at > config.worker_start_timeout_s:
+                slot.kill(f"not ready after {config.worker_start_timeout_s:.0f} s")
+            elif slot.inflight:
+                # Only the head of the pipeline is running, so progress is measured from its start.
+                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms / 1000.0)
+                if now - slot.progress_at > budget:
+                    slot.kill(f"no reply within {budget:.1f} s (hung)")
+            elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
+                slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
+
+    def heartbeat(self, now: float) -> None:
+        """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
+        for slot in self.all_slots():
+            if slot.state in (SlotState.SERVING, SlotState.DRAINING) and now >= slot.next_heartbeat:
+                slot.next_heartbeat = now + slot.heartbeat_s
+                self.links.send_control(slot, wm.Heartbeat())
+
+    def manage(self, now: float) -> None:
+        """Reconcile toward the desired pools: respawn members whose back-off has elapsed, forget retired slots."""
+        for slot in self.member_slots():
+            if slot.state is SlotState.STOPPED or (slot.state is SlotState.BACKOFF and now >= slot.respawn_at):
+                self.spawn(slot)
+        successor = self.rollout.successor
+        self.extra = [s for s in self.extra if s.state is not SlotState.STOPPED or s is successor]
+
+    # ---- what the broker saw -----------------------------------------------------------------
+
+    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
+        """A warm worker: it serves from now on."""
+        if slot.state is not SlotState.STARTING:
+            return
+        now = time.monotonic()
+        slot.ready_ms = (now - slot.spawned_at) * 1000.0
+        slot.progress_at = slot.ready_at = now
+        slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
+        slot.threads_seen = ready.threads
+        slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
+        slot.transition(
+            SlotState.SERVING,
+            f"ready in {slot.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "
+            f"profile {ready.profile})",
+        )
+
+    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
+        """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""
+        slot.kill(reason)
+
+    def worker_drained(self, slot: WorkerSlot) -> None:
+        """A draining worker holds nothing any more: it may go."""
+        self.links.send_control(slot, wm.Drain())
+
+    # ---- restarts and reloads ----------------------------------------------------------------
+
+    def retire(self, slot: WorkerSlot, reason: str) -> None:
+        """Take a worker out of service gently: drain a serving one, stop a starting one, forget a dead one."""
+        if slot not in self.extra:
+            self.extra.append(slot)
+        if slot.state is SlotState.SERVING:
+            slot.transition(SlotState.DRAINING, reason)
+            slot.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
+            if not slot.inflight:
+                self.links.send_control(slot, wm.Drain())
+        elif slot.state is SlotState.STARTING:
+            slot.transition(SlotState.STOPPING, reason)
+            slot.kill(reason)
+        elif slot.state in (SlotState.BACKOFF, SlotState.FAILED):
+            slot.transition(SlotState.STOPPED, reason)
+
+    def restart(self, model: str | None, reason: str) -> int:
+        """Queue a rolling restart of one model's workers (or all); returns how many were queued."""
+        queued = 0
+        for name, slots in self.members.items():
+            if model is None or name == model:
+                for slot in slots:
+                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+                    queued += 1
+        log.info("restart_requested", model=model or "*", workers=queued, reason=reason)
+        return queued
+
+    def recycle(self, slot: WorkerSlot, reason: str) -> None:
+        """Replace one worker, rolling, unless it is already being replaced."""
+        if not self.rollout.involves(slot):
+            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+
+    def adopt(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
+        """Reshape the pools for a config the arbiter now serves: new, removed and scaled models at once,
+        rebuilt workers by rolling replacement. Live keys need nothing here: every part reads them from
+        the serving config."""
+        for name in diff.removed:
+            self.rollout.drop_model(name, "model removed from config")
+            for slot in self.members.pop(name):
+                self.retire(slot, "model removed from config")
+            self.broker.remove_model(name)
+        for name, wanted in plan.items():
+            model = new.models[name]
+            pool = self.members.setdefault(name, [])
+            for slot in pool[len(wanted) :]:
+                self.retire(slot, f"scaled down to {len(wanted)} workers")
+            del pool[len(wanted) :]
+            for index, assignment in enumerate(wanted):
+                if index >= len(pool):
+                    slot = WorkerSlot(model, assignment)
+                    pool.append(slot)
+                    self.spawn(slot)
+                    continue
+                slot = pool[index]
+                moved = slot.assignment.cpus != assignment.cpus or slot.assignment.threads != assignment.threads
+                if name in diff.rolling or moved:
+                    why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
+                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}"))
+        self.broker.sync_queues()
+        for name in self.members:
+            self.broker.dispatch(name)
+
+    # ---- the rollout's steps (RolloutHost) ----------------------------------------------------
+
+    def members_of(self, model: str) -> Sequence[WorkerSlot] | None:
+        """The slots a model routes to, or None once the model left the config."""
+        return self.members.get(model)
+
+    def model_config(self, model: str) -> ModelConfig | None:
+        """The model as configured now."""
+        return self.serving.model(model)
+
+    def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:
+        """Spawn a new slot beside the pool (surge): alive, but not routed to until promoted."""
+        successor = WorkerSlot(model, assignment)
+        self.extra.append(successor)
+        self.spawn(successor)
+        return successor
+
+    def take_out(self, slot: WorkerSlot, reason: str) -> int:
+        """Remove a member from its pool and retire it; returns where it was."""
+        pool = self.members[slot.model.name]
+        index = pool.index(slot)
+        pool.remove(slot)
+        self.retire(slot, reason)
+        return index
+
+    def put_in(self, model: ModelConfig, assignment: Assignment, index: int) -> WorkerSlot:
+        """Spawn a new member at `index` of its model's pool (drain-first)."""
+        pool = self.members[model.name]
+        slot = WorkerSlot(model, assignment)
+        pool.insert(min(index, len(pool)), slot)
+        self.spawn(slot)
+        return slot
+
+    def swap_in(self, old: WorkerSlot, successor: WorkerSlot, reason: str) -> bool:
+        """Route to a ready successor in `old`'s place and drain `old`; False when `old` left the pool meanwhile."""
+        pool = self.members.get(successor.model.name, [])
+        if old not in pool:
+            return False
+        self.extra.remove(successor)
+        pool[pool.index(old)] = successor
+        self.retire(old, f"replaced ({reason})")
+        self.broker.dispatch(successor.model.name)
+        return True
+
+    def abandon(self, successor: WorkerSlot, reason: str) -> None:
+        """Give up on a successor outside the pool: drain it if it serves, else stop and forget it."""
+        if successor.state is SlotState.SERVING:
+            self.retire(successor, reason)
+            return
+        if successor.state is SlotState.BACKOFF:
+            successor.transition(SlotState.STOPPED, reason)
+        if successor in self.extra:
+            self.extra.remove(successor)
+        self.links.detach(successor)
+
+    # ---- stopping ---------------------------------------------------------------------------
+
+    def begin_stop(self, now: float) -> None:
+        """No more rollouts; what is in hand gets the grace period."""
+        self.stopping = True
+        self.rollout.clear()
+        self.stop_deadline = now + self.serving.current.shutdown_grace_s
+
+    def advance_stop(self, now: float) -> None:
+        """Finish the work in hand, or answer it SHUTTING_DOWN at the deadline; then stop and kill workers."""
+        busy = self.broker.queued_count + self.broker.inflight_count
+        if busy and now < self.stop_deadline:
+            return
+        if busy:
+            log.warning("grace_expired", unanswered=busy)
+            self.broker.fail_all(
+                ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request could finish", self.all_slots()
+            )
+        if self.kill_deadline is None:
+            self.kill_deadline = now + STOP_KILL_AFTER_S
+            for slot in self.all_slots():
+                if slot.state in (SlotState.SERVING, SlotState.DRAINING):
+                    self.links.send_control(slot, wm.Stop())
+                    slot.transition(SlotState.STOPPING, "supervisor stopping")
+                elif slot.state is SlotState.STARTING:
+                    # Still loading, not connected yet: a STOP could not reach it, so do not wait for one.
+                    slot.transition(SlotState.STOPPING, "supervisor stopping")
+                    slot.kill("stopped while starting")
+                elif slot.state is SlotState.BACKOFF:
+                    slot.transition(SlotState.STOPPED, "supervisor stopping")
+        elif now >= self.kill_deadline:
+            for slot in self.all_slots():
+                slot.kill("did not stop in time")
+
+    def finished(self) -> bool:
+        """True once stopping and no worker process is left."""
+        return (
+            self.stopping
+            and self.kill_deadline is not None
+            and not any(s.state in LIVE_STATES for s in self.all_slots())
+        )
+
+    def shutdown(self) -> None:
+        """Kill anything still alive and wait for it, so no worker outlives the supervisor."""
+        for slot in self.all_slots():
+            slot.kill("supervisor exiting")
+            if slot.process is not None:
+                slot.process.wait()
+            self.links.detach(slot)

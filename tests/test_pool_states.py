@@ -1,0 +1,318 @@
+"""The slot state machine and the pool's lifecycle policy, driven step by step without worker processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from protocol import worker_messages as wm
+from supervisor.anomalies import Anomalies
+from supervisor.broker import Broker
+from supervisor.config import Config, ModelConfig, parse_config
+from supervisor.config_diff import diff_configs
+from supervisor.endpoints import ClientEndpoints
+from supervisor.event_loop import EventLoop
+from supervisor.launcher import Launched
+from supervisor.planner import Assignment
+from supervisor.pool import WorkerPool
+from supervisor.serving_config import ServingConfig
+from supervisor.slot import IllegalTransition, SlotState, WorkerSlot, allowed_transitions
+from supervisor.worker_links import WorkerLinks
+
+MODEL = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
+
+
+@dataclass
+class Process:
+    """Stands in for a worker process: the test decides when it exits and how."""
+
+    pid: int
+    code: int | None = None
+    killed: bool = False
+
+    def poll(self) -> int | None:
+        """The exit code once the test (or a kill) ended it."""
+        return self.code
+
+    def kill(self) -> None:
+        """SIGKILL: the next poll reports it."""
+        self.killed = True
+        self.code = -9
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Only called once the process has ended."""
+        return self.code if self.code is not None else -9
+
+
+@dataclass
+class Launches:
+    """A launcher that starts no process: it records each launch, or refuses like an exhausted box."""
+
+    processes: list[Process] = field(default_factory=list)
+    refuse: bool = False
+
+    def __call__(self, model: ModelConfig, assignment: Assignment, config: Config) -> Launched:
+        if self.refuse:
+            raise OSError(11, "Resource temporarily unavailable")
+        process = Process(1000 + len(self.processes))
+        self.processes.append(process)
+        return Launched(process, None, f"{model.name}.{assignment.slot}.{len(self.processes)}")
+
+
+class Events:
+    """Routes the broker's reports to the pool, as the arbiter does."""
+
+    pool: WorkerPool
+
+    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
+        self.pool.worker_ready(slot, ready)
+
+    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
+        self.pool.link_broken(slot, reason)
+
+    def worker_drained(self, slot: WorkerSlot) -> None:
+        self.pool.worker_drained(slot)
+
+    def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
+        """Not used here."""
+
+    def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
+        """Not used here."""
+
+
+def _config(tmp: Path, **model: Any) -> Config:
+    return parse_config(json.dumps({"max_restarts": 3, "models": {"tiny": {**MODEL, **model}}}), tmp)
+
+
+def _plan(config: Config) -> dict[str, list[Assignment]]:
+    return {
+        name: [Assignment(name, i, (i,), 0, 1, False) for i in range(model.workers)]
+        for name, model in config.models.items()
+    }
+
+
+class Rig:
+    """A pool over a real broker and event loop, with a launcher that starts nothing."""
+
+    def __init__(self, tmp: Path, **model: Any) -> None:
+        self.tmp = tmp
+        self.context: zmq.Context[Any] = zmq.Context()
+        config = _config(tmp, **model)
+        self.serving = ServingConfig(config)
+        self.loop = EventLoop()
+        anomalies = Anomalies()
+        self.links = WorkerLinks(self.loop, anomalies)
+        self.endpoints = ClientEndpoints(self.context, config, tmp)
+        events = Events()
+        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, events, anomalies)
+        self.launches = Launches()
+        self.pool = WorkerPool(self.serving, _plan(config), self.links, self.broker, self.launches)
+        events.pool = self.pool
+        # The pool reads the clock itself where no tick hands it one (spawn, READY): start the rig's clock there.
+        self.now = time.monotonic()
+
+    def slots(self) -> list[WorkerSlot]:
+        """The members of the model."""
+        return self.pool.members["tiny"]
+
+    def ready(self, slot: WorkerSlot) -> None:
+        """The slot's worker says READY."""
+        self.pool.worker_ready(slot, wm.Ready(slot.worker_id, 1, 1.0, 1.0, 1, [0], "eager", "", ""))
+
+    def exit(self, slot: WorkerSlot, code: int) -> None:
+        """The slot's process ends with `code`; the next tick reaps it."""
+        assert isinstance(slot.process, Process)
+        slot.process.code = code
+
+    def tick(self, seconds: float = 0.02) -> None:
+        """Let time pass and reconcile once."""
+        self.now += seconds
+        self.pool.tick(self.now)
+
+    def close(self) -> None:
+        """Close sockets."""
+        self.broker.close()
+        self.loop.close()
+        self.context.term()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    """A one-worker pool of `tiny`."""
+    made = Rig(tmp_path)
+    yield made
+    made.close()
+
+
+def test_every_state_has_a_way_out_and_failed_only_leads_to_stopped() -> None:
+    """The transition table has no dead end, and a FAILED slot can only be stopped (retired), never respawned."""
+    for state in SlotState:
+        assert allowed_transitions(state), f"{state} is a dead end"
+    assert allowed_transitions(SlotState.FAILED) == {SlotState.STOPPED}
+    assert SlotState.SERVING not in allowed_transitions(SlotState.STOPPED)
+
+
+def test_an_illegal_transition_is_refused_loudly(tmp_path: Path) -> None:
+    """Moving a stopped slot straight to SERVING is a supervisor bug and raises."""
+    config = _config(tmp_path)
+    slot = WorkerSlot(config.models["tiny"], Assignment("tiny", 0, (0,), 0, 1, False))
+    with pytest.raises(IllegalTransition):
+        slot.transition(SlotState.SERVING, "no process yet")
+    assert slot.state is SlotState.STOPPED
+
+
+def test_spawn_ready_and_a_crash_while_serving_respawns_at_once(rig: Rig) -> None:
+    """STOPPED -> STARTING -> SERVING; the first crash while serving backs off for no time and respawns."""
+    rig.pool.start()
+    (slot,) = rig.slots()
+    assert slot.state is SlotState.STARTING
+    rig.ready(slot)
+    assert slot.state is SlotState.SERVING
+    rig.exit(slot, -9)
+    rig.tick()
+    assert slot.state is SlotState.STARTING, "a first crash while serving is respawned in the same tick"
+    assert slot.restarts == 1 and len(rig.launches.processes) == 2
+
+
+def test_a_worker_that_never_gets_ready_backs_off_harder_then_fails(rig: Rig) -> None:
+    """Exits before READY back off with growing delays; the third within the window fails the slot."""
+    rig.pool.start()
+    (slot,) = rig.slots()
+    delays = []
+    for _ in range(2):
+        rig.exit(slot, 4)
+        rig.tick()
+        assert slot.state is SlotState.BACKOFF
+        delays.append(slot.respawn_at - rig.now)
+        rig.tick(delays[-1] + 0.01)
+        assert slot.state is SlotState.STARTING
+    assert delays[0] < delays[1]
+    rig.exit(slot, 4)
+    rig.tick()
+    assert slot.state is SlotState.FAILED and "3 failures" in slot.reason
+    rig.tick(60.0)
+    assert slot.state is SlotState.FAILED and len(rig.launches.processes) == 3, "a failed slot is not respawned"
+    assert rig.pool.all_failed()
+
+
+def test_a_spawn_the_box_refuses_backs_off_without_a_process(rig: Rig) -> None:
+    """fork/exec failing (EAGAIN) moves STOPPED -> BACKOFF and is retried later, not fatal."""
+    rig.launches.refuse = True
+    rig.pool.start()
+    (slot,) = rig.slots()
+    assert slot.state is SlotState.BACKOFF and "spawn failed" in slot.reason
+    rig.launches.refuse = False
+    rig.tick(31.0)
+    assert slot.state is SlotState.STARTING
+
+
+def test_a_hung_worker_is_killed_once_and_replaced(tmp_path: Path) -> None:
+    """A worker silent past its liveness is killed exactly once, however many ticks pass before the reap."""
+    rig = Rig(tmp_path)
+    try:
+        rig.pool.start()
+        (slot,) = rig.slots()
+        rig.ready(slot)
+        process = slot.process
+        assert isinstance(process, Process)
+        process.kill = lambda: setattr(process, "killed", True)  # type: ignore[method-assign]
+        slot.last_heard = rig.now - 60.0
+        rig.tick()
+        rig.tick()
+        assert process.killed and slot.killed, "killed"
+        process.code = -9
+        rig.tick()
+        assert slot.state is SlotState.STARTING and slot.process is not process
+    finally:
+        rig.close()
+
+
+def test_a_surge_rollout_keeps_the_old_worker_until_its_successor_is_ready(rig: Rig) -> None:
+    """The successor warms beside the old worker; only when it is READY does it take the place and the old drains."""
+    rig.pool.start()
+    (old,) = rig.slots()
+    rig.ready(old)
+    assert rig.pool.restart("tiny", "test") == 1
+    rig.tick()
+    successor = rig.pool.rollout.successor
+    assert successor is not None and successor.state is SlotState.STARTING
+    assert rig.slots() == [old] and old.state is SlotState.SERVING
+    rig.ready(successor)
+    rig.tick()
+    assert rig.slots() == [successor]
+    assert old.state is SlotState.DRAINING and old in rig.pool.extra
+    rig.exit(old, 0)
+    rig.tick()
+    assert old.state is SlotState.STOPPED and old not in rig.pool.extra
+    assert rig.pool.rollout.completed == 1 and rig.pool.rollout.pending == 0
+
+
+def test_a_successor_that_dies_before_ready_is_abandoned_and_the_old_worker_keeps_serving(rig: Rig) -> None:
+    """A failed surge replacement stops the model's rollout; the old worker never left the pool."""
+    rig.pool.start()
+    (old,) = rig.slots()
+    rig.ready(old)
+    rig.pool.restart("tiny", "test")
+    rig.tick()
+    successor = rig.pool.rollout.successor
+    assert successor is not None
+    rig.exit(successor, 4)
+    rig.tick()
+    rig.tick()
+    assert rig.slots() == [old] and old.state is SlotState.SERVING
+    assert successor not in rig.pool.extra and successor.state is SlotState.STOPPED
+    assert rig.pool.rollout.last_error is not None and "old worker keeps serving" in rig.pool.rollout.last_error
+
+
+def test_a_drain_first_rollout_takes_the_worker_out_before_starting_its_replacement(tmp_path: Path) -> None:
+    """drain_first: the old worker drains and exits, then its replacement warms in the same place."""
+    rig = Rig(tmp_path, rollout="drain_first")
+    try:
+        rig.pool.start()
+        (old,) = rig.slots()
+        rig.ready(old)
+        rig.pool.restart("tiny", "test")
+        rig.tick()
+        assert rig.slots() == [] and old.state is SlotState.DRAINING and rig.pool.rollout.mid_drain
+        rig.exit(old, 0)
+        rig.tick()
+        rig.tick()
+        (new,) = rig.slots()
+        assert new is not old and new.state is SlotState.STARTING
+        rig.ready(new)
+        rig.tick()
+        assert rig.pool.rollout.pending == 0
+    finally:
+        rig.close()
+
+
+def test_scaling_down_retires_the_surplus_and_stop_ends_with_every_slot_stopped(tmp_path: Path) -> None:
+    """A reload to fewer workers drains the extra one; a stop then stops the rest and the pool is finished."""
+    rig = Rig(tmp_path, workers=2)
+    try:
+        rig.pool.start()
+        for slot in rig.slots():
+            rig.ready(slot)
+        new = _config(tmp_path, workers=1)
+        diff = diff_configs(rig.serving.current, new)
+        rig.serving.replace(new)
+        rig.pool.adopt(new, _plan(new), diff)
+        (kept,) = rig.slots()
+        (surplus,) = rig.pool.extra
+        assert surplus.state is SlotState.DRAINING and kept.state is SlotState.SERVING
+        rig.pool.begin_stop(rig.now)
+        rig.tick()
+        assert kept.state is SlotState.STOPPING and surplus.state is SlotState.STOPPING
+        for slot in (kept, surplus):
+            rig.exit(slot, 0)
+        rig.tick()
+        assert rig.pool.finished()
+    finally:
+        rig.close()
