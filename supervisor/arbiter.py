@@ -31,6 +31,7 @@ from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CONTROL, EventLoop
 from supervisor.file_watch import FileWatcher
+from supervisor.health import DaemonState, daemon_state, ready_to_announce, status_line
 from supervisor.launcher import Launcher, launch_worker
 from supervisor.logs import configure_logging
 from supervisor.monitors.age import AgeWatch
@@ -97,6 +98,9 @@ class Arbiter:
         self.config_error: list[str] | None = None
         self.last_diff: dict[str, object] = {}
         self.announced_ready = False
+        self.state = DaemonState.STARTING
+        #: The last STATUS= line sent to systemd (sent again only when it changes).
+        self.status_line = ""
         self.exit_code = 0
         self.next_housekeeping = 0.0
         self.next_monitor = 0.0
@@ -206,13 +210,23 @@ class Arbiter:
             self.notifier.notify("WATCHDOG=1")
 
     def announce_readiness(self) -> None:
-        """READY=1 once each model has at least one warm worker."""
-        if self.announced_ready or not self.pool.every_model_serving():
+        """READY=1 once every model has a serving worker or has FAILED with a reason; STATUS= whenever that changes."""
+        reports = self.pool.reports()
+        if not self.announced_ready and ready_to_announce(reports):
+            self.announced_ready = True
+            ready = sum(1 for s in self.pool.all_slots() if s.state is SlotState.SERVING)
+            log.info("supervisor_ready", workers=ready, uptime_s=round(time.time() - self.started_at, 3))
+            self.status_line = status_line(reports, daemon_state(reports, True, False))
+            self.notifier.ready(self.status_line)
             return
-        self.announced_ready = True
-        ready = sum(1 for s in self.pool.all_slots() if s.state is SlotState.SERVING)
-        log.info("supervisor_ready", workers=ready, uptime_s=round(time.time() - self.started_at, 3))
-        self.notifier.ready(f"serving {len(self.pool.members)} model(s) with {ready} worker(s)")
+        state = daemon_state(reports, self.announced_ready, self.pool.stopping)
+        line = status_line(reports, state)
+        if line != self.status_line:
+            if state is not self.state:
+                log.info("daemon_state", old=self.state.value, new=state.value, status=line)
+            self.status_line = line
+            self.state = state
+            self.notifier.status(line)
 
     # ---- what the broker saw (WorkerEvents) ---------------------------------------------------
 

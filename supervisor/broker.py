@@ -24,8 +24,9 @@ from protocol.client_messages import RequestId, decode_infer, encode_error
 from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.sockets import NOBLOCK, more_to_read, recv_frames, send_frames
-from protocol.tensors import check_against_spec
+from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
 from supervisor.anomalies import Anomalies
+from supervisor.config import ModelConfig
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CLIENTS, EventLoop
 from supervisor.pending import Peer, PendingRequest
@@ -163,7 +164,7 @@ class Broker:
                     ErrorCode.UNKNOWN_MODEL, f"no model {request.model!r}; serving {sorted(config.models)}"
                 )
             # NaN/Inf are the worker's to find: it reads the frames anyway, right before the model.
-            check_against_spec(request.inputs, model.inputs)
+            spec = self.admitting_spec(request.model, model, request.inputs)
             if client[0] is not self.endpoints.ipc and any(d.shm is not None for d in request.inputs):
                 # A worker opens what a shared-memory input names: only a client of this box may name it.
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "inputs in shared memory are for the ipc endpoint only")
@@ -191,9 +192,10 @@ class Broker:
             frames=frames[2:],
             accepted_at=now,
             deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
+            spec=spec,
         )
         self.next_id += 1
-        slot = self.pick_worker(request.model)
+        slot = self.pick_worker(request.model, spec)
         if slot is not None and not queue.waiting:
             if not self.send_to_worker(slot, pending):
                 self.dispatch(request.model)  # that worker is gone; it went back in line for another
@@ -207,6 +209,28 @@ class Broker:
             )
         else:
             queue.waiting.append(pending)
+
+    def admitting_spec(
+        self, name: str, model: ModelConfig, inputs: Sequence[TensorDesc]
+    ) -> tuple[TensorSpec, ...] | None:
+        """Check a request's inputs; ProtocolError when they fit no spec the model's workers serve.
+
+        Returns None when any worker of the model may take it. While a rollout changes the model's
+        inputs, a request fitting the new spec is admitted once a worker built with it serves, and
+        each request then goes only to workers of the spec that admitted it.
+        """
+        target = self.serving.targets.get(name)
+        if target is None or target.inputs == model.inputs:
+            check_against_spec(inputs, model.inputs)
+            return None
+        try:
+            check_against_spec(inputs, model.inputs)
+            return model.inputs
+        except ProtocolError:
+            if not any(s.model.inputs == target.inputs and s.state is SlotState.SERVING for s in self.members[name]):
+                raise
+            check_against_spec(inputs, target.inputs)
+            return target.inputs
 
     def has_capacity(self, model: str) -> bool:
         """False when every slot of the model has FAILED: queueing would only delay an error.
@@ -246,7 +270,7 @@ class Broker:
 
     # ---- dispatch ---------------------------------------------------------------------------
 
-    def pick_worker(self, model: str) -> WorkerSlot | None:
+    def pick_worker(self, model: str, spec: tuple[TensorSpec, ...] | None = None) -> WorkerSlot | None:
         """The least loaded serving worker of `model` with room in its pipeline; ties go to the most recently busy.
 
         Most recently busy, not longest idle: that worker's core is awake and its caches hold the
@@ -264,7 +288,7 @@ class Broker:
             serving = [s for s in slots if s.state is SlotState.SERVING]
             slots = serving[: (len(serving) + 1) // 2]
         for slot in slots:
-            if not slot.can_take(prefetch):
+            if not slot.can_take(prefetch) or (spec is not None and slot.model.inputs != spec):
                 continue
             if best is None or (len(slot.inflight), -slot.progress_at) < (len(best.inflight), -best.progress_at):
                 best = slot
@@ -274,7 +298,7 @@ class Broker:
         """Hand queued requests of `model` to its idle workers, oldest first."""
         queue = self.queues.get(model)
         while queue is not None and queue.waiting:
-            slot = self.pick_worker(model)
+            slot = self.pick_worker(model, queue.waiting[0].spec)
             if slot is None:
                 return
             request = queue.waiting.popleft()
@@ -337,17 +361,29 @@ class Broker:
         queue.waiting.appendleft(request)
 
     def expire(self, now: float) -> None:
-        """Answer DEADLINE_EXCEEDED for queued requests whose deadline passed."""
-        for queue in self.queues.values():
-            if not any(r.deadline is not None and now >= r.deadline for r in queue.waiting):
+        """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more."""
+        for name, queue in self.queues.items():
+            expired = any(r.deadline is not None and now >= r.deadline for r in queue.waiting)
+            specs = {r.spec for r in queue.waiting if r.spec is not None}
+            gone = {spec for spec in specs if not self.spec_alive(name, spec)}
+            if not expired and not gone:
                 continue
             keep: collections.deque[PendingRequest] = collections.deque()
             for request in queue.waiting:
                 if request.deadline is not None and now >= request.deadline:
                     self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                elif request.spec in gone:
+                    # A rollout of new inputs was rolled back, or finished: nothing can run this request's spec.
+                    why = "the model no longer serves the inputs spec that admitted this request"
+                    self.fail(request, ErrorCode.UNAVAILABLE, why)
                 else:
                     keep.append(request)
             queue.waiting = keep
+
+    def spec_alive(self, model: str, spec: tuple[TensorSpec, ...]) -> bool:
+        """True while some member of the model built with `spec` is serving or on its way."""
+        alive = (SlotState.SERVING, SlotState.STARTING, SlotState.BACKOFF)
+        return any(s.model.inputs == spec and s.state in alive for s in self.members.get(model, ()))
 
     def fail_queued(self, model: str, code: ErrorCode, message: str) -> None:
         """Answer every queued request of one model with `code`."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.client_messages import RequestId
+from protocol.tensors import TensorSpec
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]
@@ -25,3 +26,5 @@ class PendingRequest:
     deadline: float | None
     losses: int = 0
     dispatched_at: float = 0.0
+    #: While a rollout changes the model's inputs: the spec that admitted it (only its workers may take it).
+    spec: tuple[TensorSpec, ...] | None = None

@@ -18,6 +18,7 @@ from protocol.constants import ErrorCode, WorkerExitCode
 from supervisor.broker import Broker
 from supervisor.config import Config, ModelConfig
 from supervisor.config_diff import ConfigDiff
+from supervisor.health import ModelReport, model_report
 from supervisor.launcher import Launcher, launch_worker
 from supervisor.planner import Assignment
 from supervisor.rollout import Replacement, Rollout
@@ -56,6 +57,10 @@ class WorkerPool:
         #: Successors still warming up and old workers draining away: alive, but not routed to.
         self.extra: list[WorkerSlot] = []
         self.rollout = Rollout()
+        #: Models that have had a serving worker since they joined the config (STARTING vs UNAVAILABLE).
+        self.has_served: set[str] = set()
+        #: Per model, why its last rollout toward a new config failed (cleared by the next one).
+        self.rollout_errors: dict[str, str] = {}
         self.stopping = False
         self.stop_deadline = 0.0
         self.kill_deadline: float | None = None
@@ -84,9 +89,9 @@ class WorkerPool:
         """The pid of every live worker process."""
         return frozenset(pid for s in self.all_slots() if (pid := s.pid) is not None)
 
-    def every_model_serving(self) -> bool:
-        """True once each model has at least one serving member."""
-        return all(any(s.state is SlotState.SERVING for s in slots) for slots in self.members.values())
+    def reports(self) -> dict[str, ModelReport]:
+        """Each model's health, from its members."""
+        return {name: model_report(slots, name in self.has_served) for name, slots in self.members.items()}
 
     def all_failed(self) -> bool:
         """True when every slot of every model has FAILED: nothing will ever serve again."""
@@ -109,6 +114,7 @@ class WorkerPool:
             self.advance_stop(now)
             return
         self.rollout.advance(self)
+        self.settle_targets()
         self.manage(now)
 
     def spawn(self, slot: WorkerSlot) -> None:
@@ -201,6 +207,17 @@ class WorkerPool:
         successor = self.rollout.successor
         self.extra = [s for s in self.extra if s.state is not SlotState.STOPPED or s is successor]
 
+    def settle_targets(self) -> None:
+        """A model whose every member is built from its rollout target serves with that config from now on."""
+        for name, target in list(self.serving.targets.items()):
+            members = self.members.get(name)
+            if members is None:
+                del self.serving.targets[name]
+            elif not self.rollout.has_work_for(name) and all(s.model is target for s in members):
+                del self.serving.targets[name]
+                self.serving.set_model(target)
+                log.info("model_config_applied", model=name)
+
     # ---- what the broker saw -----------------------------------------------------------------
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
@@ -213,6 +230,7 @@ class WorkerPool:
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
         slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
+        self.has_served.add(slot.model.name)
         slot.transition(
             SlotState.SERVING,
             f"ready in {slot.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "
@@ -270,7 +288,9 @@ class WorkerPool:
                 self.retire(slot, "model removed from config")
             self.broker.remove_model(name)
         for name, wanted in plan.items():
-            model = new.models[name]
+            model = self.serving.desired(name) or new.models[name]
+            if name in self.serving.targets:
+                self.rollout_errors.pop(name, None)
             pool = self.members.setdefault(name, [])
             for slot in pool[len(wanted) :]:
                 self.retire(slot, f"scaled down to {len(wanted)} workers")
@@ -297,8 +317,24 @@ class WorkerPool:
         return self.members.get(model)
 
     def model_config(self, model: str) -> ModelConfig | None:
-        """The model as configured now."""
-        return self.serving.model(model)
+        """What the model's workers are to be built from now: its rollout target, else its serving config."""
+        return self.serving.desired(model)
+
+    def rollout_failed(self, model: str, error: str) -> None:
+        """A replacement toward the model's target failed: drop the target and rebuild what was built from it.
+
+        The model keeps serving with the config it had; members already replaced (earlier surge steps,
+        or the drain-first slot) go back to that config, rolling.
+        """
+        target = self.serving.targets.pop(model, None)
+        serving = self.serving.model(model)
+        if target is None or serving is None:
+            return
+        self.rollout_errors[model] = error
+        back = [s for s in self.members.get(model, []) if s.model is target]
+        for slot in back:
+            self.rollout.enqueue(Replacement(slot, serving, slot.assignment, "roll back: the new config failed"))
+        log.error("model_config_rolled_back", model=model, error=error, workers_rebuilt=len(back))
 
     def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:
         """Spawn a new slot beside the pool (surge): alive, but not routed to until promoted."""

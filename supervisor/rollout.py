@@ -60,6 +60,9 @@ class RolloutHost(Protocol):
     def abandon(self, successor: WorkerSlot, reason: str) -> None:
         """Give up on a successor that is not in the pool."""
 
+    def rollout_failed(self, model: str, error: str) -> None:
+        """A replacement of this model failed: keep serving with the config it has."""
+
 
 class Rollout:
     """The queue of replacements, worked one at a time so capacity never drops below N-1."""
@@ -83,6 +86,11 @@ class Rollout:
         if dropped:
             log.warning("rollout_dropped", model=model, replacements=dropped, reason=reason)
         return dropped
+
+    def has_work_for(self, model: str) -> bool:
+        """True while a replacement of this model is queued or running."""
+        current = self.current is not None and self.current.model.name == model
+        return current or any(r.model.name == model for r in self.queue)
 
     def involves(self, slot: WorkerSlot) -> bool:
         """True when this worker is already queued or being replaced."""
@@ -175,18 +183,19 @@ class Rollout:
         )
 
     def fail(self, host: RolloutHost, replacement: Replacement, successor: WorkerSlot) -> None:
-        """The replacement died before READY: stop this model's rollout and say so.
+        """The replacement died before READY: stop this model's rollout, keep its serving config, say so.
 
-        Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot stays in
-        the pool and backs off like any crashing worker.
+        Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot is rebuilt
+        from the config the model serves with (a plain restart of an unchanged config backs off and retries).
         """
-        keeps = "the old worker keeps serving" if not replacement.in_pool else "the slot backs off and retries"
+        keeps = "the old worker keeps serving" if not replacement.in_pool else "its slot is rebuilt"
         self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); {keeps}"
         log.error("rollout_failed", slot=successor.name, how=successor.last_exit, reason=replacement.reason)
         if not replacement.in_pool:
             host.abandon(successor, "replacement abandoned")
         self.current = None
         self.drop_model(replacement.model.name, "an earlier replacement of this model failed")
+        host.rollout_failed(replacement.model.name, self.last_error)
 
     def clear(self) -> None:
         """Forget queued replacements (the daemon is stopping); the running step, if any, is left to the stop."""
