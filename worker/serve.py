@@ -25,6 +25,7 @@ from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.logs import adopt_library_handlers
 from worker.profiles.build import BuildContext
 from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
@@ -315,6 +316,7 @@ def serve(launch: LaunchSpec) -> int:
         warm_started = time.perf_counter()
         runner.warm_up(max(1, launch.warmup_iterations))
         warmup_ms = timed_ms(warm_started)
+        adopt_library_handlers()  # a model's libraries (transformers, ...) may have installed handlers while loading
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
         return WorkerExitCode.LOAD_FAILED
