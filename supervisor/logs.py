@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from worker.logs import LEVELS, configure_json_logs
+from common.json_logs import LEVELS, configure_json_logs
 
 
 def configure_logging(level: str = "info") -> None:
     """(Re)configure the process-wide logger; calling it again applies a new level live."""
-    # The renderer lives in worker.logs (no torch there) so that both processes write the same JSON shape.
     configure_json_logs(sys.stdout, LEVELS[level])

@@ -20,7 +20,8 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
-    from worker.logs import adopt_library_handlers, configure_logging
+    from common.json_logs import adopt_library_handlers
+    from worker.logs import configure_logging
 
     configure_logging()
     # torch is imported only now, so its OpenMP pool is created inside the pinned cpu set.

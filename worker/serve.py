@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from common.cpuinfo import read_caps
+from common.json_logs import adopt_library_handlers
 from common.profiles import PROFILES
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
@@ -25,7 +26,6 @@ from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker.loader import ModelLoadError, default_output_names, load_model
-from worker.logs import adopt_library_handlers
 from worker.profiles.build import BuildContext
 from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
