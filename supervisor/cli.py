@@ -6,111 +6,197 @@ Each command's module is imported only when it runs, so `serve` starts without t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from common.profiles import PROFILE_NAMES
+from protocol.constants import PROTOCOL_VERSION
+
+RUNTIME_DIR_HELP = (
+    "the daemon's socket directory (default: $RUNTIME_DIRECTORY, /run/infervisor, $XDG_RUNTIME_DIR/infervisor "
+    "or /tmp/infervisor-UID, the first that applies; serve also honours the config's runtime_dir)"
+)
+CONFIG_HELP = (
+    "config.json to use (default: $INFERVISOR_CONFIG, else /etc/infervisor/config.json when it exists, "
+    "else the shipped configs/default.json)"
+)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default when it has a meaningful one (not None, False or already in the text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (
+            text
+            and "%(default)" not in text
+            and action.option_strings
+            and action.default not in (None, False, True, argparse.SUPPRESS)
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        number = version("infervisor")
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
+        number = "unknown (not installed)"
+    return f"infervisor {number} (wire protocol {PROTOCOL_VERSION})"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """All subcommands and their options."""
-    parser = argparse.ArgumentParser(prog="infervisor", description="Serve PyTorch models on CPU workers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """All subcommands and their options; every option has a help text (tests/test_cli.py checks)."""
+    parser = argparse.ArgumentParser(
+        prog="infervisor", description="Serve PyTorch models on CPU workers.", formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
-    serve.add_argument("--config", required=True, help="path to config.json")
-    serve.add_argument("--runtime-dir", help="directory for the sockets (default: see docs)")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+
+    serve = command("serve", "run the daemon in the foreground")
+    serve.add_argument("--config", help=CONFIG_HELP)
+    serve.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     serve.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
 
-    status = sub.add_parser("status", help="show the workers of a running daemon")
-    status.add_argument("--runtime-dir")
+    status = command("status", "show the workers of a running daemon")
+    status.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     status.add_argument("--json", action="store_true", help="print the raw status document")
 
-    infer = sub.add_parser("infer", help="send one request from the shell")
-    infer.add_argument("--runtime-dir")
-    infer.add_argument("--model", required=True)
+    infer = command("infer", "send one request from the shell")
+    infer.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
+    infer.add_argument("--model", required=True, help="the served model to ask (see `infervisor status`)")
     source = infer.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", action="append", help="FILE.npy, NAME=FILE.npy (repeatable) or FILE.npz")
     source.add_argument("--random", action="store_true", help="random inputs of the model's declared spec")
-    infer.add_argument("--batch", type=int, default=1, help="size of dynamic dims with --random")
-    infer.add_argument("--timeout", type=float, default=30.0)
-    infer.add_argument("--json", action="store_true")
+    infer.add_argument("--batch", type=_positive_int, default=1, help="size of dynamic dims with --random")
+    infer.add_argument("--timeout", type=_positive_float, default=30.0, help="seconds to wait for the reply")
+    infer.add_argument("--json", action="store_true", help="print the result (or the error) as one JSON object")
 
-    restart = sub.add_parser("restart", help="rolling restart of a model's workers (all models by default)")
-    restart.add_argument("--runtime-dir")
-    restart.add_argument("--model")
+    restart = command("restart", "rolling restart of a model's workers (all models by default)")
+    restart.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
+    restart.add_argument("--model", help="restart only this model's workers")
+    restart.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
 
-    reload = sub.add_parser("reload", help="re-read config.json now (it is also watched, and SIGHUP reloads)")
-    reload.add_argument("--runtime-dir")
+    reload = command("reload", "re-read config.json now (it is also watched, and SIGHUP reloads)")
+    reload.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
+    reload.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
 
-    demo = sub.add_parser("demo", help="start the daemon, send it requests, print results and latency, stop it")
-    demo.add_argument("--config", default="configs/default.json")
-    demo.add_argument("--runtime-dir")
-    demo.add_argument("--requests", type=int, default=50)
-    demo.add_argument("--clients", type=int, default=2)
-    bench = sub.add_parser("bench", help="every optimisation profile of a built-in, in process and via the daemon")
+    demo = command("demo", "start the daemon, send it requests, print results and latency, stop it")
+    demo.add_argument("--config", help=CONFIG_HELP)
+    demo.add_argument("--runtime-dir", help="socket directory for the demo's daemon (default: a fresh temporary one)")
+    demo.add_argument("--requests", type=_positive_int, default=50, help="requests per model, all clients together")
+    demo.add_argument("--clients", type=_positive_int, default=2, help="concurrent clients per model")
+    demo.add_argument(
+        "--start-timeout", type=_positive_float, default=600.0,
+        help="seconds to wait for every worker to serve (a first start compiles the int8 packages)",
+    )  # fmt: skip
+    bench = command("bench", "every optimisation profile of a built-in, in process and via the daemon")
     bench.add_argument("--models", default="resnet50,encoder", help="built-ins, comma-separated")
-    bench.add_argument("--profiles", default=",".join(PROFILE_NAMES))
+    bench.add_argument("--profiles", default=",".join(PROFILE_NAMES), help="profiles to measure, comma-separated")
     bench.add_argument("--threads", default="1,2", help="thread counts, comma-separated (one pinned core each)")
     bench.add_argument("--batch", type=int, default=8, help="the second batch size measured")
     bench.add_argument("--seconds", type=float, default=3.0, help="timing per measurement")
-    bench.add_argument("--channels-last", action="store_true")
+    bench.add_argument("--channels-last", action="store_true", help="feed 4-D inputs in channels_last (NHWC)")
     bench.add_argument("--no-daemon", dest="daemon", action="store_false", help="in-process figures only")
     bench.add_argument("--cache-dir", help="compiled packages (default: the daemon's cache directory)")
-    bench.add_argument("--timeout", type=float, default=1800.0, help="per child process / worker start")
+    bench.add_argument("--timeout", type=float, default=1800.0, help="seconds per child process / worker start")
     bench.add_argument("--json", help="also write the rows here")
-    doctor = sub.add_parser("doctor", help="the ten-point performance checklist on this box: pass / warn / fail")
-    doctor.add_argument("--config", default="configs/default.json")
+    doctor = command("doctor", "the ten-point performance checklist on this box: pass / warn / fail")
+    doctor.add_argument("--config", help=CONFIG_HELP)
     doctor.add_argument("--constraints", help="constraints.json of the delivery (see configs/constraints.example.json)")
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
-    doctor.add_argument("--json", action="store_true")
-    optimize = sub.add_parser("optimize", help="measure every profile of a model, judge the SLA, write its chain")
-    optimize.add_argument("--model", required=True)
-    optimize.add_argument("--config", default="configs/default.json")
+    doctor.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+    optimize = command("optimize", "measure every profile of a model, judge the SLA, write its chain")
+    optimize.add_argument("--model", required=True, help="the configured model to measure")
+    optimize.add_argument("--config", help=CONFIG_HELP + "; the chosen chain is written into it")
     optimize.add_argument(
         "--constraints", help="constraints.json (accuracy budget and SLA); else the model's tolerance"
     )
     optimize.add_argument("--calibration", help=".npz for int8_static (written into the model's entry)")
     optimize.add_argument("--validation", help=".npz the accuracy is measured on (written into the model's entry)")
-    optimize.add_argument("--profiles", default=",".join(PROFILE_NAMES))
+    optimize.add_argument("--profiles", default=",".join(PROFILE_NAMES), help="profiles to measure, comma-separated")
     optimize.add_argument("--threads", type=int, help="threads per worker (default: the model's)")
-    optimize.add_argument("--batch", type=int, default=8)
+    optimize.add_argument("--batch", type=int, default=8, help="batch size of the latency measurement")
     optimize.add_argument("--seconds", type=float, default=2.0, help="timing per profile")
     optimize.add_argument("--cache-dir", help="compiled packages (default: the config's cache_dir)")
-    optimize.add_argument("--timeout", type=float, default=1800.0)
+    optimize.add_argument("--timeout", type=float, default=1800.0, help="seconds per profile's measuring process")
     optimize.add_argument("--dry-run", action="store_true", help="show the config diff, write nothing")
     optimize.add_argument("--json", help="also write the report here")
-    probe = sub.add_parser("probe", help="per-stage timings, hardware counters and torch operators under load")
-    probe.add_argument("--model", required=True)
-    probe.add_argument("--runtime-dir")
+    probe = command("probe", "per-stage timings, hardware counters and torch operators under load")
+    probe.add_argument("--model", required=True, help="the served model to load")
+    probe.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     probe.add_argument("--qps", type=float, default=20.0, help="offered load, all clients together")
     probe.add_argument("--duration", type=float, default=10.0, help="seconds")
-    probe.add_argument("--clients", type=int, default=2)
-    probe.add_argument("--batch", type=int, default=1)
+    probe.add_argument("--clients", type=int, default=2, help="concurrent clients")
+    probe.add_argument("--batch", type=int, default=1, help="rows per request")
     probe.add_argument("--profile-requests", type=int, default=50, help="requests one worker runs under torch.profiler")
     probe.add_argument("--json", help="also write the report here")
-    harden = sub.add_parser("harden", help="stability hardening against a running daemon: pass/fail per check")
-    harden.add_argument("--model", required=True)
-    harden.add_argument("--runtime-dir")
+    harden = command("harden", "stability hardening against a running daemon: pass/fail per check")
+    harden.add_argument("--model", required=True, help="the served model to harden")
+    harden.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     harden.add_argument("--duration", type=float, default=60.0, help="seconds, split between the timed checks")
     harden.add_argument("--constraints", help="constraints.json: the soak's P99 limit")
     harden.add_argument("--hog-mb", type=int, default=512, help="memory the pressure check allocates")
     harden.add_argument("--no-chaos", dest="chaos", action="store_false", help="skip kill -9 / SIGSTOP of workers")
     harden.add_argument("--json", help="also write the results here")
-    report = sub.add_parser("report", help="one HTML report: verdict, constraints, doctor, optimize, probe, harden")
-    report.add_argument("--config", default="configs/default.json", help="for the doctor's checks")
-    report.add_argument("--constraints")
+    report = command("report", "one HTML report: verdict, constraints, doctor, optimize, probe, harden")
+    report.add_argument("--config", help=CONFIG_HELP + "; for the doctor's checks")
+    report.add_argument("--constraints", help="constraints.json of the delivery")
     report.add_argument("--optimize", help="JSON written by infervisor optimize --json")
     report.add_argument("--probe", help="JSON written by infervisor probe --json")
     report.add_argument("--harden", help="JSON written by infervisor harden --json")
-    report.add_argument("--out", default="infervisor-report.html")
+    report.add_argument("--out", default="infervisor-report.html", help="the HTML file to write (a .png beside it)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the console script: a closed pipe or Ctrl-C ends it with a status, not a traceback."""
+    who = "infervisor"
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:
+            # --help, --version and usage errors end here, once argparse has printed: flush inside the try too.
+            sys.stdout.flush()
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        who = f"infervisor {args.command}"
+        code = _run(args)
+        # Flushed here, inside the try: a reader that went away (`| head`) shows up now, not in the exit flush.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The Python docs' recipe (signal module, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's own flush at exit does not raise a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"{who}: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from supervisor.commands.serve import run_serve
 

@@ -1,25 +1,12 @@
-"""Supervisor logs: structlog events rendered as one JSON object per line on stdout."""
+"""Supervisor logs: structlog events, Python warnings and library records, one JSON object per line on stdout."""
 
 from __future__ import annotations
 
-import logging
 import sys
 
-import structlog
-
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+from common.json_logs import LEVELS, configure_json_logs
 
 
 def configure_logging(level: str = "info") -> None:
     """(Re)configure the process-wide logger; calling it again applies a new level live."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
-        cache_logger_on_first_use=False,
-    )
+    configure_json_logs(sys.stdout, LEVELS[level])

@@ -85,7 +85,7 @@ def test_rolling_restart_under_load_fails_nothing_and_keeps_n_minus_1(start_daem
     with Load(daemon, "tiny", {"x": np.ones((1, 16), np.float32)}) as load:
         watcher.start()
         answer = subprocess.run(
-            [sys.executable, "-m", "supervisor", "restart", "--runtime-dir", str(daemon.runtime_dir)],
+            [sys.executable, "-m", "supervisor", "restart", "--runtime-dir", str(daemon.runtime_dir), "--json"],
             capture_output=True, text=True, cwd=ROOT, timeout=60,
         )  # fmt: skip
         assert json.loads(answer.stdout)["queued"] == 2

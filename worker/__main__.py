@@ -20,12 +20,14 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
+    from common.json_logs import adopt_library_handlers
     from worker.logs import configure_logging
 
     configure_logging()
     # torch is imported only now, so its OpenMP pool is created inside the pinned cpu set.
     from worker.serve import serve
 
+    adopt_library_handlers()  # torch's import installed console handlers of its own
     return serve(launch)
 
 

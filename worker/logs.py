@@ -1,23 +1,18 @@
-"""Worker logs: one JSON object per line on stderr, beside the supervisor's."""
+"""Worker logs: JSON lines on stderr, with the worker's stdout pointed there too."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-import structlog
+from common.json_logs import configure_json_logs
 
 
 def configure_logging() -> None:
-    """Render structlog events as JSON lines on stderr."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+    """Worker logs on stderr; the worker's stdout is pointed there too, so only the supervisor writes stdout."""
+    sys.stdout.flush()
+    # A print() in model code or a library (or native code writing fd 1) would put a plain line among the
+    # supervisor's JSON on the stdout the two share; on stderr it sits with what native code prints anyway.
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    configure_json_logs(sys.stderr, logging.INFO)

@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from common.cpuinfo import read_caps
+from common.json_logs import adopt_library_handlers
 from common.profiles import PROFILES
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
@@ -315,6 +316,7 @@ def serve(launch: LaunchSpec) -> int:
         warm_started = time.perf_counter()
         runner.warm_up(max(1, launch.warmup_iterations))
         warmup_ms = timed_ms(warm_started)
+        adopt_library_handlers()  # a model's libraries (transformers, ...) may have installed handlers while loading
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
         return WorkerExitCode.LOAD_FAILED

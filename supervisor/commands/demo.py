@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,30 +19,96 @@ from protocol.constants import CLIENT_SOCKET_NAME
 from protocol.errors import InferenceError
 from supervisor.commands.infer import random_inputs, summarize
 from supervisor.commands.status import format_status
+from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.control import ControlError, control_request
 from supervisor.status import percentile
 
+#: Worker states the demo waits out: anything else is still on its way to serving (or to giving up).
+_SETTLED = ("serving", "failed")
+#: Log fields that say nothing about why the daemon stopped.
+_NOISE = ("event", "level", "timestamp")
 
-def _wait_ready(process: subprocess.Popen[bytes], runtime_dir: Path, timeout: float) -> dict[str, Any]:
+
+class DemoError(Exception):
+    """The demo cannot go on; the message says why (the daemon's own reason when it has one)."""
+
+
+def _describe_event(event: dict[str, Any]) -> str:
+    """`event: problem; problem, key=value` from one JSON log line."""
+    parts: list[str] = []
+    problems = event.get("problems")
+    if isinstance(problems, list):
+        parts.append("; ".join(str(p) for p in problems))
+    parts.extend(f"{k}={v}" for k, v in event.items() if k not in (*_NOISE, "problems") and v is not None)
+    return f"{event.get('event')}: {', '.join(parts)}"
+
+
+def daemon_reason(log_text: str) -> str:
+    """Why the daemon stopped, from its log: its error events, else its last lines."""
+    errors: list[str] = []
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("level") in ("error", "critical"):
+            errors.append(_describe_event(event))
+    if errors:
+        return " | ".join(errors[-3:])
+    return " / ".join(lines[-3:]) if lines else "it logged nothing"
+
+
+def _settled(status: dict[str, Any]) -> bool:
+    """Every worker of every model serves, or was given up on: a load now meets the whole pool."""
+    workers = [w for model in status["models"].values() for w in model["workers"]]
+    return status["state"] != "stopping" and bool(workers) and all(w["state"] in _SETTLED for w in workers)
+
+
+def _waiting_for(status: dict[str, Any]) -> str:
+    waiting = [
+        f"{name} slot {w['slot']} {w['state']}"
+        for name, model in status["models"].items()
+        for w in model["workers"]
+        if w["state"] not in _SETTLED
+    ]
+    return ", ".join(waiting) or "the daemon to be ready"
+
+
+def _wait_serving(
+    process: subprocess.Popen[bytes], runtime_dir: Path, log_path: Path, timeout: float
+) -> dict[str, Any]:
+    """The status document once every worker serves (or failed for good); DemoError with the reason otherwise."""
     deadline = time.monotonic() + timeout
+    status: dict[str, Any] | None = None
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {process.returncode} before it was ready")
+            reason = daemon_reason(log_path.read_text(errors="replace"))
+            raise DemoError(f"the daemon exited with code {process.returncode} before it served: {reason}")
         try:
             status = control_request(runtime_dir, {"cmd": "status"}, timeout=2.0)
         except ControlError:
-            status = None
-        if status is not None and status["state"] == "ready":
+            status = None  # not listening yet
+        if status is not None and _settled(status):
             return status
-        time.sleep(0.05)
-    raise RuntimeError(f"the daemon was not ready within {timeout:.0f} s")
+        time.sleep(0.1)
+    waiting = _waiting_for(status) if status is not None else "its control socket"
+    raise DemoError(f"not every worker served within {timeout:.0f} s (waiting for {waiting}); raise --start-timeout")
 
 
 def _load(
-    endpoint: str, model: str, inputs: dict[str, Any], count: int, latencies: list[float], errors: list[str]
+    endpoint: str,
+    model: str,
+    inputs: dict[str, Any],
+    count: int,
+    results: tuple[list[float], list[str]],
+    stop: threading.Event,
 ) -> None:
+    latencies, errors = results
     with Client(endpoint) as client:
         for _ in range(count):
+            if stop.is_set():
+                return
             started = time.perf_counter()
             try:
                 client.infer(model, inputs, timeout=60)
@@ -50,53 +118,112 @@ def _load(
             latencies.append((time.perf_counter() - started) * 1000.0)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """Start `infervisor serve`, exercise every model, print results and latency, then stop it cleanly."""
-    runtime_dir = Path(args.runtime_dir or tempfile.mkdtemp(prefix="infervisor-demo-"))
-    log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
-    print(f"starting: infervisor serve --config {args.config} --runtime-dir {runtime_dir}  (log: {log_path})")
-    started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", args.config, "--runtime-dir", str(runtime_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
+def _exercise(runtime_dir: Path, status: dict[str, Any], args: argparse.Namespace, stop: threading.Event) -> int:
+    """One request and a concurrent load per serving model; 0 when every model served without an error."""
+    endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
+    outcome = 0
+    for name, model in status["models"].items():
+        if not any(w["state"] == "serving" for w in model["workers"]):
+            print(f"{name}: no worker serves (see the table above), skipped\n")
+            outcome = 1
+            continue
+        inputs = random_inputs(model["inputs"], 1)
+        with Client(endpoint) as client:
+            first = time.perf_counter()
+            outputs, timing = client.infer_with_timing(name, inputs, timeout=60)
+            print(f"{name}: one request in {(time.perf_counter() - first) * 1000:.2f} ms (server {timing})")
+        for out_name, array in outputs.items():
+            print(f"  {out_name}: {summarize(out_name, array)}")
+        results: tuple[list[float], list[str]] = ([], [])
+        per_client = max(1, args.requests // args.clients)
+        # Daemon threads with a stop flag: a Ctrl-C in the main thread must not wait for the load to finish.
+        threads = [
+            threading.Thread(target=_load, args=(endpoint, name, inputs, per_client, results, stop), daemon=True)
+            for _ in range(args.clients)
+        ]
+        load_started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - load_started
+        latencies, errors = results
+        if errors:
+            outcome = 1
+        print(
+            f"{name}: {len(latencies)} ok, {len(errors)} errors, {args.clients} clients, {elapsed:.2f} s: "
+            f"{len(latencies) / elapsed:.1f} req/s, p50 {percentile(latencies, 50)} ms, "
+            f"p99 {percentile(latencies, 99)} ms\n"
         )
+    print(format_status(control_request(runtime_dir, {"cmd": "status"})))
+    return outcome
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float = 60.0) -> int:
+    """SIGTERM, then SIGKILL after `grace` seconds; the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Start `infervisor serve`, exercise every model, print results and latency, then stop it and clean up."""
+    try:
+        choice = resolve_config_path(args.config)
+    except ConfigPathError as exc:
+        print(f"infervisor demo: {exc}", file=sys.stderr)
+        return 2
+    made_dir = args.runtime_dir is None
+    runtime_dir = (
+        Path(args.runtime_dir).resolve() if args.runtime_dir else Path(tempfile.mkdtemp(prefix="infervisor-demo-"))
+    )
+    log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
+    print(f"config: {choice.describe()}")
+    print(f"starting: infervisor serve --config {choice.path} --runtime-dir {runtime_dir}  (log: {log_path})")
+    started = time.monotonic()
+    stop = threading.Event()
+    process: subprocess.Popen[bytes] | None = None
+    outcome = 1
+    # A SIGTERM (`timeout`, a closed session) cleans up as a Ctrl-C does instead of leaving the daemon running.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "supervisor", "serve", "--config", str(choice.path),
+                 "--runtime-dir", str(runtime_dir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        status = _wait_serving(process, runtime_dir, log_path, args.start_timeout)
+        print(f"every worker serves after {time.monotonic() - started:.2f} s\n")
+        print(format_status(status) + "\n")
+        outcome = _exercise(runtime_dir, status, args, stop)
+    except DemoError as exc:
+        print(f"infervisor demo: {exc}", file=sys.stderr)
+    except (ControlError, InferenceError) as exc:
+        print(f"infervisor demo: the daemon stopped answering: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("infervisor demo: interrupted, stopping the daemon", file=sys.stderr)
+        outcome = 130
+    finally:
+        stop.set()
+        # A second Ctrl-C must not cut the stop short and leave a daemon or its directory behind.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            status = _wait_ready(process, runtime_dir, 300.0)
-            print(f"ready in {time.monotonic() - started:.2f} s\n")
-            print(format_status(status) + "\n")
-            endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
-            for name, model in status["models"].items():
-                inputs = random_inputs(model["inputs"], 1)
-                with Client(endpoint) as client:
-                    first = time.perf_counter()
-                    outputs, timing = client.infer_with_timing(name, inputs, timeout=60)
-                    print(f"{name}: one request in {(time.perf_counter() - first) * 1000:.2f} ms (server {timing})")
-                for out_name, array in outputs.items():
-                    print(f"  {out_name}: {summarize(out_name, array)}")
-                latencies: list[float] = []
-                errors: list[str] = []
-                per_client = max(1, args.requests // args.clients)
-                threads = [
-                    threading.Thread(target=_load, args=(endpoint, name, inputs, per_client, latencies, errors))
-                    for _ in range(args.clients)
-                ]
-                load_started = time.perf_counter()
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                elapsed = time.perf_counter() - load_started
-                print(
-                    f"{name}: {len(latencies)} ok, {len(errors)} errors, {args.clients} clients, {elapsed:.2f} s: "
-                    f"{len(latencies) / elapsed:.1f} req/s, p50 {percentile(latencies, 50)} ms, "
-                    f"p99 {percentile(latencies, 99)} ms\n"
-                )
-            print(format_status(control_request(runtime_dir, {"cmd": "status"})))
+            code = _stop(process) if process is not None else None
+            if made_dir:
+                shutil.rmtree(runtime_dir, ignore_errors=True)  # the daemon removed its sockets; this is the rest
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            code = process.wait(60)
-    print(f"\ndaemon stopped with exit code {code}")
-    return 0 if code == 0 else 1
+            signal.signal(signal.SIGINT, previous)
+    if code is not None:
+        print(f"\ndaemon exited with code {code}; its log: {log_path}")
+    # The log stays (it is the one place that says what the daemon did); the directory of sockets goes.
+    return outcome if outcome or code == 0 else 1

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from supervisor.config import ConfigError, load_config
+from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.doctor import Check, Machine, Status, run_checks
 
@@ -28,14 +29,16 @@ def format_checks(checks: list[Check]) -> str:
 def run_doctor(args: argparse.Namespace) -> int:
     """Check, print, exit 1 when anything failed (2 when the inputs themselves are wrong)."""
     try:
-        config = load_config(Path(args.config))
+        choice = resolve_config_path(args.config)
+        config = load_config(choice.path)
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-    except (ConfigError, ConstraintsError) as exc:
+    except (ConfigPathError, ConfigError, ConstraintsError) as exc:
         print(f"infervisor doctor: {exc}")
         return 2
     checks = run_checks(config, constraints, Machine(sysfs=Path(args.sysfs_root), proc=Path(args.proc_root)))
     if args.json:
         print(json.dumps([{**vars(c), "status": c.status.value} for c in checks], indent=2))
     else:
+        print(f"config: {choice.describe()}")
         print(format_checks(checks))
     return 1 if any(c.status is Status.FAIL for c in checks) else 0

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import time
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from protocol.client import Client
-from protocol.constants import CLIENT_SOCKET_NAME
+from protocol.constants import CLIENT_SOCKET_NAME, DEFAULT_MAX_FRAME_BYTES
 from protocol.errors import InferenceError
 from supervisor.control import ControlError, control_request
 from supervisor.runtime_dir import resolve_runtime_dir
@@ -19,6 +24,39 @@ from supervisor.runtime_dir import resolve_runtime_dir
 
 class InputError(Exception):
     """The inputs given on the command line cannot be used."""
+
+
+#: The first bytes of the two file kinds `--input` takes (numpy's format, and the zip archive numpy.savez writes).
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def frame_limit(status: dict[str, Any]) -> int:
+    """The largest tensor the daemon accepts (its max_frame_bytes; the default when status does not say)."""
+    limit = status.get("limits", {}).get("max_frame_bytes", status.get("max_frame_bytes"))
+    return int(limit) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_FRAME_BYTES
+
+
+def check_random_size(spec: list[dict[str, Any]], batch: int, max_frame_bytes: int) -> None:
+    """Refuse, before allocating anything, random inputs the daemon would refuse or this box cannot hold."""
+    peak = 0
+    for item in spec:
+        shape = [batch if d is None else d for d in item["shape"]]
+        itemsize = np.dtype(item["dtype"]).itemsize
+        nbytes = math.prod(shape) * itemsize
+        if nbytes > max_frame_bytes:
+            raise InputError(
+                f"--batch {batch} makes input {item['name']!r} {shape} {nbytes / 2**20:,.0f} MiB, over the daemon's "
+                f"frame limit of {max_frame_bytes / 2**20:,.0f} MiB (max_frame_bytes); use a smaller --batch"
+            )
+        # Floats are drawn as float64 and then cast: both copies exist for a moment.
+        peak += nbytes + (math.prod(shape) * 8 if np.dtype(item["dtype"]).kind == "f" else 0)
+    available = psutil.virtual_memory().available
+    if peak > available // 2:
+        raise InputError(
+            f"--batch {batch} needs {peak / 2**20:,.0f} MiB to make its inputs and this box has "
+            f"{available / 2**20:,.0f} MiB available; use a smaller --batch"
+        )
 
 
 def random_inputs(spec: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
@@ -35,20 +73,45 @@ def random_inputs(spec: list[dict[str, Any]], batch: int, seed: int = 0) -> dict
     return arrays
 
 
+def _load_array_file(path: str) -> Any:
+    """np.load of a .npy or .npz, with what is wrong said in the CLI's terms (it never unpickles)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(len(_NPY_MAGIC))
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    if not (head.startswith(_NPY_MAGIC) or head.startswith(_ZIP_MAGICS)):
+        raise InputError(f"{path} is not a .npy or .npz file (numpy.save and numpy.savez write them)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        if "pickle" in str(exc) or "Object arrays" in str(exc):
+            raise InputError(f"{path} holds Python objects, not numeric arrays; the daemon takes numbers only") from exc
+        raise InputError(f"{path} is not a readable .npy/.npz file: {exc}") from exc
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:  # truncated or damaged
+        raise InputError(f"{path} is not a readable .npy/.npz file: {exc}") from exc
+
+
 def file_inputs(values: list[str], spec: list[dict[str, Any]]) -> dict[str, np.ndarray[Any, Any]]:
     """Load FILE.npy / NAME=FILE.npy / FILE.npz arguments into named arrays."""
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for value in values:
         name, _, path = value.rpartition("=") if "=" in value else ("", "", value)
-        if path.endswith(".npz"):
-            with np.load(path, allow_pickle=False) as bundle:
-                arrays.update({key: bundle[key] for key in bundle.files})
+        loaded = _load_array_file(path)
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded as bundle:
+                try:
+                    arrays.update({key: bundle[key] for key in bundle.files})
+                except ValueError as exc:  # a member is an object array: only found when it is read
+                    raise InputError(f"{path} holds Python objects, not numeric arrays: {exc}") from exc
+                except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # a damaged member
+                    raise InputError(f"{path} is not a readable .npz file: {exc}") from exc
             continue
         if not name:
             if len(spec) != 1:
                 raise InputError(f"the model has {len(spec)} inputs; name each one: --input NAME=FILE.npy")
             name = spec[0]["name"]
-        arrays[name] = np.load(path, allow_pickle=False)
+        arrays[name] = loaded
     return arrays
 
 
@@ -64,28 +127,34 @@ def summarize(name: str, array: np.ndarray[Any, Any]) -> dict[str, Any]:
 
 
 def run_infer(args: argparse.Namespace) -> int:
-    """Send one request and print what came back and how long it took."""
+    """Send one request and print what came back and how long it took (errors on stderr, exit 1 or 2)."""
     runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
     try:
         status = control_request(runtime_dir, {"cmd": "status"})
         model = status["models"].get(args.model)
         if model is None:
-            print(f"infervisor infer: no model {args.model!r}; serving {sorted(status['models'])}")
+            print(f"infervisor infer: no model {args.model!r}; serving {sorted(status['models'])}", file=sys.stderr)
             return 2
-        inputs = random_inputs(model["inputs"], args.batch) if args.random else file_inputs(args.input, model["inputs"])
-    except (ControlError, InputError, OSError, ValueError) as exc:
-        print(f"infervisor infer: {exc}")
+        if args.random:
+            check_random_size(model["inputs"], args.batch, frame_limit(status))
+            inputs = random_inputs(model["inputs"], args.batch)
+        else:
+            inputs = file_inputs(args.input, model["inputs"])
+    except (ControlError, InputError) as exc:
+        print(f"infervisor infer: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:  # the size check leaves little room for this, but a busy box can still run short
+        print("infervisor infer: not enough memory to make the inputs; use a smaller --batch", file=sys.stderr)
         return 2
     with Client(f"ipc://{Path(runtime_dir) / CLIENT_SOCKET_NAME}") as client:
         started = time.perf_counter()
         try:
             outputs, timing = client.infer_with_timing(args.model, inputs, timeout=args.timeout)
         except InferenceError as exc:
-            print(
-                json.dumps({"error": str(exc.code), "message": exc.message})
-                if args.json
-                else f"error {exc.code}: {exc.message}"
-            )
+            if args.json:
+                print(json.dumps({"error": str(exc.code), "message": exc.message}))
+            else:
+                print(f"infervisor infer: error {exc.code}: {exc.message}", file=sys.stderr)
             return 1
         latency_ms = (time.perf_counter() - started) * 1000.0
     report = {

@@ -16,6 +16,7 @@ from common.profiles import PROFILES, REFERENCE_PROFILE
 from protocol.launch import LaunchSpec
 from supervisor.cache_dir import resolve_cache_dir
 from supervisor.config import ConfigError, ModelConfig, load_config
+from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
 from supervisor.toolkit.optimize import Verdict, chain_of, judge, rank, rewrite, within_budget
 
@@ -97,11 +98,12 @@ def format_report(rows: list[dict[str, Any]], budget: Accuracy, verdict: Verdict
 
 def run_optimize(args: argparse.Namespace) -> int:
     """Measure, rank, judge, write (or show) the chain; exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
-    config_path = Path(args.config)
     try:
+        choice = resolve_config_path(args.config)
+        config_path = choice.path
         config = load_config(config_path)
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-    except (ConfigError, ConstraintsError) as exc:
+    except (ConfigPathError, ConfigError, ConstraintsError) as exc:
         print(f"infervisor optimize: {exc}")
         return 2
     model = config.models.get(args.model)
@@ -134,6 +136,10 @@ def run_optimize(args: argparse.Namespace) -> int:
     print(f"\nchain for {args.model}: {' -> '.join(chain)}")
     if args.dry_run:
         print(diff or "config.json already has this chain")
+    elif diff and choice.source == "shipped default":
+        # The shipped file is the package's, not this box's: name one to write instead of editing it.
+        print(f"not written: {config_path} is the shipped default; pass --config (or set $INFERVISOR_CONFIG)")
+        print(diff)
     elif diff:
         temporary = config_path.with_suffix(".optimize.tmp")
         temporary.write_text(new_text)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import ConfigError, load_config
+from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.doctor import run_checks
 from supervisor.toolkit.report import Evidence, charts_png, render, verdict
@@ -21,7 +22,7 @@ def run_report(args: argparse.Namespace) -> int:
     """Write the report; exit 0 when the verdict is "SLA met", 1 when not, 2 on unreadable inputs."""
     try:
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-        config = load_config(Path(args.config))
+        config = load_config(resolve_config_path(args.config).path)
         evidence = Evidence(
             constraints=constraints,
             doctor=run_checks(config, constraints),
@@ -29,7 +30,7 @@ def run_report(args: argparse.Namespace) -> int:
             probe=_json(args.probe),
             harden=_json(args.harden),
         )
-    except (ConfigError, ConstraintsError, OSError, ValueError) as exc:
+    except (ConfigPathError, ConfigError, ConstraintsError, OSError, ValueError) as exc:
         print(f"infervisor report: {exc}")
         return 2
     png = charts_png(evidence)

@@ -8,6 +8,7 @@ from pathlib import Path
 import structlog
 
 from supervisor.config import ConfigError, load_config
+from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.logs import configure_logging
 from supervisor.planner import PlanError
 from supervisor.runtime_dir import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir
@@ -21,7 +22,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; non-zero when it cannot start or every worker failed."""
     configure_logging()
     log = structlog.get_logger("supervisor")
-    config_path = Path(args.config).resolve()
+    try:
+        choice = resolve_config_path(args.config)
+    except ConfigPathError as exc:
+        log.error("config_invalid", config=None, problems=[str(exc)])
+        return EXIT_CONFIG
+    config_path = choice.path
+    log.info("config_chosen", config=str(config_path), source=choice.source)
     try:
         config = load_config(config_path)
         configure_logging(config.log_level)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from supervisor.control import ControlError, control_request
@@ -68,7 +69,7 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         status = control_request(resolve_runtime_dir(args.runtime_dir, None), {"cmd": "status"})
     except ControlError as exc:
-        print(f"infervisor status: {exc}")
+        print(f"infervisor status: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
