@@ -25,7 +25,7 @@ from supervisor.affinity import SupervisorAffinity
 from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import Config, ConfigError, load_config
-from supervisor.config_diff import ConfigDiff, diff_configs
+from supervisor.config_diff import ConfigDiff, diff_configs, held_back
 from supervisor.control import ControlServer
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
@@ -96,6 +96,8 @@ class Arbiter:
         self.reload_reason: str | None = None
         self.config_applied_at = time.time()
         self.config_error: list[str] | None = None
+        #: How many configs have been applied since start (the first one is 0).
+        self.generation = 0
         self.last_diff: dict[str, object] = {}
         self.announced_ready = False
         self.state = DaemonState.STARTING
@@ -315,8 +317,11 @@ class Arbiter:
             reason, self.reload_reason = self.reload_reason, None
             self.reload_config(reason)
 
-    def reload_config(self, reason: str) -> None:
-        """Read config.json again; a bad file changes nothing, a good one is applied by its diff."""
+    def reload_config(self, reason: str) -> dict[str, Any]:
+        """Read config.json again; a bad file changes nothing, a good one is applied by its diff.
+
+        Returns the outcome as the control socket answers it.
+        """
         self.notifier.reloading()
         try:
             new = load_config(self.config_path)
@@ -328,11 +333,9 @@ class Arbiter:
                 log.warning("config_needs_daemon_restart", keys=diff.needs_daemon_restart)
             plan = self.plan(new)
         except ConfigError as exc:
-            self.reject_config(reason, exc.problems)
-            return
+            return self.reject_config(reason, exc.problems)
         except (PlanError, TopologyError) as exc:
-            self.reject_config(reason, [f"models: {exc}"])
-            return
+            return self.reject_config(reason, [f"models: {exc}"])
         self.config_error = None
         self.last_diff = diff.summary()
         if diff.empty and new.digest == self.config.digest:
@@ -340,17 +343,32 @@ class Arbiter:
         else:
             self.apply_config(new, plan, diff)
             log.info("config_applied", reason=reason, digest=new.digest, diff=self.last_diff)
-        self.notifier.ready(f"config {self.config.digest} applied")
+        self.notifier.ready(self.status_line or f"config {self.config.digest} applied")
+        # Every model still moving to a new config, whichever reload started it: what `infervisor reload` waits for.
+        rolling = sorted(self.serving.targets)
+        return {"ok": True, "generation": self.generation, "diff": self.last_diff, "rolling": rolling}
 
-    def reject_config(self, reason: str, problems: list[str]) -> None:
+    def reject_config(self, reason: str, problems: list[str]) -> dict[str, Any]:
         """Keep serving with the last good config and say why the new one was refused."""
         self.config_error = problems
         log.error("config_rejected", reason=reason, problems=problems, serving_digest=self.config.digest)
-        self.notifier.ready(f"config rejected; still serving {self.config.digest}")
+        self.notifier.ready(self.status_line or f"config rejected; still serving {self.config.digest}")
+        return {"ok": False, "error": "config rejected; nothing changed", "problems": problems}
 
     def apply_config(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
-        """Serve with a validated config: one snapshot replaced whole, then the pools reshaped by its diff."""
-        self.serving.replace(new)
+        """Serve with a validated config: one snapshot replaced whole, then the pools reshaped by its diff.
+
+        A model whose workers must be rebuilt keeps serving with its old build keys (admission
+        included) until every worker has been replaced and is READY; the new config is its target.
+        """
+        old = self.config
+        held = {name: held_back(old.models[name], new.models[name]) for name in diff.rolling}
+        self.serving.replace(dataclasses.replace(new, models={**new.models, **held}))
+        for name in diff.rolling:
+            self.serving.targets[name] = new.models[name]
+        for name in diff.removed:
+            self.serving.targets.pop(name, None)
+        self.generation += 1
         self.config_applied_at = time.time()
         if "log_level" in diff.live:
             configure_logging(new.log_level)
@@ -396,8 +414,10 @@ class Arbiter:
                 return {"ok": False, "error": "profile needs model (a string) and requests (1..10000)"}
             return self.start_profile(model, requests)
         if name == "reload":
-            self.reload_reason = "operator command"
-            return {"ok": True, "note": "reload queued; see `infervisor status` for the result"}
+            if self.pool.rollout.mid_drain:  # applied once the drain-first step has put its replacement in
+                self.reload_reason = "operator command"
+                return {"ok": True, "queued": True, "generation": self.generation}
+            return self.reload_config("operator command")
         known = "status, ping, restart, reload, profile"
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}
 
@@ -415,10 +435,12 @@ class Arbiter:
     def status(self) -> dict[str, Any]:
         """Everything an operator asks first: who serves what, where, how fast, and what went wrong."""
         config = self.config
+        reports = self.pool.reports()
         return {
             "ok": True,
             "pid": os.getpid(),
-            "state": "stopping" if self.pool.stopping else ("ready" if self.announced_ready else "starting"),
+            "state": daemon_state(reports, self.announced_ready, self.pool.stopping).value,
+            "status": status_line(reports, daemon_state(reports, self.announced_ready, self.pool.stopping)),
             "uptime_s": round(time.time() - self.started_at, 3),
             "rss": status.rss_of(os.getpid()),
             "cpus": sorted(self.affinity.current),
@@ -427,12 +449,15 @@ class Arbiter:
                 "path": str(self.config_path),
                 "digest": config.digest,
                 "applied_at": self.config_applied_at,
+                "generation": self.generation,
                 "last_error": self.config_error,
                 "last_diff": self.last_diff,
+                "models": status.config_states(self.pool),
             },
+            "limits": status.limits(config),
             "rollout": status.rollout_status(self.pool),
             "endpoints": {"client": self.endpoints.ipc_endpoint, "tcp": config.tcp_endpoint},
             "counters": dict(self.anomalies.counts),
             "thermal": {**self.thermal.reading, "shedding": self.broker.shed},
-            "models": status.models_status(self.pool, self.broker),
+            "models": status.models_status(self.pool, self.broker, reports),
         }

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = command("status", "show the workers of a running daemon")
     status.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     status.add_argument("--json", action="store_true", help="print the raw status document")
+    status.add_argument(
+        "--check",
+        action="store_true",
+        help="for probes: print the state line only and exit 0 ready, 1 degraded, 2 starting/down/stopping/not running",
+    )
 
     infer = command("infer", "send one request from the shell")
     infer.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
@@ -100,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     reload = command("reload", "re-read config.json now (it is also watched, and SIGHUP reloads)")
     reload.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     reload.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    reload.add_argument(
+        "--no-wait", dest="wait", action="store_false", help="return once the config is applied, before rollouts end"
+    )
+    reload.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds to wait for the models' rollouts to finish"
+    )
 
     demo = command("demo", "start the daemon, send it requests, print results and latency, stop it")
     demo.add_argument("--config", help=CONFIG_HELP)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.builtin_models import BUILTIN_MODELS
 from common.profiles import PROFILE_NAMES
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, ModelSource
@@ -31,6 +32,7 @@ from supervisor.config_keys import (
     read_object,
 )
 from supervisor.fields import FieldReader
+from supervisor.module_lookup import module_missing
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
@@ -157,10 +159,15 @@ def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
     elif not isinstance(value, str) or not value:
         r.fail(f"{path}.{kind}", "must be a non-empty string")
     elif kind == "builtin":
+        if value not in BUILTIN_MODELS:
+            # Caught here, a misspelt built-in is a refused reload instead of a worker that cannot start.
+            r.fail(f"{path}.builtin", f"no built-in model {value!r}; built-ins are {', '.join(BUILTIN_MODELS)}")
         return ModelSource("builtin", name=value)
     elif kind == "python":
         if not _PYTHON_FACTORY.fullmatch(value):
             r.fail(f"{path}.python", f"must be 'package.module:callable', got {value!r}")
+        elif (missing := module_missing(value.partition(":")[0])) is not None:
+            r.fail(f"{path}.python", f"cannot import {value!r}: {missing}")
         return ModelSource("python", name=value)
     else:
         file = Path(value) if Path(value).is_absolute() else ctx.base / value

@@ -17,7 +17,7 @@ from protocol import worker_messages as wm
 from protocol.constants import ErrorCode, WorkerExitCode
 from supervisor.broker import Broker
 from supervisor.config import Config, ModelConfig
-from supervisor.config_diff import ConfigDiff
+from supervisor.config_diff import ConfigDiff, builds_differ, worker_keys_changed
 from supervisor.health import ModelReport, model_report
 from supervisor.launcher import Launcher, launch_worker
 from supervisor.planner import Assignment
@@ -213,7 +213,7 @@ class WorkerPool:
             members = self.members.get(name)
             if members is None:
                 del self.serving.targets[name]
-            elif not self.rollout.has_work_for(name) and all(s.model is target for s in members):
+            elif not self.rollout.has_work_for(name) and not any(builds_differ(s.model, target) for s in members):
                 del self.serving.targets[name]
                 self.serving.set_model(target)
                 log.info("model_config_applied", model=name)
@@ -303,7 +303,10 @@ class WorkerPool:
                     continue
                 slot = pool[index]
                 moved = slot.assignment.cpus != assignment.cpus or slot.assignment.threads != assignment.threads
-                if name in diff.rolling or moved:
+                # A worker already built from this config (an earlier step of the same rollout) stays.
+                stale = worker_keys_changed(diff, name) or builds_differ(slot.model, model)
+                # One already queued or being replaced gets the newest config anyway: a step reads it when it starts.
+                if (moved or (name in diff.rolling and stale)) and not self.rollout.involves(slot):
                     why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
                     self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}"))
         self.broker.sync_queues()
@@ -331,7 +334,7 @@ class WorkerPool:
         if target is None or serving is None:
             return
         self.rollout_errors[model] = error
-        back = [s for s in self.members.get(model, []) if s.model is target]
+        back = [s for s in self.members.get(model, []) if not builds_differ(s.model, target)]
         for slot in back:
             self.rollout.enqueue(Replacement(slot, serving, slot.assignment, "roll back: the new config failed"))
         log.error("model_config_rolled_back", model=model, error=error, workers_rebuilt=len(back))

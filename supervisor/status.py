@@ -7,7 +7,10 @@ from typing import Any
 
 import psutil
 
+from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from supervisor.broker import Broker
+from supervisor.config import Config
+from supervisor.health import ModelReport
 from supervisor.pool import WorkerPool
 from supervisor.slot import SlotState, WorkerSlot
 
@@ -61,14 +64,17 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
     }
 
 
-def models_status(pool: WorkerPool, broker: Broker) -> dict[str, Any]:
-    """Per model: its spec, queue, counters and workers (members first, then successors and retiring ones)."""
+def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelReport]) -> dict[str, Any]:
+    """Per model: its health, spec, queue, counters and workers (members first, then successors and retiring ones)."""
     models: dict[str, Any] = {}
     config = pool.serving.current
     for name, slots in pool.members.items():
         queue = broker.queues[name]
         model = config.models[name]
+        report = reports[name]
         models[name] = {
+            "health": report.health.value,
+            "reason": report.reason,
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
             "inputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in model.inputs],
             "queued": len(queue.waiting),
@@ -85,6 +91,30 @@ def models_status(pool: WorkerPool, broker: Broker) -> dict[str, Any]:
             ],
         }
     return models
+
+
+def config_states(pool: WorkerPool) -> dict[str, Any]:
+    """Per model, where the last applied config stands: applied, still rolling out, or rolled back and why."""
+    states: dict[str, Any] = {}
+    for name in pool.members:
+        if name in pool.serving.targets:
+            states[name] = {"state": "rolling"}
+        elif name in pool.rollout_errors:
+            states[name] = {"state": "failed", "error": pool.rollout_errors[name]}
+        else:
+            states[name] = {"state": "applied"}
+    return states
+
+
+def limits(config: Config) -> dict[str, int]:
+    """What a client must stay within (docs/protocol.md): frames, header, tensors per message, rank, names."""
+    return {
+        "max_frame_bytes": config.max_frame_bytes,
+        "max_header_bytes": MAX_HEADER_BYTES,
+        "max_tensors": MAX_TENSORS,
+        "max_rank": MAX_RANK,
+        "max_name_len": MAX_NAME_LEN,
+    }
 
 
 def rollout_status(pool: WorkerPool) -> dict[str, Any]:

@@ -201,3 +201,28 @@ def free_loopback_port() -> int:
 def model_entry(source: dict[str, str], inputs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """A config.json model entry."""
     return {"source": source, "inputs": inputs, "warmup_iterations": 1, **extra}
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
+    """A datagram socket standing in for systemd's NOTIFY_SOCKET."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0.2)
+    yield sock
+    sock.close()
+
+
+def notify_messages(
+    sock: socket.socket, until: Callable[[list[str]], bool], timeout: float, seen: list[str]
+) -> list[str]:
+    """Datagrams received on the fake NOTIFY_SOCKET, appended to `seen`, until `until(seen)` holds."""
+    deadline = time.monotonic() + timeout
+    while not until(seen):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"notify sequence incomplete: {seen}")
+        try:
+            seen.append(sock.recv(4096).decode())
+        except TimeoutError:
+            pass
+    return seen
