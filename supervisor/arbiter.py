@@ -83,7 +83,7 @@ class Arbiter:
         self.links = WorkerLinks(self.loop, self.anomalies)
         self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, self, self.anomalies)
         self.pool = WorkerPool(self.serving, plan, self.links, self.broker, launcher)
-        self.control = ControlServer(self.context, runtime_dir)
+        self.control = ControlServer(self.context, runtime_dir, self.anomalies)
         self.loop.register(self.control.socket, CONTROL, lambda flags: self.control.handle(self.control_command))
         self.notifier = Notifier()
         self.cpu_latency = CpuLatencyHold()
@@ -190,6 +190,7 @@ class Arbiter:
         """The timer-driven steps, each named for what it does."""
         self.pool.tick(now)
         self.broker.expire(now)
+        self.broker.flush_replies()
         self.pet_watchdog(now)
         if self.pool.stopping:
             return

@@ -10,7 +10,6 @@ a broken link, a drained pipeline, a canary result) it reports to its `WorkerEve
 from __future__ import annotations
 
 import collections
-import errno
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +22,10 @@ from protocol import worker_messages as wm
 from protocol.client_messages import RequestId, decode_infer, encode_error
 from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
-from protocol.sockets import NOBLOCK, more_to_read, recv_frames, send_frames
+from protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
 from supervisor.anomalies import Anomalies
+from supervisor.client_ledger import ClientLedger
 from supervisor.config import ModelConfig
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CLIENTS, EventLoop
@@ -90,6 +90,7 @@ class Broker:
         links.deliver_to(self.on_worker_messages, events.link_broken)
         for client_socket in endpoints.sockets:
             loop.register(client_socket, CLIENTS, self.client_handler(client_socket))
+        self.ledger = ClientLedger(anomalies, serving.current.client_budget_mb * 2**20)
         self.accepting = True
         #: The workers each model routes to: the pool's members, read here, changed only by the pool.
         self.members: Mapping[str, Sequence[WorkerSlot]] = {}
@@ -109,7 +110,8 @@ class Broker:
         self.members = members
 
     def sync_queues(self) -> None:
-        """One queue per model of the serving config, sized as configured now."""
+        """One queue per model of the serving config, sized as configured now (and the clients' budget)."""
+        self.ledger.budget_bytes = self.serving.current.client_budget_mb * 2**20
         for name, model in self.serving.current.models.items():
             queue = self.queues.setdefault(name, ModelQueue(model.queue_size))
             queue.capacity = model.queue_size
@@ -172,7 +174,13 @@ class Broker:
             self.anomalies.count(f"rejected_{exc.code.value}", exc.message)
             self.reply_error(client, request.request_id, exc.code, exc.message)
             return
+        cost = sum(len(f) for f in tensor_frames) + sum(d.nbytes for d in request.inputs if d.shm is not None)
+        over = self.ledger.over_budget(client, cost)
         queue = self.queues[request.model]
+        if over is not None:
+            queue.errors[ErrorCode.OVERLOADED.value] += 1
+            self.reply_error(client, request.request_id, ErrorCode.OVERLOADED, over)
+            return
         if not self.accepting:
             queue.errors[ErrorCode.SHUTTING_DOWN.value] += 1
             self.reply_error(client, request.request_id, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
@@ -193,8 +201,11 @@ class Broker:
             accepted_at=now,
             deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
             spec=spec,
+            cost=cost,
+            rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
         )
         self.next_id += 1
+        self.ledger.take(client, cost)
         slot = self.pick_worker(request.model, spec)
         if slot is not None and not queue.waiting:
             if not self.send_to_worker(slot, pending):
@@ -245,14 +256,8 @@ class Broker:
         self.send_to_client(client, [encode_error(request_id, code, message)])
 
     def send_to_client(self, client: Peer, frames: list[Any]) -> None:
-        """Deliver one reply; a client that left or stopped reading is counted, never waited for."""
-        socket, identity = client
-        try:
-            send_frames(socket, [identity, b"", *frames], NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
-                raise
-            self.anomalies.count("reply_undeliverable")
+        """Deliver one reply; a client that left is counted, one that stops reading has it kept in its outbox."""
+        self.ledger.send(client, frames)
 
     def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
         """Send the one final reply of a request and count it."""
@@ -262,6 +267,7 @@ class Broker:
             queue.latencies_ms.append((time.monotonic() - request.accepted_at) * 1000.0)
         elif queue is not None and code is not None:
             queue.errors[code.value] += 1
+        self.ledger.give_back(request.client, request.cost)
         self.send_to_client(request.client, [header, *frames])
 
     def fail(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
@@ -332,15 +338,21 @@ class Broker:
         return requests
 
     def worker_lost(self, slot: WorkerSlot, reason: str) -> None:
-        """Re-dispatch what a dead or hung worker held (oldest first in line), or give up after max_retries."""
+        """Re-dispatch what a dead or hung worker held (oldest first in line), or give up after max_retries.
+
+        A worker serves its pipeline in order, so only the oldest request was running when it died: it
+        alone is charged a retry. The ones waiting behind it go back in line as they were.
+        """
         model = self.serving.model(slot.model.name) or slot.model
-        for request in reversed(self.take_inflight(slot)):
-            self.requeue_or_fail(request, model.max_retries, reason)
+        held = self.take_inflight(slot)
+        for index in range(len(held) - 1, -1, -1):
+            self.requeue_or_fail(held[index], model.max_retries, reason, charged=index == 0)
         self.dispatch(slot.model.name)
 
-    def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str) -> None:
+    def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str, charged: bool = True) -> None:
         """Put a request whose worker was lost back at the head of its queue, unless it has lost too many."""
-        request.losses += 1
+        if charged:
+            request.losses += 1
         if request.losses > max_retries:
             log.error(
                 "request_lost_worker", model=request.model, request_id=str(request.request_id), losses=request.losses
@@ -356,7 +368,11 @@ class Broker:
             self.fail(request, ErrorCode.UNKNOWN_MODEL, f"model {request.model!r} was removed from the config")
             return
         log.warning(
-            "request_redispatched", model=request.model, request_id=str(request.request_id), losses=request.losses
+            "request_redispatched",
+            model=request.model,
+            request_id=str(request.request_id),
+            losses=request.losses,
+            charged=charged,
         )
         queue.waiting.appendleft(request)
 
@@ -475,6 +491,11 @@ class Broker:
                 self.events.worker_drained(slot)
         else:
             self.dispatch(slot.model.name)
+
+    def flush_replies(self) -> None:
+        """Send replies that waited for room at their clients."""
+        if self.ledger.waiting:
+            self.ledger.flush()
 
     def close(self) -> None:
         """Close the client sockets (the pool closes worker links as it stops their processes)."""

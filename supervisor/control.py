@@ -13,16 +13,21 @@ import zmq
 from protocol.codec import pack, unpack
 from protocol.constants import CONTROL_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
+from supervisor.anomalies import Anomalies
 
 log = structlog.get_logger("supervisor")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
+#: Commands answered per loop turn: a flood of them must not hold the loop that routes requests.
+_BATCH = 16
+
 
 class ControlServer:
     """A ROUTER on ipc://RUNTIME_DIR/control.sock (0600), answered from the main loop."""
 
-    def __init__(self, context: zmq.Context[Any], runtime_dir: Path) -> None:
+    def __init__(self, context: zmq.Context[Any], runtime_dir: Path, anomalies: Anomalies) -> None:
+        self.anomalies = anomalies
         self.endpoint = f"ipc://{runtime_dir / CONTROL_SOCKET_NAME}"
         self.socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -32,8 +37,8 @@ class ControlServer:
         (runtime_dir / CONTROL_SOCKET_NAME).chmod(0o600)
 
     def handle(self, handler: Handler) -> None:
-        """Answer every pending command."""
-        while True:
+        """Answer up to a batch of pending commands; the rest wait for the next turn."""
+        for _ in range(_BATCH):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -53,7 +58,7 @@ class ControlServer:
             try:
                 self.socket.send_multipart([frames[0], b"", pack(answer)], zmq.NOBLOCK)
             except zmq.ZMQError:
-                log.warning("control_reply_undeliverable")
+                self.anomalies.count("control_reply_undeliverable", "a control client left before its answer")
 
     def close(self) -> None:
         """Close the socket."""

@@ -26,5 +26,9 @@ class PendingRequest:
     deadline: float | None
     losses: int = 0
     dispatched_at: float = 0.0
+    #: Bytes this request holds of its client's budget (its frames and the shared-memory bytes it names).
+    cost: int = 0
+    #: Rows along dim 0 of its first input: how much work it is against the warm-up's batch of one.
+    rows: int = 1
     #: While a rollout changes the model's inputs: the spec that admitted it (only its workers may take it).
     spec: tuple[TensorSpec, ...] | None = None

@@ -162,6 +162,11 @@ class WorkerPool:
             slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
             return
         config = self.serving.current
+        if slot.hung_request:
+            # Killed over one over-long request, which is charged a retry: that says nothing about the model.
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
+            return
         failures = slot.record_failure(now, config.restart_window_s)
         if failures >= config.max_restarts:
             why = f"{failures} failures within {config.restart_window_s:.0f} s; last: {how}"
@@ -185,10 +190,12 @@ class WorkerPool:
             elif slot.state is SlotState.STARTING and now - slot.spawned_at > config.worker_start_timeout_s:
                 slot.kill(f"not ready after {config.worker_start_timeout_s:.0f} s")
             elif slot.inflight:
-                # Only the head of the pipeline is running, so progress is measured from its start.
-                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms / 1000.0)
-                if now - slot.progress_at > budget:
-                    slot.kill(f"no reply within {budget:.1f} s (hung)")
+                # Only the head of the pipeline is running, so progress is measured from its start; its budget
+                # grows with its rows, since warm-up timed a batch of one.
+                head = next(iter(slot.inflight.values()))
+                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * head.rows / 1000.0)
+                if now - slot.progress_at > budget and slot.kill(f"no reply within {budget:.1f} s (hung)"):
+                    slot.hung_request = True
             elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
                 slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
 

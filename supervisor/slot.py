@@ -103,6 +103,8 @@ class WorkerSlot:
     kill_at: float | None = None
     #: SIGKILL already sent to the current process: its exit is pending, a second kill would only log again.
     killed: bool = False
+    #: The kill was for a request that overran its hang budget: not a failure of the model.
+    hung_request: bool = False
     failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
     restarts: int = 0
     requests: int = 0
@@ -172,6 +174,7 @@ class WorkerSlot:
         self.spawned_at = self.last_heard = now
         self.kill_at = None
         self.killed = False
+        self.hung_request = False
         self.threads_seen = None
         self.rehearsals_seen = 0
         self.latencies_ms.clear()

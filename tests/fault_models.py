@@ -76,3 +76,16 @@ def broken() -> torch.nn.Module:
 def command(kind: int, argument: float = 0.0) -> dict[str, np.ndarray]:
     """The request input for one behaviour."""
     return {"x": np.array([[kind, argument]], dtype=np.float32)}
+
+
+class RowSlow(torch.nn.Module):
+    """Takes 20 ms per row of its input, in warm-up too: a model whose time grows with the batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02 * x.shape[0])
+        return x[:1]
+
+
+def rowslow() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.fault_models:rowslow"}."""
+    return RowSlow()

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
+import psutil
 import pytest
+import zmq
 
 from protocol import ErrorCode, InferenceError
+from protocol.client_messages import InferRequest, encode_infer
+from protocol.tensors import ShmRef, TensorDesc
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
-from tests.fault_models import ECHO, FAULT_INPUTS, command
+from tests.fault_models import ECHO, FAULT_INPUTS, SEGFAULT, SLEEP, command
 
 FAULTY = {"python": "tests.fault_models:faulty"}
 BROKEN = {"python": "tests.fault_models:broken"}
@@ -74,7 +82,10 @@ def test_a_reload_naming_an_unknown_builtin_or_module_is_refused_before_any_work
     config = {"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS, rollout="drain_first")}}
     daemon = start_daemon(config, env=ENV)
     pid = daemon.wait_ready()["models"]["tiny"]["workers"][0]["pid"]
-    refused = (({"builtin": "nosuch"}, "no built-in model 'nosuch'"), ({"python": "nosuchmod:f"}, "no module 'nosuchmod'"))
+    refused = (
+        ({"builtin": "nosuch"}, "no built-in model 'nosuch'"),
+        ({"python": "nosuchmod:f"}, "no module 'nosuchmod'"),
+    )
     for source, problem in refused:
         config["models"]["tiny"]["source"] = source
         daemon.write_config(config)
@@ -198,3 +209,194 @@ def test_status_check_is_zero_when_every_model_serves_and_two_when_no_daemon_ans
     assert json.loads(_cli(daemon, "status", "--json").stdout)["state"] == "ready"
     daemon.stop()
     assert _cli(daemon, "status", "--check").returncode == 2
+
+
+def _send_all(
+    daemon: Daemon, model: str, inputs: list[np.ndarray], timeout_s: float = 120
+) -> dict[int, dict[str, Any]]:
+    """Send every input at once on one DEALER (so they share a worker's pipeline), then collect each reply."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(daemon.endpoint)
+    replies: dict[int, dict[str, Any]] = {}
+    try:
+        for request_id, array in enumerate(inputs):
+            desc = (TensorDesc("x", "float32", tuple(array.shape)),)
+            socket.send_multipart([b"", encode_infer(InferRequest(request_id, model, desc)), array])
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(inputs) and socket.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            header = msgpack.unpackb(socket.recv_multipart()[1])
+            replies[header["id"]] = header
+    finally:
+        socket.close()
+    return replies
+
+
+def test_a_poison_request_costs_only_itself_not_the_requests_waiting_behind_it(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """With prefetch 4, a request that crashes its worker is retried alone; the three behind it are all served."""
+    config = {"models": {"faulty": model_entry(FAULTY, FAULT_INPUTS, prefetch=4, max_retries=1)}}
+    daemon = start_daemon(config, env=ENV)
+    daemon.wait_ready()
+    poison = command(SEGFAULT)["x"]
+    innocents = [command(ECHO, float(i))["x"] for i in range(1, 4)]
+    replies = _send_all(daemon, "faulty", [poison, *innocents])
+    assert replies[0]["type"] == "error" and replies[0]["code"] == "WORKER_LOST"
+    assert "lost 2 workers" in replies[0]["message"]
+    assert [replies[i]["type"] for i in (1, 2, 3)] == ["result"] * 3
+
+
+def test_a_long_batch_gets_a_hang_budget_that_grows_with_its_rows(start_daemon: Callable[..., Daemon]) -> None:
+    """64 rows of a 20 ms-per-row model run 1.3 s, past the 0.5 s floor: served, not killed as hung."""
+    config = {
+        "hang_min_s": 0.5,
+        "hang_factor": 3,
+        "models": {"rowslow": model_entry({"python": "tests.fault_models:rowslow"}, FAULT_INPUTS)},
+    }
+    daemon = start_daemon(config, env=ENV)
+    daemon.wait_ready()
+    with daemon.client() as client:
+        assert client.infer("rowslow", {"x": np.zeros((64, 2), np.float32)}, timeout=60)["output"].shape == (1, 2)
+    assert not [e for e in daemon.log_events() if e["event"] == "worker_killed"]
+
+
+def test_requests_that_overrun_their_hang_budget_do_not_fail_the_model(start_daemon: Callable[..., Daemon]) -> None:
+    """Three over-long requests are killed as hung and answered WORKER_LOST; the slot is not counted as crashing."""
+    config = {
+        "max_restarts": 2,
+        "hang_min_s": 0.5,
+        "hang_factor": 1,
+        "models": {"faulty": model_entry(FAULTY, FAULT_INPUTS, max_retries=0)},
+    }
+    daemon = start_daemon(config, env=ENV)
+    daemon.wait_ready()
+    with daemon.client() as client:
+        for _ in range(3):
+            with pytest.raises(InferenceError) as caught:
+                client.infer("faulty", command(SLEEP, 5.0), timeout=60)
+            assert caught.value.code == ErrorCode.WORKER_LOST
+            wait_for(lambda: daemon.status()["models"]["faulty"]["health"] == "serving", 60, "worker back")
+        assert client.infer("faulty", command(ECHO, 6.0), timeout=30)["output"][0, 1] == 6.0
+    assert daemon.status()["models"]["faulty"]["workers"][0]["state"] == "serving"
+
+
+def test_a_frame_over_the_limit_is_answered_and_the_connection_keeps_its_replies(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """An input 64 bytes over max_frame_bytes gets INVALID_INPUT; a request in flight on that connection is answered."""
+    config = {"max_frame_bytes": 2**20, "models": {"faulty": model_entry(FAULTY, FAULT_INPUTS)}}
+    daemon = start_daemon(config, env=ENV)
+    daemon.wait_ready()
+    slow = command(SLEEP, 1.0)["x"]
+    over = np.zeros((2**20 // 8 + 8, 2), np.float32)
+    replies = _send_all(daemon, "faulty", [slow, over, command(ECHO, 9.0)["x"]])
+    assert replies[1]["code"] == "INVALID_INPUT" and "limit 1048576" in replies[1]["message"]
+    assert replies[0]["type"] == "result" and replies[2]["type"] == "result"
+    assert daemon.status()["limits"]["max_frame_bytes"] == 2**20
+
+
+def test_a_client_that_never_reads_its_replies_cannot_grow_the_broker(start_daemon: Callable[..., Daemon]) -> None:
+    """600 KB requests sent 1,000 times without reading: the broker stays within its client budget, not GBs."""
+    tiny = model_entry({"builtin": "tiny"}, TINY_INPUTS, queue_size=4096)
+    config = {"client_budget_mb": 32, "models": {"tiny": tiny}}
+    daemon = start_daemon(config)
+    daemon.wait_ready()
+    broker = psutil.Process(daemon.process.pid)
+    before = broker.memory_info().rss
+    image = np.ones((9600, 16), np.float32)  # 614 KB in, 614 KB out
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.connect(daemon.endpoint)
+    desc = (TensorDesc("x", "float32", image.shape),)
+    try:
+        for request_id in range(1000):
+            socket.send_multipart([b"", encode_infer(InferRequest(request_id, "tiny", desc)), image])
+        wait_for(lambda: daemon.status()["models"]["tiny"]["errors"].get("OVERLOADED", 0) > 0, 60, "budget reached")
+        peak = 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the client reads nothing meanwhile
+            peak = max(peak, broker.memory_info().rss)
+            time.sleep(0.1)
+        grown_mb = (peak - before) / 2**20
+        assert grown_mb < 3 * 32 + 64, f"the broker grew {grown_mb:.0f} MB for one client that does not read"
+        replies: dict[int, str] = {}
+        while socket.poll(5000):
+            header = msgpack.unpackb(socket.recv_multipart()[1])
+            replies[header["id"]] = header["type"] if header["type"] == "result" else header["code"]
+    finally:
+        socket.close()
+    assert sorted(replies) == list(range(1000)), "every request got exactly one reply once the client read"
+    assert set(replies.values()) == {"result", "OVERLOADED"}
+
+
+def test_requests_naming_a_large_sparse_shared_memory_region_are_held_to_the_client_budget(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """Sixteen 100-byte requests naming 64 MB each of a sparse region: one at a time is admitted, the rest refused."""
+    config = {"client_budget_mb": 32, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    daemon = start_daemon(config)
+    daemon.wait_ready()
+    name = f"infervisor-test-sparse-{os.getpid()}"
+    path = Path("/dev/shm") / name
+    with path.open("wb") as region:
+        region.truncate(2**26)  # 64 MB that occupy no memory until read
+    try:
+        desc = (TensorDesc("x", "float32", (2**26 // 64, 16), ShmRef(name, 0)),)
+        header = encode_infer(InferRequest(0, "tiny", desc))
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(daemon.endpoint)
+        try:
+            for request_id in range(16):
+                socket.send_multipart([b"", encode_infer(InferRequest(request_id, "tiny", desc))])
+            codes = []
+            while len(codes) < 16 and socket.poll(60_000):
+                reply = msgpack.unpackb(socket.recv_multipart()[1])
+                codes.append(reply["type"] if reply["type"] == "result" else reply["code"])
+        finally:
+            socket.close()
+        assert len(header) < 200
+        assert codes.count("OVERLOADED") >= 14, codes
+        assert daemon.status()["models"]["tiny"]["errors"]["OVERLOADED"] == codes.count("OVERLOADED")
+    finally:
+        path.unlink()
+
+
+def test_a_flood_of_control_commands_does_not_hold_the_requests_or_the_log(start_daemon: Callable[..., Daemon]) -> None:
+    """Two clients flooding `ping` and leaving before the answers: inferences keep their pace, the log stays small."""
+    daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
+    daemon.wait_ready()
+    stop = threading.Event()
+    control = str(daemon.runtime_dir / "control.sock")
+
+    def flood() -> None:
+        context = zmq.Context.instance()
+        while not stop.is_set():
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(f"ipc://{control}")
+            for _ in range(200):
+                socket.send_multipart([b"", msgpack.packb({"cmd": "ping"})])
+            socket.close()  # gone before the answers: each is undeliverable
+
+    flooders = [threading.Thread(target=flood) for _ in range(2)]
+    for thread in flooders:
+        thread.start()
+    latencies = []
+    try:
+        with daemon.client() as client:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                started = time.monotonic()
+                client.infer("tiny", {"x": np.ones((1, 16), np.float32)}, timeout=10)
+                latencies.append(time.monotonic() - started)
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join(30)
+    assert max(latencies) < 1.0, f"an inference waited {max(latencies):.1f} s behind the control flood"
+    assert daemon.process.poll() is None and daemon.status()["models"]["tiny"]["workers"][0]["restarts"] == 0
+    undeliverable = [e for e in daemon.log_events() if "control_reply_undeliverable" in json.dumps(e)]
+    assert len(undeliverable) <= 1
