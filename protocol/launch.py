@@ -53,6 +53,9 @@ class LaunchSpec:
     validation: str | None = None
     #: min_cosine, max_abs_error (or None), top1: how close to eager a profile must stay.
     tolerance: dict[str, Any] = field(default_factory=dict)
+    #: How this model's recent workers ended: `{"pid", "how", "signal" (or null), "killed_by_supervisor"}`, so
+    #: a worker tells a profile that crashed its predecessor from one the supervisor stopped (profiles/attempts.py).
+    recent_exits: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

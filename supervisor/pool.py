@@ -8,6 +8,7 @@ everything in order. The broker tells it what it saw of a worker; the monitors t
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator, Sequence
 
@@ -19,7 +20,7 @@ from supervisor.broker import Broker
 from supervisor.config import Config, ModelConfig
 from supervisor.config_diff import ConfigDiff, builds_differ, worker_keys_changed
 from supervisor.health import ModelReport, model_report
-from supervisor.launcher import Launcher, launch_worker
+from supervisor.launcher import ExitRecord, Launcher, launch_worker
 from supervisor.planner import Assignment
 from supervisor.rollout import Replacement, Rollout
 from supervisor.serving_config import ServingConfig
@@ -32,6 +33,8 @@ log = structlog.get_logger("supervisor")
 STOP_KILL_AFTER_S = 5.0
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 30.0
+#: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
+_EXITS_KEPT = 64
 
 
 class WorkerPool:
@@ -61,6 +64,8 @@ class WorkerPool:
         self.has_served: set[str] = set()
         #: Per model, why its last rollout toward a new config failed (cleared by the next one).
         self.rollout_errors: dict[str, str] = {}
+        #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
+        self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
         self.stopping = False
         self.stop_deadline = 0.0
         self.kill_deadline: float | None = None
@@ -122,7 +127,7 @@ class WorkerPool:
         self.links.detach(slot)
         config = self.serving.current
         try:
-            launched = self.launcher(slot.model, slot.assignment, config)
+            launched = self.launcher(slot.model, slot.assignment, config, self.recent_exits.get(slot.model.name, ()))
         except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
             log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
             if slot.state is not SlotState.BACKOFF:
@@ -146,6 +151,10 @@ class WorkerPool:
         """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
         how = describe_exit(code)
         slot.last_exit = how
+        exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
+        pid = slot.process.pid if slot.process is not None else None
+        signal_number = -code if code < 0 else None
+        exits.append({"pid": pid, "how": how, "signal": signal_number, "killed_by_supervisor": slot.killed})
         self.links.drain(slot)
         self.links.detach(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):

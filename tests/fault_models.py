@@ -89,3 +89,17 @@ class RowSlow(torch.nn.Module):
 def rowslow() -> torch.nn.Module:
     """Factory for config: {"python": "tests.fault_models:rowslow"}."""
     return RowSlow()
+
+
+class CrashesWhenTraced(torch.nn.Module):
+    """Doubles its input, but dies of SIGSEGV when torch.jit traces it: a native crash under one profile only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            ctypes.string_at(0)
+        return x * 2
+
+
+def crashes_when_traced() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.fault_models:crashes_when_traced"}."""
+    return CrashesWhenTraced()

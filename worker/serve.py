@@ -16,7 +16,7 @@ import torch
 
 from common.cpuinfo import read_caps
 from common.json_logs import adopt_library_handlers
-from common.profiles import PROFILES
+from common.profiles import REFERENCE_PROFILE
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
 from protocol.client_messages import encode_outputs, encode_timing
@@ -26,8 +26,9 @@ from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext
-from worker.profiles.cache import ArtifactCache, model_digest
+from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
@@ -280,8 +281,9 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
     example = tuple(runner.example_inputs()[s.name] for s in runner.specs)
     if launch.channels_last:
         example = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in example)
-    # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is cached under the digest.
-    cached = launch.pick == "fastest" or any(PROFILES[p].packaged for p in launch.profiles if p in PROFILES)
+    # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is kept under the digest (a
+    # package, a fastest pick, or the crash markers of any profile but the eager reference).
+    cached = launch.pick == "fastest" or any(p != REFERENCE_PROFILE for p in launch.profiles)
     return BuildContext(
         module=runner.module,
         example=example,
@@ -294,6 +296,22 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
     )
 
 
+def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
+    """The crash markers of this model's profiles, keyed like their packages (model, spec, options, torch, CPU)."""
+    options = {
+        "channels_last": launch.channels_last,
+        "calibration": launch.calibration or "",
+        "validation": launch.validation or "",
+    }
+    stems = {
+        name: ArtifactCache.stem_for(name, artifact_key(context.digest, name, context.specs, options))
+        for name in launch.profiles
+        if name != REFERENCE_PROFILE
+    }
+    root = context.cache.root if context.cache is not None else None
+    return AttemptLog(root, stems, launch.recent_exits)
+
+
 def serve(launch: LaunchSpec) -> int:
     """Load and warm the model, announce READY, then run the serving loop."""
     structlog.contextvars.bind_contextvars(worker_id=launch.worker_id, model=launch.model)
@@ -303,18 +321,22 @@ def serve(launch: LaunchSpec) -> int:
         module = load_model(launch.source)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
+        context = build_context(launch, runner)
+        attempts = attempt_log(launch, context)
         selection = select_profile(
             runner,
             launch.profiles,
             Tolerance(**launch.tolerance),
             read_caps(),
-            build_context(launch, runner),
+            context,
             launch.pick,
             load_calibration(Path(launch.validation), runner.specs) if launch.validation else None,
+            attempts,
         )
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
-        runner.warm_up(max(1, launch.warmup_iterations))
+        with attempts.attempting(selection.profile, "warming up"):
+            runner.warm_up(max(1, launch.warmup_iterations))
         warmup_ms = timed_ms(warm_started)
         adopt_library_handlers()  # a model's libraries (transformers, ...) may have installed handlers while loading
     except ModelLoadError as exc:

@@ -23,6 +23,7 @@ import torch
 
 from common.cpuinfo import CpuCaps
 from common.profiles import REFERENCE_PROFILE, cpu_refusal
+from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
 from worker.profiles.flags import apply_global_flags, reset_global_flags
@@ -98,7 +99,9 @@ class _Trial:
         tolerance: Tolerance,
         caps: CpuCaps,
         validation: Sequence[Inputs] | None = None,
+        attempts: AttemptLog | None = None,
     ) -> None:
+        self.attempts = attempts or AttemptLog(None, {}, [])
         self.runner = runner
         self.context = context
         self.tolerance = tolerance
@@ -109,20 +112,22 @@ class _Trial:
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
-        refusal = cpu_refusal(name, self.caps)
+        refusal = cpu_refusal(name, self.caps) or self.attempts.refusal(name)
         if refusal is not None:
             return refusal
         started = time.perf_counter()
         try:
-            built = build_profile(name, self.context)
-            self.runner.module = built.callable
-            self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
-            failure = None
-            cosine = 1.0
-            for case, reference in zip(self.cases, self.reference, strict=True):
-                agreement = compare(reference, [a for _, a in self.runner.forward(case)])
-                cosine = min(cosine, agreement.cosine)
-                failure = failure or agreement.failure(self.tolerance)
+            # A native crash in here leaves the marker: the next worker skips this profile instead of crashing too.
+            with self.attempts.attempting(name, "building and checking"):
+                built = build_profile(name, self.context)
+                self.runner.module = built.callable
+                self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
+                failure = None
+                cosine = 1.0
+                for case, reference in zip(self.cases, self.reference, strict=True):
+                    agreement = compare(reference, [a for _, a in self.runner.forward(case)])
+                    cosine = min(cosine, agreement.cosine)
+                    failure = failure or agreement.failure(self.tolerance)
         except ProfileError as exc:
             failure = str(exc)
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
@@ -137,7 +142,8 @@ class _Trial:
         self.runner.module = candidate.built.callable
         apply_global_flags(candidate.name)
         golden = self.cases[0]
-        return _median_ms(lambda: self.runner.forward(golden))
+        with self.attempts.attempting(candidate.name, "being timed"):
+            return _median_ms(lambda: self.runner.forward(golden))
 
     def reset(self) -> None:
         """Back to eager, with every process-wide flag a profile switches off."""
@@ -176,9 +182,10 @@ def select_profile(
     context: BuildContext,
     pick: str = "first",
     validation: Sequence[Inputs] | None = None,
+    attempts: AttemptLog | None = None,
 ) -> Selection:
     """Install the chosen profile of `chain` on the runner; eager is the last resort."""
-    trial = _Trial(runner, context, tolerance, caps, validation)
+    trial = _Trial(runner, context, tolerance, caps, validation, attempts)
     skipped: list[str] = []
     if pick == "fastest":
         decided = _decided(trial, context, chain, tolerance)
