@@ -53,6 +53,9 @@ class LaunchSpec:
     validation: str | None = None
     #: min_cosine, max_abs_error (or None), top1: how close to eager a profile must stay.
     tolerance: dict[str, Any] = field(default_factory=dict)
+    #: The supervisor's pid: a worker whose parent is another process by the time it asked to die with
+    #: its parent (the supervisor died during its start-up) exits at once instead of living on orphaned.
+    supervisor_pid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -87,6 +87,7 @@ def launch_spec(model: ModelConfig, assignment: Assignment, config: Config, work
         cache_dir=str(resolve_cache_dir(config.cache_dir)),
         calibration=model.calibration,
         validation=model.validation,
+        supervisor_pid=os.getpid(),
     )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,9 @@ from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 EXIT_CONFIG = 78
 
 TINY = {"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+
+#: An environment variable every worker of a trial inherits, so its orphans can be found after the supervisor is gone.
+TRIAL_MARK = "INFERVISOR_TEST_STARTUP_TRIAL"
 
 
 def _serve(config_path: Path, runtime_dir: Path, timeout: float = 60.0) -> tuple[int, str]:
@@ -119,6 +124,65 @@ def test_status_and_infer_say_not_running_at_once_after_a_kill9_and_a_new_daemon
         again.wait_ready()
     finally:
         assert again.stop() == 0, again.log_text()[-3000:]
+
+
+# ---- the supervisor killed during start-up -----------------------------------------------------
+
+
+def _marked(value: str) -> list[psutil.Process]:
+    """Live processes (not zombies) whose environment carries the trial's mark."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(TRIAL_MARK) == value and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_kill9_of_the_supervisor_during_start_up_leaves_no_orphan_worker(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """20 kills at 0-100 ms after the first spawn: 2 s later no worker of any of them is alive."""
+    config = {
+        "oversubscribe": True,
+        "models": {"slow": model_entry({"python": "tests.startup_models:slow_to_load"}, TINY_INPUTS, workers=2)},
+    }
+    trials = 20
+    orphaned: list[tuple[float, int]] = []
+    for trial in range(trials):
+        delay = 0.1 * trial / (trials - 1)
+        tag = f"{os.getpid()}-{trial}"
+        daemon = start_daemon(config, env={TRIAL_MARK: tag})
+        wait_for(
+            lambda daemon=daemon: daemon.worker_pids() or daemon.process.poll() is not None,
+            60,
+            "the first worker spawned",
+            interval=0.001,
+        )
+        assert daemon.process.poll() is None, daemon.log_text()[-3000:]
+        time.sleep(delay)  # the experiment's variable: how far into the worker's start-up the kill lands
+        daemon.process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        daemon.process.wait()
+        candidates = _marked(tag)
+        alive = candidates
+        while alive and time.monotonic() - killed_at < 2.0:
+            time.sleep(0.02)
+            alive = [p for p in candidates if _alive(p)]
+        if alive:
+            orphaned.append((round(delay * 1000), len(alive)))
+            for process in alive:
+                process.kill()
+    assert not orphaned, f"{len(orphaned)} of {trials} kills left orphans 2 s later (delay ms, count): {orphaned}"
 
 
 # ---- a runtime dir that cannot be one ----------------------------------------------------------

@@ -6,7 +6,7 @@ import sys
 
 from protocol.constants import WorkerExitCode
 from protocol.launch import LaunchSpec
-from worker.pinning import die_with_parent, limit_memory, pin_before_torch
+from worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
 
 
 def main(argv: list[str]) -> int:
@@ -17,7 +17,11 @@ def main(argv: list[str]) -> int:
     except (ValueError, TypeError, KeyError) as exc:
         print(f"worker: bad launch spec: {exc}", file=sys.stderr)
         return WorkerExitCode.BAD_LAUNCH
-    die_with_parent()
+    try:
+        die_with_parent(launch.supervisor_pid)
+    except ParentGone as exc:
+        print(f"worker {launch.worker_id}: {exc}; exiting", file=sys.stderr)
+        return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
     from common.json_logs import adopt_library_handlers
