@@ -89,7 +89,9 @@ def check_listening(path: Path) -> None:
     finally:
         probe.close()
     if code in (errno.ENOENT, errno.ENOTDIR):
-        raise NotRunning(f"{where}: no {path.name} there (is `infervisor serve` using this --runtime-dir?)")
+        raise NotRunning(
+            f"{where}: no daemon control socket at {path} (is `infervisor serve` running with this --runtime-dir?)"
+        )
     if code == errno.ECONNREFUSED:
         raise NotRunning(f"{where}: {path.name} is left from a daemon that is gone (connection refused)")
     if code not in (0, errno.EAGAIN, errno.EINPROGRESS):

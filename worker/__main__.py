@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from protocol.constants import WorkerExitCode
@@ -20,7 +21,13 @@ def main(argv: list[str]) -> int:
     try:
         die_with_parent(launch.supervisor_pid)
     except ParentGone as exc:
-        print(f"worker {launch.worker_id}: {exc}; exiting", file=sys.stderr)
+        # Logging is not set up yet (structlog is not imported this early): one JSON line by hand.
+        print(
+            json.dumps(
+                {"event": "supervisor_lost", "level": "error", "reason": str(exc), "worker_id": launch.worker_id}
+            ),
+            file=sys.stderr,
+        )
         return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
