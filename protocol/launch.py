@@ -56,6 +56,9 @@ class LaunchSpec:
     #: How this model's recent workers ended: `{"pid", "how", "signal" (or null), "killed_by_supervisor"}`, so
     #: a worker tells a profile that crashed its predecessor from one the supervisor stopped (profiles/attempts.py).
     recent_exits: list[dict[str, Any]] = field(default_factory=list)
+    #: The supervisor's pid: a worker whose parent is another process by the time it asked to die with
+    #: its parent (the supervisor died during its start-up) exits at once instead of living on orphaned.
+    supervisor_pid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

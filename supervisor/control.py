@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import socket as unix_socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,8 @@ class ControlServer:
 
     def __init__(self, context: zmq.Context[Any], runtime_dir: Path, anomalies: Anomalies) -> None:
         self.anomalies = anomalies
-        self.endpoint = f"ipc://{runtime_dir / CONTROL_SOCKET_NAME}"
+        self.path = runtime_dir / CONTROL_SOCKET_NAME
+        self.endpoint = f"ipc://{self.path}"
         self.socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -61,21 +65,48 @@ class ControlServer:
                 self.anomalies.count("control_reply_undeliverable", "a control client left before its answer")
 
     def close(self) -> None:
-        """Close the socket."""
+        """Close the socket and remove its file, so a client finds no socket rather than a dead one."""
         self.socket.close(linger=0)
+        # Ours to remove: the daemon holds the runtime dir's lock (supervisor/instance_lock.py) until after this.
+        self.path.unlink(missing_ok=True)
 
 
 class ControlError(Exception):
     """The daemon did not answer the control command."""
 
 
-def control_request(runtime_dir: Path, command: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """Send one command to a running daemon and return its answer."""
-    path = runtime_dir / CONTROL_SOCKET_NAME
-    if not path.exists():
-        raise ControlError(
-            f"no daemon control socket at {path} (is `infervisor serve` running with this --runtime-dir?)"
+class NotRunning(ControlError):
+    """No daemon serves the runtime dir: its socket is missing, or left behind with nobody listening on it."""
+
+
+def check_listening(path: Path) -> None:
+    """Raise NotRunning unless something listens on the unix socket at `path`; a connect() tells at once.
+
+    A daemon killed with -9 leaves its socket files behind, and ZeroMQ would retry connecting to
+    them silently until the caller's timeout; the kernel refuses a connect() on them at once.
+    """
+    where = f"infervisor is not running on {path.parent}"
+    probe = unix_socket.socket(unix_socket.AF_UNIX, unix_socket.SOCK_STREAM | unix_socket.SOCK_CLOEXEC)
+    try:
+        # Non-blocking: a listener whose backlog is full (EAGAIN) is busy, not gone.
+        probe.setblocking(False)
+        code = probe.connect_ex(str(path))
+    finally:
+        probe.close()
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        raise NotRunning(
+            f"{where}: no daemon control socket at {path} (is `infervisor serve` running with this --runtime-dir?)"
         )
+    if code == errno.ECONNREFUSED:
+        raise NotRunning(f"{where}: {path.name} is left from a daemon that is gone (connection refused)")
+    if code not in (0, errno.EAGAIN, errno.EINPROGRESS):
+        raise ControlError(f"cannot reach the daemon at {path}: {os.strerror(code)}")
+
+
+def control_request(runtime_dir: Path, command: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one command to a running daemon and return its answer; NotRunning at once when none is there."""
+    path = runtime_dir / CONTROL_SOCKET_NAME
+    check_listening(path)
     context: zmq.Context[Any] = zmq.Context.instance()
     socket: zmq.Socket[Any] = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)

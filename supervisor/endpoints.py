@@ -55,5 +55,6 @@ class ClientEndpoints:
         """Close the sockets and stop the CURVE authenticator."""
         for socket in self.sockets:
             socket.close(linger=0)
+        Path(self.ipc_endpoint.removeprefix("ipc://")).unlink(missing_ok=True)  # no stale socket left for clients
         if self.authenticator is not None:
             self.authenticator.stop()

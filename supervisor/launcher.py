@@ -98,6 +98,7 @@ def launch_spec(
         calibration=model.calibration,
         validation=model.validation,
         recent_exits=list(recent_exits),
+        supervisor_pid=os.getpid(),
     )
 
 

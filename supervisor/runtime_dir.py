@@ -28,15 +28,32 @@ def default_runtime_dir() -> Path:
 
 def prepare_runtime_dir(path: Path) -> Path:
     """Create the directory 0700, or check an existing one is ours and not open to others."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.lstat()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except FileExistsError:
+        info = path.lstat()  # something else has the name: said below
+    except OSError as exc:  # a parent that is a file, no permission, a read-only file system
+        raise RuntimeDirError(f"cannot create runtime dir {path}: {exc.strerror}") from exc
     if not stat.S_ISDIR(info.st_mode):
-        raise RuntimeDirError(f"{path} is not a directory")
+        raise RuntimeDirError(f"runtime dir {path} is {_kind(info.st_mode)}, not a directory")
     if info.st_uid != os.getuid():
         raise RuntimeDirError(f"{path} belongs to uid {info.st_uid}, not to us (uid {os.getuid()})")
     if info.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "a device or other special file"
 
 
 def resolve_runtime_dir(cli_value: str | None, config_value: str | None) -> Path:

@@ -259,14 +259,14 @@ def test_flood_is_answered_overloaded_at_once_and_broker_memory_stays_bounded(
 
 
 def test_runtime_dir_and_sockets_are_private(start_daemon: Callable[..., Daemon]) -> None:
-    """The runtime directory is 0700 and the sockets 0600."""
+    """The runtime directory is 0700, and the sockets and the one-daemon lock file in it 0600."""
     daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
     daemon.wait_ready()
     assert stat.S_IMODE(daemon.runtime_dir.stat().st_mode) == 0o700
-    for name in ("infer.sock", "control.sock"):
+    for name in ("infer.sock", "control.sock", "infervisor.lock"):
         assert stat.S_IMODE((daemon.runtime_dir / name).stat().st_mode) == 0o600
     # Workers reach the supervisor through inherited socketpairs: there is nothing in the directory to connect to.
-    assert sorted(p.name for p in daemon.runtime_dir.iterdir()) == ["control.sock", "infer.sock"]
+    assert sorted(p.name for p in daemon.runtime_dir.iterdir()) == ["control.sock", "infer.sock", "infervisor.lock"]
 
 
 def _connect_as(uid: int, path: Path) -> int:

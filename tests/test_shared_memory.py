@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,16 @@ from protocol.constants import SHM_DIR
 from protocol.errors import ProtocolError
 from protocol.shared_memory import SharedTensor
 from protocol.tensors import ShmRef, TensorDesc, check_frames, parse_descs
-from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, Daemon, free_loopback_port, model_entry
+from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
 from worker.models import build_builtin
 from worker.shared_inputs import SharedInputs
 
 IMAGE = (1, 3, 224, 224)
+
+#: A uid and gid that are not the test's (the kernel's overflow ids: nobody and nogroup on most boxes).
+OTHER_ID = 65534
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
 
 
 def _desc(name: str = "x", shape: tuple[int, ...] = (2, 4), shm: Any = None) -> dict[str, Any]:
@@ -242,3 +249,104 @@ def test_shared_memory_is_refused_on_the_tcp_endpoint(daemon: Daemon, region: Sh
             client.infer("resnet18", {"image": image}, timeout=10)
         assert caught.value.code == ErrorCode.BAD_REQUEST
         assert client.infer("resnet18", {"image": image.array}, timeout=10)["logits"].shape == (1, 1000)
+
+
+def _wchan(pid: int) -> str:
+    """The kernel function a process sleeps in ("wait_for_partner": blocked opening a FIFO)."""
+    return Path(f"/proc/{pid}/wchan").read_text()
+
+
+def test_a_fifo_is_refused_without_releasing_the_writer_blocked_on_it(daemon: Daemon) -> None:
+    """Naming a FIFO is INVALID_INPUT, and a writer waiting in open() for a reader is still waiting afterwards."""
+    fifo = Path(SHM_DIR) / f"infervisor-test-{os.getpid()}-fifo"
+    os.mkfifo(fifo, 0o600)
+    writer = subprocess.Popen([sys.executable, "-c", f"open({str(fifo)!r}, 'wb')"])
+    try:
+        wait_for(lambda: _wchan(writer.pid) == "wait_for_partner", 30, "the writer blocked opening the FIFO")
+        with Client(daemon.endpoint) as client:
+            with pytest.raises(InferenceError, match="is not a regular file") as caught:
+                client.infer("resnet18", {"image": SharedTensor(fifo.name, 0, np.zeros(IMAGE, np.float32))}, timeout=10)
+        assert caught.value.code == ErrorCode.INVALID_INPUT
+        # Opening the FIFO even for an instant (O_NONBLOCK included) would have woken the writer.
+        assert writer.poll() is None and _wchan(writer.pid) == "wait_for_partner"
+    finally:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+        writer.wait(30)
+        fifo.unlink()
+
+
+def _give_away(path: Path, mode: int) -> None:
+    os.chown(path, OTHER_ID, OTHER_ID)
+    os.chmod(path, mode)
+
+
+@pytest.mark.parametrize(
+    ("prepare", "needle"),
+    [
+        pytest.param(
+            lambda path: _give_away(path, 0o600),
+            f"belongs to uid {OTHER_ID}, not to the daemon's user (uid {os.geteuid()})",
+            marks=needs_root,
+            id="0600-of-another-uid",
+        ),
+        pytest.param(
+            lambda path: _give_away(path, 0o644),
+            f"belongs to uid {OTHER_ID}, not to the daemon's user (uid {os.geteuid()})",
+            marks=needs_root,
+            id="0644-of-another-uid",
+        ),
+        pytest.param(
+            lambda path: os.chmod(path, 0),
+            f"is not readable by the daemon's user (uid {os.geteuid()}): mode 0000",
+            id="0000-of-ours",
+        ),
+    ],
+)
+def test_the_worker_refuses_an_object_the_daemon_does_not_own_or_may_not_read(
+    daemon: Daemon, prepare: Any, needle: str
+) -> None:
+    """Objects of another uid, and ours without read permission, are INVALID_INPUT even to a root daemon."""
+    before = _worker_pids(daemon)
+    with SharedRegion(4 * 2**20) as bad, SharedRegion(4 * 2**20) as good, Client(daemon.endpoint) as client:
+        bad.tensor(np.float32, IMAGE).array[:] = 1.0
+        image = good.tensor(np.float32, IMAGE)
+        image.array[:] = 1.0
+        prepare(Path(SHM_DIR) / bad.name)
+        with pytest.raises(InferenceError) as caught:
+            client.infer("resnet18", {"image": SharedTensor(bad.name, 0, image.array)}, timeout=10)
+        assert caught.value.code == ErrorCode.INVALID_INPUT
+        assert needle in caught.value.message
+        assert client.infer("resnet18", {"image": image}, timeout=10)["logits"].shape == (1, 1000)
+    assert _worker_pids(daemon) == before
+
+
+def test_the_worker_refuses_a_symbolic_link_to_a_readable_object(daemon: Daemon, region: SharedRegion) -> None:
+    """A link in /dev/shm to a region the daemon could read is still INVALID_INPUT: links are never followed."""
+    image = region.tensor(np.float32, IMAGE)
+    image.array[:] = 1.0
+    link = Path(SHM_DIR) / f"infervisor-test-{os.getpid()}-link"
+    link.symlink_to(Path(SHM_DIR) / region.name)
+    try:
+        with Client(daemon.endpoint) as client:
+            with pytest.raises(InferenceError, match="is a symbolic link") as caught:
+                client.infer("resnet18", {"image": SharedTensor(link.name, 0, image.array)}, timeout=10)
+            assert caught.value.code == ErrorCode.INVALID_INPUT
+    finally:
+        link.unlink()
+
+
+@needs_root
+def test_an_object_of_another_uid_is_read_only_through_the_client_group(region: SharedRegion) -> None:
+    """Group-owned by the configured client group and group-readable: read; otherwise refused, saying why."""
+    path = Path(SHM_DIR) / region.name
+    region.tensor(np.float32, (4,), offset=0).array[:] = np.arange(4)
+    desc = TensorDesc("x", "float32", (4,), ShmRef(region.name, 0))
+    _give_away(path, 0o640)
+    assert np.array_equal(SharedInputs(client_group=OTHER_ID).read(desc).view(np.float32), np.arange(4))
+    with pytest.raises(ProtocolError, match=f"belongs to uid {OTHER_ID}, not to the daemon's user"):
+        SharedInputs().read(desc)
+    with pytest.raises(ProtocolError, match=f"belongs to uid {OTHER_ID}, not to the daemon's user"):
+        SharedInputs(client_group=OTHER_ID + 1).read(desc)
+    os.chmod(path, 0o600)
+    with pytest.raises(ProtocolError, match=f"is not readable by the client group \\(gid {OTHER_ID}\\): mode 0600"):
+        SharedInputs(client_group=OTHER_ID).read(desc)

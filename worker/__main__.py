@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from protocol.constants import WorkerExitCode
 from protocol.launch import LaunchSpec
-from worker.pinning import die_with_parent, limit_memory, pin_before_torch
+from worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
 
 
 def main(argv: list[str]) -> int:
@@ -17,7 +18,17 @@ def main(argv: list[str]) -> int:
     except (ValueError, TypeError, KeyError) as exc:
         print(f"worker: bad launch spec: {exc}", file=sys.stderr)
         return WorkerExitCode.BAD_LAUNCH
-    die_with_parent()
+    try:
+        die_with_parent(launch.supervisor_pid)
+    except ParentGone as exc:
+        # Logging is not set up yet (structlog is not imported this early): one JSON line by hand.
+        print(
+            json.dumps(
+                {"event": "supervisor_lost", "level": "error", "reason": str(exc), "worker_id": launch.worker_id}
+            ),
+            file=sys.stderr,
+        )
+        return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
     from common.json_logs import adopt_library_handlers

@@ -24,8 +24,20 @@ def limit_memory(megabytes: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL us if the supervisor dies, so no worker outlives it (even kill -9)."""
+class ParentGone(Exception):
+    """The supervisor died before the worker asked to die with it: the worker is already an orphan."""
+
+
+def die_with_parent(supervisor_pid: int | None) -> None:
+    """Ask the kernel to SIGKILL us if the supervisor dies, so no worker outlives it (even kill -9).
+
+    The request covers only a parent alive when it is made: a supervisor killed while this
+    interpreter started left us re-parented (to init or a subreaper), which never dies. So the
+    parent is checked after asking; ParentGone when it is no longer `supervisor_pid`.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    parent = os.getppid()
+    if supervisor_pid is not None and parent != supervisor_pid:
+        raise ParentGone(f"supervisor pid {supervisor_pid} is gone (parent is now pid {parent})")

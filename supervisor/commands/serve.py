@@ -9,6 +9,7 @@ import structlog
 
 from supervisor.config import ConfigError, load_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
+from supervisor.instance_lock import InstanceLock, InstanceLockError
 from supervisor.logs import configure_logging
 from supervisor.planner import PlanError
 from supervisor.runtime_dir import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir
@@ -33,13 +34,19 @@ def run_serve(args: argparse.Namespace) -> int:
         config = load_config(config_path)
         configure_logging(config.log_level)
         runtime_dir = prepare_runtime_dir(resolve_runtime_dir(args.runtime_dir, config.runtime_dir))
+        # Before any socket is bound or worker spawned: a second daemon here would take both sockets over.
+        lock = InstanceLock(runtime_dir)
         from supervisor.arbiter import Arbiter
 
         arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root))
     except ConfigError as exc:
         log.error("config_invalid", config=str(config_path), problems=exc.problems)
         return EXIT_CONFIG
+    except InstanceLockError as exc:
+        log.error("cannot_start", error=str(exc), holder_pid=exc.holder_pid)
+        return EXIT_CONFIG
     except (PlanError, TopologyError, RuntimeDirError) as exc:
         log.error("cannot_start", error=str(exc))
         return EXIT_CONFIG
-    return arbiter.run()
+    with lock:  # released only once the daemon has removed its sockets and reaped its workers
+        return arbiter.run()
