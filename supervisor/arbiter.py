@@ -83,7 +83,9 @@ class Arbiter:
         self.links = WorkerLinks(self.loop, self.anomalies)
         self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, self, self.anomalies)
         self.pool = WorkerPool(self.serving, plan, self.links, self.broker, launcher)
-        self.control = ControlServer(self.context, runtime_dir, self.anomalies)
+        # Its own context, so its own I/O thread: a flood of commands cannot delay the request sockets' I/O.
+        self.control_context: zmq.Context[Any] = zmq.Context(1)
+        self.control = ControlServer(self.control_context, runtime_dir, self.anomalies)
         self.loop.register(self.control.socket, CONTROL, lambda flags: self.control.handle(self.control_command))
         self.notifier = Notifier()
         self.cpu_latency = CpuLatencyHold()
@@ -392,6 +394,7 @@ class Arbiter:
         self.control.close()
         self.loop.close()
         self.context.term()
+        self.control_context.term()
 
     # ---- control ----------------------------------------------------------------------------
 

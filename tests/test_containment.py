@@ -365,27 +365,17 @@ def test_requests_naming_a_large_sparse_shared_memory_region_are_held_to_the_cli
 
 
 def test_a_flood_of_control_commands_does_not_hold_the_requests_or_the_log(start_daemon: Callable[..., Daemon]) -> None:
-    """Two clients flooding `ping` and leaving before the answers: inferences keep their pace, the log stays small."""
+    """Two processes flooding `ping` and leaving before the answers: inferences keep their pace, the log stays small."""
     daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
     daemon.wait_ready()
-    stop = threading.Event()
-    control = str(daemon.runtime_dir / "control.sock")
-
-    def flood() -> None:
-        context = zmq.Context.instance()
-        while not stop.is_set():
-            socket = context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(f"ipc://{control}")
-            for _ in range(200):
-                socket.send_multipart([b"", msgpack.packb({"cmd": "ping"})])
-            socket.close()  # gone before the answers: each is undeliverable
-
-    flooders = [threading.Thread(target=flood) for _ in range(2)]
-    for thread in flooders:
-        thread.start()
+    # Processes, not threads: a flooding thread would hold this process's GIL and slow the measuring client.
+    flooders = [
+        subprocess.Popen([sys.executable, "-c", _FLOOD, str(daemon.runtime_dir / "control.sock")], cwd=ROOT)
+        for _ in range(2)
+    ]
     latencies = []
     try:
+        wait_for(lambda: daemon.status()["counters"].get("control_reply_undeliverable", 0) > 100, 30, "flood on")
         with daemon.client() as client:
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
@@ -393,49 +383,26 @@ def test_a_flood_of_control_commands_does_not_hold_the_requests_or_the_log(start
                 client.infer("tiny", {"x": np.ones((1, 16), np.float32)}, timeout=10)
                 latencies.append(time.monotonic() - started)
     finally:
-        stop.set()
-        for thread in flooders:
-            thread.join(30)
-    assert max(latencies) < 1.0, f"an inference waited {max(latencies):.1f} s behind the control flood"
+        for flooder in flooders:
+            flooder.kill()
+            flooder.wait()
+    slowest = max(range(len(latencies)), key=latencies.__getitem__)
+    assert max(latencies) < 1.0, f"inference {slowest} of {len(latencies)} waited {max(latencies):.1f} s: {sorted(latencies)[-5:]}"
     assert daemon.process.poll() is None and daemon.status()["models"]["tiny"]["workers"][0]["restarts"] == 0
     undeliverable = [e for e in daemon.log_events() if "control_reply_undeliverable" in json.dumps(e)]
     assert len(undeliverable) <= 1
 
 
-def test_a_profile_that_crashes_its_process_natively_is_a_fallback_and_is_remembered(
-    start_daemon: Callable[..., Daemon], tmp_path: Path
-) -> None:
-    """jit segfaults while tracing: the next worker skips it and serves eager; a new daemon skips it without a crash."""
-    cache = tmp_path / "shared-cache"
-    model = model_entry({"python": "tests.fault_models:crashes_when_traced"}, FAULT_INPUTS, profiles=["jit", "eager"])
-    config = {"cache_dir": str(cache), "models": {"traced": model}}
-    first = start_daemon(config, env=ENV)
-    (worker,) = first.wait_ready(120)["models"]["traced"]["workers"]
-    assert worker["profile"] == "eager"
-    assert any("crashed while building and checking (killed by SIGSEGV)" in s for s in worker["profile_skipped"])
-    deaths = [e for e in first.log_events() if e["event"] == "worker_exited"]
-    assert len(deaths) == 1 and "SIGSEGV" in deaths[0]["how"], "one crash, then the fallback"
-    with first.client() as client:
-        assert client.infer("traced", command(ECHO, 3.0))["output"][0, 1] == 6.0
-    first.stop()
-    second = start_daemon(config, env=ENV)
-    (worker,) = second.wait_ready(120)["models"]["traced"]["workers"]
-    assert worker["profile"] == "eager" and any("remembered in" in s for s in worker["profile_skipped"])
-    assert not [e for e in second.log_events() if e["event"] == "worker_exited"], "no crash on the next start"
-
-
-def test_a_marker_left_by_a_worker_the_supervisor_killed_does_not_condemn_the_profile(tmp_path: Path) -> None:
-    """A worker SIGKILLed by the supervisor mid-build (a start timeout) leaves a marker: the profile is tried again."""
-    from worker.profiles.attempts import AttemptLog
-
-    attempts = tmp_path / "attempts"
-    attempts.mkdir()
-    (attempts / "jit-abc.999999.attempt").write_text(json.dumps({"pid": 999999, "phase": "building and checking"}))
-    killed = {"pid": 999999, "how": "killed by SIGKILL", "signal": 9, "killed_by_supervisor": True}
-    assert AttemptLog(tmp_path, {"jit": "jit-abc"}, [killed]).refusal("jit") is None
-    assert not list(attempts.iterdir()), "the stale marker is gone"
-    (attempts / "jit-abc.999999.attempt").write_text(json.dumps({"pid": 999999, "phase": "building and checking"}))
-    crashed = {**killed, "how": "killed by SIGABRT", "signal": 6, "killed_by_supervisor": False}
-    reason = AttemptLog(tmp_path, {"jit": "jit-abc"}, [crashed]).refusal("jit")
-    assert reason is not None and reason.startswith("crashed while building and checking (killed by SIGABRT)")
-    assert (attempts / "jit-abc.crashed").exists()
+#: A control client that sends 200 pings per connection and leaves before the answers, until killed.
+_FLOOD = """
+import os, sys, msgpack, zmq
+os.nice(19)  # the box's two cores are shared with the daemon: what is measured is the loop, not the scheduler
+context = zmq.Context()
+while True:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect("ipc://" + sys.argv[1])
+    for _ in range(200):
+        socket.send_multipart([b"", msgpack.packb({"cmd": "ping"})])
+    socket.close()
+"""
