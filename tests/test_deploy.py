@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
+import tomllib
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -229,6 +230,10 @@ def test_dockerfile_pins_the_cpu_torch_and_runs_unprivileged() -> None:
     # The context is an allow list: a checkout's .venv (GBs of torch) never reaches the builder.
     patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
     assert patterns[0] == "*" and not any(".venv" in p or ".git" in p for p in patterns)
+    # Every package the wheel holds is in the context and copied into the build stage.
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for package in (pattern.rstrip("*") for pattern in find["include"]):
+        assert f"!{package}" in patterns and f"COPY {package} {package}" in text, package
 
 
 @cache
