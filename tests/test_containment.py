@@ -386,8 +386,7 @@ def test_a_flood_of_control_commands_does_not_hold_the_requests_or_the_log(start
         for flooder in flooders:
             flooder.kill()
             flooder.wait()
-    slowest = max(range(len(latencies)), key=latencies.__getitem__)
-    assert max(latencies) < 1.0, f"inference {slowest} of {len(latencies)} waited {max(latencies):.1f} s: {sorted(latencies)[-5:]}"
+    assert max(latencies) < 1.0, f"an inference waited {max(latencies):.1f} s of {len(latencies)} sent in the flood"
     assert daemon.process.poll() is None and daemon.status()["models"]["tiny"]["workers"][0]["restarts"] == 0
     undeliverable = [e for e in daemon.log_events() if "control_reply_undeliverable" in json.dumps(e)]
     assert len(undeliverable) <= 1
