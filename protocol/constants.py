@@ -66,6 +66,32 @@ class WorkerMessageType(enum.IntEnum):
     CANARY_RESULT = 9
     PROFILE = 10
     PROFILE_RESULT = 11
+    PROGRESS = 13
+
+
+class StartPhase(enum.StrEnum):
+    """What a starting worker is doing (the PROGRESS message); the supervisor's limits depend on it.
+
+    BUILDING and WAITING count against the per-profile compile limit, every other phase against the
+    start limit. The last four are the outcome of one profile of the chain, sent once it is decided.
+    """
+
+    LOADING = "loading"  # importing and loading the model, computing the eager reference
+    BUILDING = "building"  # one profile: export, quantize, compile or load its cached package, first run
+    WAITING = "waiting"  # for another process's build of the same package (the cache's per-key lock)
+    CHECKING = "checking"  # the built profile against eager on the golden inputs
+    TIMING = "timing"  # pick fastest: the profiles that passed, timed against each other
+    WARMING = "warming up"  # the serving profile's warm-up iterations
+    PASSED = "passed"  # the profile built and matches eager within the tolerance
+    REJECTED = "rejected"  # it built but misses the tolerance
+    FAILED = "failed"  # it could not be built, or crashed on the golden inputs
+    REFUSED = "refused"  # not tried: the CPU lacks what it needs, or it crashed a process before
+
+
+#: The phases a per-profile compile limit applies to (config compile_timeout_s).
+COMPILE_PHASES: Final = frozenset({StartPhase.BUILDING, StartPhase.WAITING})
+#: The phases that end one profile's turn.
+OUTCOME_PHASES: Final = frozenset({StartPhase.PASSED, StartPhase.REJECTED, StartPhase.FAILED, StartPhase.REFUSED})
 
 
 class WorkerExitCode(enum.IntEnum):

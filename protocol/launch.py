@@ -61,6 +61,10 @@ class LaunchSpec:
     supervisor_pid: int | None = None
     #: Config `socket_group`'s gid: the worker reads shared-memory inputs of that group that it may read.
     client_gid: int | None = None
+    #: The supervisor's limit on one profile's build (config compile_timeout_s): overruns of a lower one do not count.
+    compile_timeout_s: float | None = None
+    #: `infervisor build`: build and check every packaged profile of the chain, report each, then exit without serving.
+    build_only: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -134,13 +134,38 @@ class ProfileResult:
     operators: str
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Worker -> supervisor, before READY: the phase it enters now (sent by its main thread at each change).
+
+    A compile is one long phase: no message comes while it runs, and the supervisor counts its time
+    from this message's arrival.
+    """
+
+    TYPE: ClassVar = WorkerMessageType.PROGRESS
+    #: A StartPhase value.
+    phase: str
+    #: The profile of the chain the phase is about ("" for loading and warming up of no profile).
+    profile: str
+    #: Its place in the chain, from 1, and the chain's length (0 and 0 when the phase is about no profile).
+    index: int
+    count: int
+    #: Since the worker started serve() (its own clock).
+    elapsed_ms: float
+    #: The outcome's reason (why a profile failed or was refused), or what the phase is doing; may be empty.
+    detail: str
+
+
 WorkerMessage = (
     Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult
-)
+    | Progress
+)  # fmt: skip
 _CLASSES: dict[int, type[Any]] = {
     cls.TYPE: cls
-    for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult)
-}
+    for cls in (
+        Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult, Progress
+    )
+}  # fmt: skip
 
 
 def _bad(message: str) -> ProtocolError:

@@ -243,6 +243,10 @@ class Arbiter:
         """A starting worker is warm: the pool lets it serve."""
         self.pool.worker_ready(slot, ready)
 
+    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
+        """A starting worker entered a phase: the pool times it against the start or the compile limit."""
+        self.pool.worker_progress(slot, progress)
+
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker's link failed: the pool replaces the worker."""
         self.pool.link_broken(slot, reason)
@@ -417,7 +421,8 @@ class Arbiter:
             model = command.get("model")
             if model is not None and model not in self.pool.members:
                 return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(self.pool.members)}"}
-            return {"ok": True, "queued": self.pool.restart(model, "operator command")}
+            # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
+            return {"ok": True, "queued": self.pool.restart(model, "operator command", forget_overruns=True)}
         if name == "profile":
             model, requests = command.get("model"), command.get("requests", 50)
             if not isinstance(model, str) or type(requests) is not int or not 1 <= requests <= 10_000:

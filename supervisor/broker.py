@@ -46,6 +46,9 @@ class WorkerEvents(Protocol):
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
         """A starting worker said READY."""
 
+    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
+        """A starting worker entered a phase (loading, building profile i of n, checking, warming up)."""
+
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker's link cannot be written or lost its framing: its process must be replaced."""
 
@@ -449,6 +452,8 @@ class Broker:
         elif isinstance(message, wm.Ready):
             self.events.worker_ready(slot, message)
             self.dispatch(slot.model.name)
+        elif isinstance(message, wm.Progress):
+            self.events.worker_progress(slot, message)
         elif isinstance(message, wm.Stats):
             slot.threads_seen, slot.rehearsals_seen = message.threads, message.rehearsals
         elif isinstance(message, wm.CanaryResult):

@@ -140,6 +140,8 @@ class Config:
     hang_factor: float
     hang_min_s: float
     worker_start_timeout_s: float
+    #: The per-profile build limit of a starting worker (supervisor/start_clock.py).
+    compile_timeout_s: float
     shutdown_grace_s: float
     max_frame_bytes: int
     client_budget_mb: int
@@ -507,7 +509,13 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("hang_min_s", Number(10.0, 0.1), Applied.LIVE,
         "floor of the hang budget above."),
     Key("worker_start_timeout_s", Number(300.0, 1.0), Applied.LIVE,
-        "a worker not READY after this long is killed (load + optimise + warm-up must fit)."),
+        "a starting worker is killed once its loading, checking, timing and warm-up together took longer than this; "
+        "building profiles is not counted here but against `compile_timeout_s` ([more](#the-build-phase))."),
+    Key("compile_timeout_s", Number(900.0, 1.0), Applied.LIVE,
+        "the longest one profile's build may take in a starting worker (export, quantize, compile or load its "
+        "packages, or wait for a sibling's compile of them); past it the worker is killed and its successor builds "
+        "that profile again, keeping the packages already done; after two overruns within an hour the profile is "
+        "skipped ([more](#the-build-phase))."),
     Key("shutdown_grace_s", Number(10.0, 0.0), Applied.LIVE,
         "on SIGTERM, queued and in-flight requests get this long to finish; the rest are answered `SHUTTING_DOWN`. "
         "A retiring (draining) worker is SIGKILLed if it has not exited `shutdown_grace_s` + 5 s after it began "

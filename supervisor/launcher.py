@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from protocol.constants import MAX_HEADER_BYTES
 from protocol.launch import LaunchSpec
@@ -74,6 +74,7 @@ def launch_spec(
     worker_id: str,
     link_fd: int,
     recent_exits: Sequence[ExitRecord] = (),
+    build_only: bool = False,
 ) -> LaunchSpec:
     """Everything the worker needs before it imports torch, from the model's config and its cores."""
     return LaunchSpec(
@@ -100,13 +101,24 @@ def launch_spec(
         recent_exits=list(recent_exits),
         supervisor_pid=os.getpid(),
         client_gid=config.socket_group.gid if config.socket_group is not None else None,
+        compile_timeout_s=config.compile_timeout_s,
+        build_only=build_only,
     )
 
 
 def launch_worker(
-    model: ModelConfig, assignment: Assignment, config: Config, recent_exits: Sequence[ExitRecord] = ()
+    model: ModelConfig,
+    assignment: Assignment,
+    config: Config,
+    recent_exits: Sequence[ExitRecord] = (),
+    build_only: bool = False,
+    output: IO[bytes] | None = None,
 ) -> Launched:
-    """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now."""
+    """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now.
+
+    `build_only` (infervisor build): the worker fills the cache with its packaged profiles and exits.
+    `output`: where its stdout and stderr go (default: the supervisor's, where the daemon logs).
+    """
     worker_id = f"{model.name}.{assignment.slot}.{next(_generations)}"
     cache_dir = resolve_cache_dir(config.cache_dir)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,10 +127,12 @@ def launch_worker(
             # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
             # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
-        spec = launch_spec(model, assignment, config, worker_id, theirs.fileno(), recent_exits)
+        spec = launch_spec(model, assignment, config, worker_id, theirs.fileno(), recent_exits, build_only)
         process = subprocess.Popen(
             [sys.executable, "-m", "worker", spec.to_json()],
             stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=output,
             close_fds=True,
             # The only descriptor the worker inherits besides stdio: its end of the link.
             pass_fds=(theirs.fileno(),),

@@ -150,11 +150,21 @@ class WorkerPool:
     def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
         """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
         how = describe_exit(code)
-        slot.last_exit = how
+        # Status says why we killed it (which profile overran its build, which request hung), not only the signal.
+        slot.last_exit = f"{how} ({slot.kill_reason})" if slot.killed and slot.kill_reason else how
         exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
         pid = slot.process.pid if slot.process is not None else None
         signal_number = -code if code < 0 else None
-        exits.append({"pid": pid, "how": how, "signal": signal_number, "killed_by_supervisor": slot.killed})
+        exits.append(
+            {
+                "pid": pid,
+                "how": how,
+                "signal": signal_number,
+                "killed_by_supervisor": slot.killed,
+                # The next worker of the model skips a profile whose build keeps overrunning (profiles/attempts.py).
+                "compile_overrun": slot.compile_overrun,
+            }
+        )
         self.links.drain(slot)
         self.links.detach(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
@@ -196,8 +206,8 @@ class WorkerPool:
                 continue
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill("did not exit after STOP")
-            elif slot.state is SlotState.STARTING and now - slot.spawned_at > config.worker_start_timeout_s:
-                slot.kill(f"not ready after {config.worker_start_timeout_s:.0f} s")
+            elif slot.state is SlotState.STARTING:
+                self.check_start(slot, now)
             elif slot.inflight:
                 # Only the head of the pipeline is running, so progress is measured from its start; its budget
                 # grows with its rows, since warm-up timed a batch of one.
@@ -207,6 +217,24 @@ class WorkerPool:
                     slot.hung_request = True
             elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
                 slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
+
+    def check_start(self, slot: WorkerSlot, now: float) -> None:
+        """Kill a starting worker past a limit: the start limit (loading, checking), the compile limit (builds)."""
+        config = self.serving.current
+        overrun = slot.start.overrun(now, config.worker_start_timeout_s, config.compile_timeout_s)
+        if overrun is None or not slot.kill(overrun.reason):
+            return
+        if overrun.profile is not None:
+            slot.compile_overrun = {"profile": overrun.profile, "limit_s": overrun.limit_s, "at": time.time()}
+        log.error(
+            "worker_start_overrun",
+            slot=slot.name,
+            pid=slot.pid,
+            phase=slot.start.phase.value,
+            profile=overrun.profile,
+            limit_s=overrun.limit_s,
+            reason=overrun.reason,
+        )
 
     def heartbeat(self, now: float) -> None:
         """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
@@ -253,6 +281,32 @@ class WorkerPool:
             f"profile {ready.profile})",
         )
 
+    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress, now: float | None = None) -> None:
+        """A starting worker entered a phase: its clock and limits follow it, and the log says so (one event each)."""
+        if slot.state is not SlotState.STARTING:
+            return
+        now = time.monotonic() if now is None else now
+        ended = slot.start.enter(progress, now)
+        if ended is None:
+            log.warning("worker_phase_unknown", slot=slot.name, phase=progress.phase[:64])
+            return
+        previous, took = ended
+        clock = slot.start
+        log.info(
+            "worker_phase",
+            slot=slot.name,
+            pid=slot.pid,
+            phase=clock.phase.value,
+            profile=clock.profile or None,
+            index=clock.index or None,
+            count=clock.count or None,
+            elapsed_s=round(now - clock.spawned_at, 1),
+            worker_elapsed_s=round(progress.elapsed_ms / 1000.0, 1),
+            previous=previous.value,
+            previous_s=round(took, 1),
+            detail=clock.detail[:300] or None,
+        )
+
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""
         slot.kill(reason)
@@ -278,11 +332,16 @@ class WorkerPool:
         elif slot.state in (SlotState.BACKOFF, SlotState.FAILED):
             slot.transition(SlotState.STOPPED, reason)
 
-    def restart(self, model: str | None, reason: str) -> int:
-        """Queue a rolling restart of one model's workers (or all); returns how many were queued."""
+    def restart(self, model: str | None, reason: str, forget_overruns: bool = False) -> int:
+        """Queue a rolling restart of one model's workers (or all); returns how many were queued.
+
+        `forget_overruns`: the new workers try again profiles whose builds overran the compile limit.
+        """
         queued = 0
         for name, slots in self.members.items():
             if model is None or name == model:
+                for ended in self.recent_exits.get(name, ()) if forget_overruns else ():
+                    ended["compile_overrun"] = None
                 for slot in slots:
                     self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
                     queued += 1

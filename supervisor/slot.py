@@ -18,6 +18,7 @@ from protocol.worker_link import Link
 from supervisor.config import ModelConfig
 from supervisor.launcher import Launched, WorkerProcess
 from supervisor.planner import Assignment
+from supervisor.start_clock import StartClock
 
 if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
     from supervisor.pending import PendingRequest
@@ -103,6 +104,8 @@ class WorkerSlot:
     kill_at: float | None = None
     #: SIGKILL already sent to the current process: its exit is pending, a second kill would only log again.
     killed: bool = False
+    #: Why the supervisor killed it, for status (`last_exit`).
+    kill_reason: str = ""
     #: The kill was for a request that overran its hang budget: not a failure of the model.
     hung_request: bool = False
     failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
@@ -130,6 +133,10 @@ class WorkerSlot:
     last_profile: dict[str, object] | None = None
     #: The newest monitor finding about this slot, for status.
     last_event: dict[str, object] | None = None
+    #: The current process's phases before READY (PROGRESS messages) and the limits they count against.
+    start: StartClock = field(default_factory=StartClock)
+    #: The current process was killed because this profile's build overran the compile limit (its exit record).
+    compile_overrun: dict[str, object] | None = None
 
     @property
     def name(self) -> str:
@@ -165,7 +172,7 @@ class WorkerSlot:
             return False
         log.warning("worker_killed", slot=self.name, pid=self.process.pid, reason=reason)
         self.process.kill()
-        self.killed = True
+        self.killed, self.kill_reason = True, reason
         return True
 
     def adopt_process(self, launched: Launched, heartbeat_s: float, liveness: int, now: float) -> None:
@@ -173,7 +180,7 @@ class WorkerSlot:
         self.process, self.link, self.worker_id = launched.process, launched.link, launched.worker_id
         self.spawned_at = self.last_heard = now
         self.kill_at = None
-        self.killed = False
+        self.killed, self.kill_reason = False, ""
         self.hung_request = False
         self.threads_seen = None
         self.rehearsals_seen = 0
@@ -181,6 +188,8 @@ class WorkerSlot:
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.ready_at = 0.0
         self.process_requests = 0
+        self.start = StartClock.started(now)
+        self.compile_overrun = None
         if self.failures or self.last_exit:
             self.restarts += 1
 

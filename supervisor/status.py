@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,9 +35,10 @@ def rss_of(pid: int | None) -> int | None:
         return None
 
 
-def slot_status(slot: WorkerSlot) -> dict[str, Any]:
+def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
     """One worker's row."""
     pid = slot.pid
+    now = time.monotonic() if now is None else now
     return {
         "slot": slot.assignment.slot,
         "pid": pid,
@@ -61,6 +63,8 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
         "last_event": slot.last_event,
+        # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
+        "starting": slot.start.status(now) if slot.state is SlotState.STARTING else None,
     }
 
 

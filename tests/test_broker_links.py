@@ -40,6 +40,9 @@ class BrokenLinks:
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
         """Not expected here."""
 
+    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
+        """Not expected here."""
+
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """Remember the report."""
         self.broken.append((slot.name, reason))

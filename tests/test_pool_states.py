@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -13,6 +14,7 @@ import pytest
 import zmq
 
 from protocol import worker_messages as wm
+from protocol.constants import StartPhase
 from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import Config, ModelConfig, parse_config
@@ -25,6 +27,7 @@ from supervisor.pool import WorkerPool
 from supervisor.serving_config import ServingConfig
 from supervisor.slot import IllegalTransition, SlotState, WorkerSlot, allowed_transitions
 from supervisor.worker_links import WorkerLinks
+from worker.profiles.attempts import AttemptLog
 
 MODEL = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
 
@@ -75,6 +78,9 @@ class Events:
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
         self.pool.worker_ready(slot, ready)
+
+    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
+        self.pool.worker_progress(slot, progress)
 
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         self.pool.link_broken(slot, reason)
@@ -318,3 +324,66 @@ def test_scaling_down_retires_the_surplus_and_stop_ends_with_every_slot_stopped(
         assert rig.pool.finished()
     finally:
         rig.close()
+
+
+def _limits(rig: Rig, start_s: float, compile_s: float) -> None:
+    """Serve the rig with these start and compile limits."""
+    rig.serving.replace(
+        dataclasses.replace(rig.serving.current, worker_start_timeout_s=start_s, compile_timeout_s=compile_s)
+    )
+
+
+def _enter(rig: Rig, slot: WorkerSlot, seconds: float, phase: StartPhase, profile: str = "", index: int = 0) -> None:
+    """Let `seconds` pass in the current phase, then the worker reports `phase` (profile `index` of 3)."""
+    rig.tick(seconds)
+    rig.pool.worker_progress(slot, wm.Progress(phase.value, profile, index, 3 if index else 0, 0.0, ""), rig.now)
+
+
+def test_builds_are_not_counted_by_the_start_limit_and_each_has_its_own_limit(rig: Rig) -> None:
+    """Loading, checking and warm-up add up to the start limit; a longer build lives while under the compile limit."""
+    _limits(rig, start_s=10.0, compile_s=30.0)
+    rig.pool.start()
+    (slot,) = rig.slots()
+    _enter(rig, slot, 4.0, StartPhase.BUILDING, "aoti", 1)
+    _enter(
+        rig, slot, 25.0, StartPhase.CHECKING, "aoti", 1
+    )  # 25 s of build: past the start limit, under the compile one
+    _enter(rig, slot, 1.0, StartPhase.PASSED, "aoti", 1)
+    _enter(rig, slot, 0.5, StartPhase.BUILDING, "int8_static", 2)
+    _enter(rig, slot, 29.0, StartPhase.WAITING, "int8_static", 2)  # each build phase has its own 30 s
+    _enter(rig, slot, 29.0, StartPhase.BUILDING, "int8_static", 2)
+    _enter(rig, slot, 29.0, StartPhase.WARMING, "int8_static", 2)
+    assert slot.state is SlotState.STARTING and not slot.killed
+    assert slot.start.counted(rig.now) == pytest.approx(5.5, abs=0.01) and slot.start.build_s == pytest.approx(112.0)
+    rig.tick(4.0)
+    assert not slot.killed, "9.5 s counted, under the 10 s start limit"
+    rig.tick(1.0)
+    assert slot.killed and slot.compile_overrun is None, "the start limit is not a compile overrun"
+    rig.tick()
+    assert "not ready after 10 s of loading, checking and warming up" in (slot.last_exit or ""), slot.last_exit
+    assert "builds took 112 s more, not counted" in (slot.last_exit or "")
+
+
+def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_worker(rig: Rig) -> None:
+    """Past compile_timeout_s the worker is killed; its exit record names the profile; two such skip it."""
+    _limits(rig, start_s=10.0, compile_s=30.0)
+    rig.pool.start()
+    (slot,) = rig.slots()
+    _enter(rig, slot, 1.0, StartPhase.BUILDING, "int8_static", 2)
+    rig.tick(30.0)
+    assert not slot.killed
+    rig.tick(0.5)
+    assert slot.killed and slot.compile_overrun is not None and slot.compile_overrun["profile"] == "int8_static"
+    rig.tick()  # reaped: backs off
+    assert "building profile int8_static (2 of 3) for 30 s, over compile_timeout_s (30 s)" in (slot.last_exit or "")
+    (first,) = rig.pool.recent_exits["tiny"]
+    assert first["killed_by_supervisor"] and first["compile_overrun"]["profile"] == "int8_static"
+    stems = {"int8_static": "int8_static-key", "aoti": "aoti-key"}
+    assert AttemptLog(None, stems, [first], 30.0).refusal("int8_static") is None, "one overrun is retried"
+    second = {**first, "pid": 4242}
+    twice = AttemptLog(None, stems, [first, second], 30.0)
+    assert "overran the compile limit 2 times" in (twice.refusal("int8_static") or "")
+    assert twice.refusal("aoti") is None
+    assert AttemptLog(None, stems, [first, second], 60.0).refusal("int8_static") is None, "a raised limit retries"
+    rig.pool.restart("tiny", "operator command", forget_overruns=True)
+    assert all(e["compile_overrun"] is None for e in rig.pool.recent_exits["tiny"])

@@ -16,11 +16,11 @@ import torch
 
 from common.cpuinfo import read_caps
 from common.json_logs import adopt_library_handlers
-from common.profiles import REFERENCE_PROFILE
+from common.profiles import PROFILES, REFERENCE_PROFILE
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
 from protocol.client_messages import encode_outputs, encode_timing
-from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
+from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, StartPhase, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
@@ -30,8 +30,9 @@ from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext
 from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from worker.profiles.calibration import load_calibration
-from worker.profiles.select import select_profile
+from worker.profiles.select import Selection, check_profiles, select_profile
 from worker.profiles.validate import Tolerance
+from worker.progress import LinkProgress
 from worker.request_path import REHEARSE_AFTER_MS, Rehearsal, prepare
 from worker.runner import ModelRunner, timed_ms
 from worker.shared_inputs import SharedInputs
@@ -276,7 +277,7 @@ class WorkerLoop:
         )
 
 
-def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
+def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgress | None = None) -> BuildContext:
     """What profile building needs: the example inputs, and for cached artifacts the model's digest."""
     example = tuple(runner.example_inputs()[s.name] for s in runner.specs)
     if launch.channels_last:
@@ -290,7 +291,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
         specs=runner.specs,
         digest=model_digest(runner.module, launch.source) if cached else "",
         channels_last=launch.channels_last,
-        cache=ArtifactCache(Path(launch.cache_dir)) if launch.cache_dir else None,
+        cache=ArtifactCache(Path(launch.cache_dir), progress) if launch.cache_dir else None,
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
     )
@@ -309,32 +310,56 @@ def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
         if name != REFERENCE_PROFILE
     }
     root = context.cache.root if context.cache is not None else None
-    return AttemptLog(root, stems, launch.recent_exits)
+    return AttemptLog(root, stems, launch.recent_exits, launch.compile_timeout_s)
 
 
 def serve(launch: LaunchSpec) -> int:
-    """Load and warm the model, announce READY, then run the serving loop."""
+    """Load and warm the model (telling the supervisor each phase), announce READY, then run the serving loop."""
     structlog.contextvars.bind_contextvars(worker_id=launch.worker_id, model=launch.model)
     torch.set_num_threads(launch.threads)
+    # Ours alone: a process this worker starts (a compiler) must not hold the link open past the worker's exit.
+    os.set_inheritable(launch.link_fd, False)
+    # Open from the start, so the supervisor hears what a long start is doing (PROGRESS) before READY.
+    link = Link(
+        socket.socket(fileno=launch.link_fd),
+        WORKER_LINK_FRAMES,
+        max(launch.max_frame_bytes, MAX_HEADER_BYTES),
+    )
+    progress = LinkProgress(link, launch.profiles, launch.heartbeat_interval_ms / 1000.0 * launch.heartbeat_liveness)
+    try:
+        return _start_and_serve(launch, link, progress)
+    finally:
+        link.close()
+
+
+def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> int:
     started = time.perf_counter()
+    progress.phase(StartPhase.LOADING)
     try:
         module = load_model(launch.source)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
-        context = build_context(launch, runner)
+        context = build_context(launch, runner, progress)
         attempts = attempt_log(launch, context)
+        validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None
+        tolerance = Tolerance(**launch.tolerance)
+        caps = read_caps()
         selection = select_profile(
-            runner,
-            launch.profiles,
-            Tolerance(**launch.tolerance),
-            read_caps(),
-            context,
-            launch.pick,
-            load_calibration(Path(launch.validation), runner.specs) if launch.validation else None,
-            attempts,
+            runner, launch.profiles, tolerance, caps, context, launch.pick, validation, attempts, progress
         )
+        if launch.build_only:
+            # The selection built what a worker would; the rest of the chain's packages too, for a later fallback.
+            rest = [p for p in launch.profiles if PROFILES[p].packaged and p not in progress.outcomes]
+            check_profiles(runner, rest, tolerance, caps, context, validation, attempts, progress)
+            log.info(
+                "worker_built",
+                profile=selection.profile,
+                outcomes={k: v[0].value for k, v in progress.outcomes.items()},
+            )
+            return WorkerExitCode.OK
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
+        progress.phase(StartPhase.WARMING, selection.profile)
         with attempts.attempting(selection.profile, "warming up"):
             runner.warm_up(max(1, launch.warmup_iterations))
         warmup_ms = timed_ms(warm_started)
@@ -345,13 +370,10 @@ def serve(launch: LaunchSpec) -> int:
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
         log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
         return WorkerExitCode.LOAD_FAILED
-    # Ours alone: a process this worker starts must not hold the link open past the worker's exit.
-    os.set_inheritable(launch.link_fd, False)
-    link = Link(
-        socket.socket(fileno=launch.link_fd),
-        WORKER_LINK_FRAMES,
-        max(launch.max_frame_bytes, MAX_HEADER_BYTES),
-    )
+    return WorkerLoop(launch, runner, link).run(_ready(launch, selection, load_ms, warmup_ms))
+
+
+def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: float) -> wm.Ready:
     ready = wm.Ready(
         launch.worker_id,
         os.getpid(),
@@ -370,7 +392,4 @@ def serve(launch: LaunchSpec) -> int:
         threads=torch.get_num_threads(),
         profile=selection.profile,
     )
-    try:
-        return WorkerLoop(launch, runner, link).run(ready)
-    finally:
-        link.close()
+    return ready

@@ -23,6 +23,18 @@ def _cpus(cpus: Any) -> str:
     return "-" if not cpus else ",".join(str(c) for c in cpus)
 
 
+def describe_start(starting: dict[str, Any]) -> str:
+    """`building int8_static (profile 1 of 3) for 42 s, 63 s since spawn (start limit counted 12 s)`."""
+    profile = starting.get("profile")
+    where = f" {profile}" if profile else ""
+    if starting.get("index"):
+        where += f" (profile {starting['index']} of {starting['count']})"
+    return (
+        f"{starting['phase']}{where} for {starting['phase_s']:.0f} s, {starting['elapsed_s']:.0f} s since spawn "
+        f"(start limit counted {starting['start_counted_s']:.0f} s, builds {starting['build_s']:.0f} s)"
+    )
+
+
 def format_status(status: dict[str, Any]) -> str:
     """Human table of a status document."""
     config = status["config"]
@@ -71,6 +83,8 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{_mb(w['rss']):>7} {w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  "
                 f"{w['last_exit'] or ''}"
             )
+            if w.get("starting"):
+                lines.append(f"  {'':>4} starting: {describe_start(w['starting'])}")
             # Why this profile serves: what building it did, and why the others of the chain do not.
             for label, notes in (("built", w.get("profile_build")), ("skipped", w.get("profile_skipped"))):
                 if notes:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -110,11 +110,23 @@ def artifact_key(model: str, profile: str, specs: tuple[TensorSpec, ...], option
     }
 
 
+class LockWatcher(Protocol):
+    """Told when a key's lock is held by another process, and when this one got it after waiting."""
+
+    def waiting(self) -> None:
+        """Another process holds the lock: this one waits for its build."""
+
+    def resumed(self) -> None:
+        """This process holds the lock now, after waiting."""
+
+
 class ArtifactCache:
     """A directory of compiled packages named by the sha256 of their key, written atomically."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, watcher: LockWatcher | None = None) -> None:
         self.root = root
+        #: A worker's progress: a wait for a sibling's compile is its own phase (its time is not this build's).
+        self.watcher = watcher
 
     def path_for(self, profile: str, key: dict[str, Any]) -> Path:
         """Where the artifact of this key lives."""
@@ -130,7 +142,14 @@ class ArtifactCache:
         """Hold the key's lock: the sibling that gets it first compiles, the others wait for its file."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if self.watcher is not None:
+                    self.watcher.waiting()
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if self.watcher is not None:
+                    self.watcher.resumed()
             try:
                 yield
             finally:

@@ -23,11 +23,13 @@ import torch
 
 from common.cpuinfo import CpuCaps
 from common.profiles import REFERENCE_PROFILE, cpu_refusal
+from protocol.constants import StartPhase
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
 from worker.profiles.flags import apply_global_flags, reset_global_flags
 from worker.profiles.validate import Tolerance, compare
+from worker.progress import NoProgress, Progress
 from worker.runner import ModelRunner
 
 log = structlog.get_logger("worker")
@@ -100,8 +102,10 @@ class _Trial:
         caps: CpuCaps,
         validation: Sequence[Inputs] | None = None,
         attempts: AttemptLog | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.attempts = attempts or AttemptLog(None, {}, [])
+        self.progress = progress or NoProgress()
         self.runner = runner
         self.context = context
         self.tolerance = tolerance
@@ -114,14 +118,19 @@ class _Trial:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
         refusal = cpu_refusal(name, self.caps) or self.attempts.refusal(name)
         if refusal is not None:
+            self.progress.phase(StartPhase.REFUSED, name, refusal)
             return refusal
         started = time.perf_counter()
+        # A failure is the build's (or a crash on the golden inputs) unless the tolerance is what failed.
+        outcome = StartPhase.REJECTED
         try:
             # A native crash in here leaves the marker: the next worker skips this profile instead of crashing too.
             with self.attempts.attempting(name, "building and checking"):
+                self.progress.phase(StartPhase.BUILDING, name)
                 built = build_profile(name, self.context)
                 self.runner.module = built.callable
                 self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
+                self.progress.phase(StartPhase.CHECKING, name)
                 failure = None
                 cosine = 1.0
                 for case, reference in zip(self.cases, self.reference, strict=True):
@@ -129,13 +138,17 @@ class _Trial:
                     cosine = min(cosine, agreement.cosine)
                     failure = failure or agreement.failure(self.tolerance)
         except ProfileError as exc:
-            failure = str(exc)
+            failure, outcome = str(exc), StartPhase.FAILED
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
             failure = f"{name} crashed on golden inputs: {type(exc).__name__}: {str(exc)[:300]}"
+            outcome = StartPhase.FAILED
         if failure is not None:
+            self.progress.phase(outcome, name, failure)
             self.reset()
             return failure
-        return _Candidate(name, built, cosine, (time.perf_counter() - started) * 1000.0)
+        candidate = _Candidate(name, built, cosine, (time.perf_counter() - started) * 1000.0)
+        self.progress.phase(StartPhase.PASSED, name, "; ".join([*built.notes, _built_in(candidate)]))
+        return candidate
 
     def time(self, candidate: _Candidate) -> float:
         """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
@@ -183,9 +196,10 @@ def select_profile(
     pick: str = "first",
     validation: Sequence[Inputs] | None = None,
     attempts: AttemptLog | None = None,
+    progress: Progress | None = None,
 ) -> Selection:
     """Install the chosen profile of `chain` on the runner; eager is the last resort."""
-    trial = _Trial(runner, context, tolerance, caps, validation, attempts)
+    trial = _Trial(runner, context, tolerance, caps, validation, attempts, progress)
     skipped: list[str] = []
     if pick == "fastest":
         decided = _decided(trial, context, chain, tolerance)
@@ -249,6 +263,7 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
+            trial.progress.phase(StartPhase.TIMING, name)
             outcome.median_ms = trial.time(outcome)
             timings[name] = round(outcome.median_ms, 4)
             # Only the fastest so far stays alive: every candidate holds its own weights (or packages).
@@ -283,3 +298,26 @@ def _remember(path: Path | None, decision: dict[str, object]) -> None:
         os.replace(temporary, path)
     except OSError as exc:  # a full or read-only cache only costs the next restart a new pick
         log.warning("pick_not_remembered", path=str(path), error=str(exc))
+
+
+def check_profiles(
+    runner: ModelRunner,
+    names: Sequence[str],
+    tolerance: Tolerance,
+    caps: CpuCaps,
+    context: BuildContext,
+    validation: Sequence[Inputs] | None = None,
+    attempts: AttemptLog | None = None,
+    progress: Progress | None = None,
+) -> dict[str, str | None]:
+    """Build and check each of `names` as a selection would, serving none (`infervisor build`): name -> failure.
+
+    None is a profile that passed; its package, if it has one, is in the cache from now on.
+    """
+    trial = _Trial(runner, context, tolerance, caps, validation, attempts, progress)
+    results: dict[str, str | None] = {}
+    for name in names:
+        outcome = trial.attempt(name)
+        results[name] = None if isinstance(outcome, _Candidate) else outcome
+        trial.reset()
+    return results
