@@ -123,11 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=900.0, help="seconds to wait for the models' rollouts to finish"
     )
 
+    build = command("build", "fill the compiled-package cache for a config ahead of deployment, then exit")
+    build.add_argument("--config", help=CONFIG_HELP)
+    build.add_argument("--models", help="only these models of the config, comma-separated (default: all)")
+    build.add_argument("--json", help="also write each profile's outcome here")
+
     demo = command("demo", "start the daemon, send it requests, print results and latency, stop it")
     demo.add_argument("--config", help=CONFIG_HELP)
     demo.add_argument("--runtime-dir", help="socket directory for the demo's daemon (default: a fresh temporary one)")
     demo.add_argument("--requests", type=_positive_int, default=50, help="requests per model, all clients together")
     demo.add_argument("--clients", type=_positive_int, default=2, help="concurrent clients per model")
+    demo.add_argument(
+        "--no-build", dest="build", action="store_false",
+        help="skip `infervisor build` before the daemon starts (its workers then compile, showing their progress)",
+    )  # fmt: skip
     demo.add_argument(
         "--start-timeout", type=_positive_float, default=600.0,
         help="seconds to wait for every worker to serve (a first start compiles the int8 packages)",
@@ -241,6 +250,10 @@ def _run(args: argparse.Namespace) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "build":
+        from supervisor.commands.build import run_build
+
+        return run_build(args)
     if args.command == "report":
         from supervisor.commands.report import run_report
 

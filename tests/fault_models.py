@@ -103,3 +103,36 @@ class CrashesWhenTraced(torch.nn.Module):
 def crashes_when_traced() -> torch.nn.Module:
     """Factory for config: {"python": "tests.fault_models:crashes_when_traced"}."""
     return CrashesWhenTraced()
+
+
+#: While this file exists, tracing SlowWhenTraced sleeps (a test turns a slow build on and off).
+SLOW_TRACE_FLAG = "INFERVISOR_TEST_SLOW_TRACE"
+
+
+class SlowWhenTraced(torch.nn.Module):
+    """Doubles its input; tracing it (the jit profile's build) sleeps 120 s while $INFERVISOR_TEST_SLOW_TRACE exists."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flag = os.environ.get(SLOW_TRACE_FLAG)
+        if torch.jit.is_tracing() and flag and os.path.exists(flag):
+            time.sleep(120)
+        return x * 2
+
+
+def slow_when_traced() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.fault_models:slow_when_traced"}."""
+    return SlowWhenTraced()
+
+
+class DriftsWhenTraced(torch.nn.Module):
+    """Doubles its input; its traced graph adds fresh noise (1e-2) on every call: jit drifts, eager does not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            return x * 2 + torch.rand(x.shape) * 1e-2  # recorded as an op: every run of the graph draws again
+        return x * 2
+
+
+def drifts_when_traced() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.fault_models:drifts_when_traced"}."""
+    return DriftsWhenTraced()

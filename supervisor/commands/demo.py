@@ -14,11 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.profiles import PROFILES
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from protocol.errors import InferenceError
+from supervisor.commands.build import run_build
 from supervisor.commands.infer import random_inputs, summarize
-from supervisor.commands.status import format_status
+from supervisor.commands.status import describe_start, format_status
+from supervisor.config import ConfigError, load_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.control import ControlError, control_request
 from supervisor.status import percentile
@@ -27,6 +30,8 @@ from supervisor.status import percentile
 _SETTLED = ("serving", "failed")
 #: Log fields that say nothing about why the daemon stopped.
 _NOISE = ("event", "level", "timestamp")
+#: A starting worker in the same phase this long gets its progress line again, so the demo never goes quiet.
+_REPEAT_PROGRESS_S = 15.0
 
 
 class DemoError(Exception):
@@ -75,12 +80,39 @@ def _waiting_for(status: dict[str, Any]) -> str:
     return ", ".join(waiting) or "the daemon to be ready"
 
 
+class _StartProgress:
+    """Prints a line for each starting worker whenever its phase changes (and again during a long one)."""
+
+    def __init__(self) -> None:
+        #: (model, slot) -> (pid, phase, profile) last printed and when.
+        self.shown: dict[tuple[str, int], tuple[tuple[Any, ...], float]] = {}
+
+    def show(self, status: dict[str, Any]) -> None:
+        now = time.monotonic()
+        for name, model in status["models"].items():
+            for worker in model["workers"]:
+                starting = worker.get("starting")
+                if not starting:
+                    continue
+                where = (name, worker["slot"])
+                key = (worker["pid"], starting["phase"], starting.get("profile"))
+                last = self.shown.get(where)
+                if last is None or last[0] != key or now - last[1] >= _REPEAT_PROGRESS_S:
+                    self.shown[where] = (key, now)
+                    line = f"  {name} slot {worker['slot']} (pid {worker['pid']}): {describe_start(starting)}"
+                    print(line, flush=True)
+
+
 def _wait_serving(
     process: subprocess.Popen[bytes], runtime_dir: Path, log_path: Path, timeout: float
 ) -> dict[str, Any]:
-    """The status document once every worker serves (or failed for good); DemoError with the reason otherwise."""
+    """The status document once every worker serves (or failed for good); DemoError with the reason otherwise.
+
+    Meanwhile each starting worker's phase (loading, building profile i of n, checking, warming up) is printed.
+    """
     deadline = time.monotonic() + timeout
     status: dict[str, Any] | None = None
+    progress = _StartProgress()
     while time.monotonic() < deadline:
         if process.poll() is not None:
             reason = daemon_reason(log_path.read_text(errors="replace"))
@@ -91,6 +123,8 @@ def _wait_serving(
             status = None  # not listening yet
         if status is not None and _settled(status):
             return status
+        if status is not None:
+            progress.show(status)
         time.sleep(0.1)
     waiting = _waiting_for(status) if status is not None else "its control socket"
     raise DemoError(f"not every worker served within {timeout:.0f} s (waiting for {waiting}); raise --start-timeout")
@@ -174,6 +208,15 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _wants_build(config_path: Path) -> bool:
+    """True when the config's cache has something to hold: a packaged profile in a chain, or a fastest pick."""
+    try:
+        config = load_config(config_path)
+    except ConfigError:
+        return False  # the daemon itself says what is wrong with it
+    return any(m.pick == "fastest" or any(PROFILES[p].packaged for p in m.profiles) for m in config.models.values())
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Start `infervisor serve`, exercise every model, print results and latency, then stop it and clean up."""
     try:
@@ -187,14 +230,21 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
     print(f"config: {choice.describe()}")
-    print(f"starting: infervisor serve --config {choice.path} --runtime-dir {runtime_dir}  (log: {log_path})")
-    started = time.monotonic()
     stop = threading.Event()
     process: subprocess.Popen[bytes] | None = None
     outcome = 1
     # A SIGTERM (`timeout`, a closed session) cleans up as a Ctrl-C does instead of leaving the daemon running.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        if args.build and _wants_build(choice.path):
+            # The cache filled first: the compile shows its progress here, and the daemon then starts in seconds.
+            print(f"building the compiled packages first: infervisor build --config {choice.path}")
+            built_at = time.monotonic()
+            built = run_build(argparse.Namespace(config=str(choice.path), models=None, json=None))
+            print(f"build {'done' if built == 0 else f'ended with {built} (the daemon skips what failed)'} in "
+                  f"{time.monotonic() - built_at:.1f} s\n")  # fmt: skip
+        print(f"starting: infervisor serve --config {choice.path} --runtime-dir {runtime_dir}  (log: {log_path})")
+        started = time.monotonic()
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "supervisor", "serve", "--config", str(choice.path),
