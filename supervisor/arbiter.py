@@ -30,6 +30,7 @@ from supervisor.control import ControlServer, status_server
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CONTROL, EventLoop
+from supervisor.fallback import Fallback, FallbackOrigin, Fallbacks
 from supervisor.file_watch import FileWatcher
 from supervisor.health import DaemonState, daemon_state, ready_to_announce, status_line
 from supervisor.launcher import Launcher, launch_worker
@@ -96,6 +97,8 @@ class Arbiter:
         self.watcher = FileWatcher(self.loop.wake)
         self.thermal = ThermalWatch()
         self.canaries = CanaryWatch()
+        #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches): an overlay on config.json.
+        self.fallbacks = Fallbacks()
         #: Adding a monitor is one file and one entry here.
         self.monitors: list[Monitor] = [MemoryWatch(), AgeWatch(), DriftWatch(), self.canaries, self.thermal]
         self.signals: collections.deque[int] = collections.deque()
@@ -195,6 +198,7 @@ class Arbiter:
     def housekeeping(self, now: float) -> None:
         """The timer-driven steps, each named for what it does."""
         self.pool.tick(now)
+        self.fallbacks.reconcile(self.serving.current.models, self.serving.targets, self.pool.rollout_errors)
         self.broker.expire(now)
         self.broker.flush_replies()
         self.pet_watchdog(now)
@@ -257,7 +261,8 @@ class Arbiter:
 
     def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
         """Judge a canary: outputs on the golden inputs must still match this worker's own warm-up outputs."""
-        self.act(CanaryWatch.judge(slot, self.serving.model(slot.model.name) or slot.model, result))
+        model = self.serving.model(slot.model.name) or slot.model
+        self.act(self.canaries.judge(slot, model, result, time.monotonic()))
 
     def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
         """Keep a worker's torch.profiler report for status (malformed operator JSON is kept as an error)."""
@@ -304,6 +309,20 @@ class Arbiter:
             slot.kill(f"monitor {finding.monitor}")
         elif finding.action is Action.RECYCLE:
             self.pool.recycle(slot, f"monitor {finding.monitor}")
+        elif finding.action is Action.FALLBACK:
+            self.fall_back_for(slot, finding)
+
+    def fall_back_for(self, slot: WorkerSlot, finding: Finding) -> None:
+        """A monitor's evidence against the slot's profile moves its model down its chain; else the slot is recycled."""
+        earlier = finding.detail.get("earlier_pids")
+        pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
+        reason = f"{finding.monitor} on {slot.profile} repeated in pids {pids}"
+        answer = self.fallback(slot.model.name, reason, FallbackOrigin.CANARY)
+        if answer["ok"]:
+            self.canaries.forget(slot.model.name)
+            return
+        log.warning("fallback_not_possible", slot=slot.name, reason=reason, why=answer["error"])
+        self.pool.recycle(slot, f"monitor {finding.monitor}")
 
     # ---- files and reloads -------------------------------------------------------------------
 
@@ -335,7 +354,9 @@ class Arbiter:
         """
         self.notifier.reloading()
         try:
-            new = load_config(self.config_path)
+            read = load_config(self.config_path)
+            # A fallback in force stays in force through a reload that keeps the model's chain.
+            new = self.fallbacks.overlay(read)
             diff = diff_configs(self.config, new)
             if diff.needs_daemon_restart:
                 # Bound into sockets at start: keep the running values, say what needs a restart.
@@ -348,6 +369,7 @@ class Arbiter:
         except (PlanError, TopologyError) as exc:
             return self.reject_config(reason, [f"models: {exc}"])
         self.config_error = None
+        self.fallbacks.end_stale(read)
         self.last_diff = diff.summary()
         if diff.empty and new.digest == self.config.digest:
             log.info("config_unchanged", reason=reason)
@@ -415,7 +437,7 @@ class Arbiter:
             return self.status()
         if name == "ping":
             return {"ok": True, "pid": os.getpid()}
-        if name in ("reload", "restart") and self.pool.stopping:
+        if name in ("reload", "restart", "fallback") and self.pool.stopping:
             return {"ok": False, "error": "the daemon is stopping"}
         if name == "restart":
             model = command.get("model")
@@ -423,6 +445,14 @@ class Arbiter:
                 return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(self.pool.members)}"}
             # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
             return {"ok": True, "queued": self.pool.restart(model, "operator command", forget_overruns=True)}
+        if name == "fallback":
+            model, reset = command.get("model"), command.get("reset", False)
+            if not isinstance(model, str) or type(reset) is not bool:
+                return {"ok": False, "error": "fallback needs model (a string) and reset (true or false)"}
+            if reset:
+                return self.reset_fallback(model)
+            why = str(command.get("reason") or "operator command")[:200]
+            return self.fallback(model, why, FallbackOrigin.OPERATOR)
         if name == "profile":
             model, requests = command.get("model"), command.get("requests", 50)
             if not isinstance(model, str) or type(requests) is not int or not 1 <= requests <= 10_000:
@@ -433,8 +463,58 @@ class Arbiter:
                 self.reload_reason = "operator command"
                 return {"ok": True, "queued": True, "generation": self.generation}
             return self.reload_config("operator command")
-        known = "status, ping, restart, reload, profile"
+        known = "status, ping, restart, reload, profile, fallback"
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}
+
+    def fallback(self, model: str, reason: str, origin: FallbackOrigin) -> dict[str, Any]:
+        """Rebuild a model's workers, rolling, with the chain after the profile they serve now; the answer."""
+        refused = self.fallback_refused(model)
+        if refused is not None:
+            return {"ok": False, "error": refused}
+        current = self.serving.current.models[model]
+        serving = [s.profile for s in self.pool.members[model] if s.state is SlotState.SERVING and s.profile]
+        if not serving:
+            return {"ok": False, "error": f"no worker of {model!r} serves: there is no profile to fall back from"}
+        outcome = self.fallbacks.step_down(current, serving, reason, origin)
+        if isinstance(outcome, str):
+            return {"ok": False, "error": f"{model!r} cannot fall back: {outcome}"}
+        return self.roll_chain(
+            model, outcome.chain, outcome, f"fallback from {outcome.left}: {reason}", "model_fell_back"
+        )
+
+    def reset_fallback(self, model: str) -> dict[str, Any]:
+        """Rebuild a fallen-back model's workers, rolling, with the chain config.json gives it."""
+        refused = self.fallback_refused(model)
+        if refused is not None:
+            return {"ok": False, "error": refused}
+        outcome = self.fallbacks.reset(model)
+        if isinstance(outcome, str):
+            return {"ok": False, "error": outcome}
+        return self.roll_chain(
+            model, outcome.configured, outcome, "fallback reset by the operator", "fallback_reset_started"
+        )
+
+    def fallback_refused(self, model: str) -> str | None:
+        """Why the model's chain cannot be changed now, or None."""
+        if model not in self.pool.members:
+            return f"no model {model[:128]!r}; serving {sorted(self.pool.members)}"
+        if model in self.serving.targets:
+            return f"{model!r} is rolling out a config; fall back once `infervisor status` shows it applied"
+        return None
+
+    def roll_chain(
+        self, model: str, chain: tuple[str, ...], fallback: Fallback, why: str, event: str
+    ) -> dict[str, Any]:
+        """Make `chain` the model's rollout target and replace its workers one at a time (readiness-gated)."""
+        current = self.serving.current.models[model]
+        self.serving.targets[model] = dataclasses.replace(current, profiles=chain)
+        self.pool.rollout_errors.pop(model, None)  # an older rollout's failure is not this one's
+        queued = self.pool.restart(model, why)
+        log.warning(
+            event, model=model, left=fallback.left, profiles=list(chain), configured=list(fallback.configured),
+            origin=fallback.origin.value, reason=fallback.reason, workers=queued,
+        )  # fmt: skip
+        return {"ok": True, "model": model, "profiles": list(chain), "from": fallback.left, "queued": queued}
 
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
         """Ask one serving worker of `model` to profile its next requests; the report appears in its status."""
@@ -474,5 +554,5 @@ class Arbiter:
             "endpoints": {"client": self.endpoints.ipc_endpoint, "tcp": config.tcp_endpoint},
             "counters": dict(self.anomalies.counts),
             "thermal": {**self.thermal.reading, "shedding": self.broker.shed},
-            "models": status.models_status(self.pool, self.broker, reports),
+            "models": status.models_status(self.pool, self.broker, reports, self.fallbacks),
         }

@@ -123,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=900.0, help="seconds to wait for the models' rollouts to finish"
     )
 
+    fallback = command("fallback", "move a model one step down its validated chain, live and rolling (or back)")
+    fallback.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
+    fallback.add_argument("--model", required=True, help="the served model to move")
+    fallback.add_argument("--reset", action="store_true", help="back to the chain config.json gives the model")
+    fallback.add_argument("--reason", help="why, shown in status and the log (default: operator command)")
+    fallback.add_argument(
+        "--no-wait", dest="wait", action="store_false", help="return once the rollout is queued, before it ends"
+    )
+    fallback.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rollout to finish")
+    fallback.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+
     build = command("build", "fill the compiled-package cache for a config ahead of deployment, then exit")
     build.add_argument("--config", help=CONFIG_HELP)
     build.add_argument("--models", help="only these models of the config, comma-separated (default: all)")
@@ -250,6 +261,10 @@ def _run(args: argparse.Namespace) -> int:
         from supervisor.commands.ops import run_control
 
         return run_control(args)
+    if args.command == "fallback":
+        from supervisor.commands.fallback import run_fallback
+
+        return run_fallback(args)
     if args.command == "build":
         from supervisor.commands.build import run_build
 

@@ -11,6 +11,7 @@ import psutil
 from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from supervisor.broker import Broker
 from supervisor.config import Config
+from supervisor.fallback import Fallbacks
 from supervisor.health import ModelReport
 from supervisor.pool import WorkerPool
 from supervisor.slot import SlotState, WorkerSlot
@@ -68,7 +69,9 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
     }
 
 
-def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelReport]) -> dict[str, Any]:
+def models_status(
+    pool: WorkerPool, broker: Broker, reports: dict[str, ModelReport], fallbacks: Fallbacks | None = None
+) -> dict[str, Any]:
     """Per model: its health, spec, queue, counters and workers (members first, then successors and retiring ones)."""
     models: dict[str, Any] = {}
     config = pool.serving.current
@@ -87,6 +90,8 @@ def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelRepo
             "errors": dict(queue.errors),
             "p50_ms": percentile(queue.latencies_ms, 50),
             "p99_ms": percentile(queue.latencies_ms, 99),
+            "profiles": list(model.profiles),
+            "fallback": fallbacks.status(name, model) if fallbacks is not None else None,
             "workers": [slot_status(s) for s in slots]
             + [
                 slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from supervisor.control import ControlError, control_request
@@ -35,6 +36,19 @@ def describe_start(starting: dict[str, Any]) -> str:
     )
 
 
+def describe_fallback(name: str, fallback: dict[str, Any]) -> str:
+    """One line on a model's fallback: in force (or on its way), from what, why; or what ended the last one."""
+    if fallback.get("state") is None:
+        return f"model {name} fallback: {fallback.get('note')}"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(fallback["since"])))
+    line = (
+        f"model {name} fallback {fallback['state']} (since {since}, {fallback['origin']}): profiles "
+        f"{', '.join(fallback['profiles'])} instead of {', '.join(fallback['configured'])}, left "
+        f"{fallback['from']} ({fallback['reason']}); `infervisor fallback --model {name} --reset` goes back"
+    )
+    return line + (f"; {fallback['note']}" if fallback.get("note") else "")
+
+
 def format_status(status: dict[str, Any]) -> str:
     """Human table of a status document."""
     config = status["config"]
@@ -47,6 +61,8 @@ def format_status(status: dict[str, Any]) -> str:
     for name, model in status["models"].items():
         if model.get("health", "serving") != "serving":
             lines.append(f"model {name} {model['health']}: {model.get('reason') or 'no reason given'}")
+        if model.get("fallback"):
+            lines.append(describe_fallback(name, model["fallback"]))
     if config.get("last_error"):
         lines.append("config rejected (still serving the last good one): " + "; ".join(config["last_error"]))
     for name, state in (config.get("models") or {}).items():

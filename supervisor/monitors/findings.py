@@ -16,6 +16,8 @@ class Action(enum.Enum):
     CANARY = "canary"  # send the worker its golden inputs; the answer is judged when it comes back
     RECYCLE = "recycle"  # rolling replacement: the worker finishes what it holds first
     KILL = "kill"  # SIGKILL now; its requests are re-dispatched
+    #: Move the worker's model one step down its chain (all its workers, rolling); recycle it when nothing is below.
+    FALLBACK = "fallback"
 
 
 @dataclass(frozen=True)
