@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -175,9 +176,11 @@ class Arbiter:
             self.watch_files()
             self.watcher.start()
             while not self.pool.finished():
-                self.loop.poll(_HOUSEKEEPING_MS)
+                self.loop.poll(self.wait_ms())
                 self.handle_signals()
                 now = time.monotonic()
+                if self.broker.batch_due:
+                    self.broker.dispatch_due(now)
                 if now >= self.next_housekeeping:
                     self.next_housekeeping = now + _HOUSEKEEPING_S
                     self.housekeeping(now)
@@ -187,6 +190,14 @@ class Arbiter:
             self.cpu_latency.release("exit")
         log.info("supervisor_exit", code=self.exit_code)
         return self.exit_code
+
+    def wait_ms(self) -> int:
+        """How long the poll may wait: the housekeeping interval, or less when a batch is due sooner."""
+        due = self.broker.next_batch_due
+        if due is None:
+            return _HOUSEKEEPING_MS
+        # The poll's resolution is 1 ms: a batch delay is met to within that.
+        return max(0, min(_HOUSEKEEPING_MS, math.ceil((due - time.monotonic()) * 1000)))
 
     def housekeeping(self, now: float) -> None:
         """The timer-driven steps, each named for what it does."""

@@ -24,6 +24,7 @@ from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
+from supervisor import batcher
 from supervisor.anomalies import Anomalies
 from supervisor.client_ledger import ClientLedger
 from supervisor.config import ModelConfig
@@ -68,6 +69,9 @@ class ModelQueue:
     completed: int = 0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
+    #: With batching: how many batches of each size (rows) were sent, and how long requests waited to be batched.
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    batch_wait_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
 
 
 class Broker:
@@ -99,6 +103,9 @@ class Broker:
         self.inflight_count = 0
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
         self.shed = False
+        #: Models whose head request waits for batch companions, and until when.
+        self.batch_due: dict[str, float] = {}
+        self.batches_sent = 0
         self.sync_queues()
 
     def client_handler(self, socket: zmq.Socket[Any]) -> Callable[[int], None]:
@@ -206,20 +213,28 @@ class Broker:
         )
         self.next_id += 1
         self.ledger.take(client, cost)
+        if model.batching is not None:
+            # Through the queue even with a worker free: the batcher decides whether to wait for companions.
+            pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
+            self.enqueue_or_refuse(queue, pending)
+            self.dispatch(request.model)
+            return
         slot = self.pick_worker(request.model, spec)
         if slot is not None and not queue.waiting:
             if not self.send_to_worker(slot, pending):
                 self.dispatch(request.model)  # that worker is gone; it went back in line for another
-        elif len(queue.waiting) >= queue.capacity:
-            queue.errors[ErrorCode.OVERLOADED.value] += 1
-            self.reply_error(
-                client,
-                request.request_id,
-                ErrorCode.OVERLOADED,
-                f"queue of {request.model!r} is full ({queue.capacity})",
-            )
         else:
-            queue.waiting.append(pending)
+            self.enqueue_or_refuse(queue, pending)
+
+    def enqueue_or_refuse(self, queue: ModelQueue, request: PendingRequest) -> None:
+        """Queue an admitted request, or answer OVERLOADED when its model's queue is full."""
+        if len(queue.waiting) >= queue.capacity:
+            queue.errors[ErrorCode.OVERLOADED.value] += 1
+            self.ledger.give_back(request.client, request.cost)
+            why = f"queue of {request.model!r} is full ({queue.capacity})"
+            self.reply_error(request.client, request.request_id, ErrorCode.OVERLOADED, why)
+        else:
+            queue.waiting.append(request)
 
     def admitting_spec(
         self, name: str, model: ModelConfig, inputs: Sequence[TensorDesc]
@@ -301,18 +316,77 @@ class Broker:
         return best
 
     def dispatch(self, model: str) -> None:
-        """Hand queued requests of `model` to its idle workers, oldest first."""
+        """Hand queued requests of `model` to its idle workers, oldest first (joined in batches when configured)."""
         queue = self.queues.get(model)
+        config = self.serving.model(model)
+        policy = config.batching if config is not None else None
         while queue is not None and queue.waiting:
             slot = self.pick_worker(model, queue.waiting[0].spec)
             if slot is None:
                 return
+            if policy is not None:
+                now = time.monotonic()
+                self.batch_due.pop(model, None)
+                decision = batcher.take(queue.waiting, policy, now)
+                if decision.wait_until is not None:
+                    self.batch_due[model] = decision.wait_until
+                    return
+                self.send_batch(slot, decision.batch, now)
+                continue
             request = queue.waiting.popleft()
             if request.deadline is not None and time.monotonic() >= request.deadline:
                 self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
                 continue
             # A worker found gone is no longer picked (its link is closed): the next one is tried.
             self.send_to_worker(slot, request)
+
+    def dispatch_due(self, now: float) -> None:
+        """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""
+        for model in [m for m, due in self.batch_due.items() if now >= due]:
+            self.dispatch(model)
+
+    @property
+    def next_batch_due(self) -> float | None:
+        """When the earliest waiting batch must go, if any waits."""
+        return min(self.batch_due.values(), default=None)
+
+    def send_batch(self, slot: WorkerSlot, batch: list[PendingRequest], now: float) -> None:
+        """Send requests to one worker as one forward pass; each keeps its own id, deadline and reply."""
+        live = []
+        for request in batch:
+            if request.deadline is not None and now >= request.deadline:
+                self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+            else:
+                live.append(request)
+        if not live:
+            return
+        queue = self.queues[live[0].model]
+        queue.batch_sizes[sum(r.rows for r in live)] += 1
+        for request in live:
+            queue.batch_wait_ms.append((now - request.accepted_at) * 1000.0)
+        if len(live) == 1:
+            self.send_to_worker(slot, live[0])
+            return
+        message = wm.Batch(
+            [r.internal_id for r in live],
+            [r.deadline for r in live],
+            [r.accepted_at for r in live],
+            [(now - r.accepted_at) * 1000.0 for r in live],
+            [len(r.frames) for r in live],
+        )
+        if not self.links.send(slot, wm.encode(message, [f for r in live for f in r.frames])):
+            queue.waiting.extendleft(reversed(live))
+            self.events.link_broken(slot, "worker link closed")
+            return
+        self.batches_sent += 1
+        dispatched = time.monotonic()
+        if not slot.inflight:
+            slot.progress_at = dispatched
+        for request in live:
+            request.dispatched_at = dispatched
+            request.batch_id = self.batches_sent
+            slot.inflight[request.internal_id] = request
+        self.inflight_count += len(live)
 
     def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> bool:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
@@ -330,6 +404,16 @@ class Broker:
         self.inflight_count += 1
         return True
 
+    @staticmethod
+    def running(slot: WorkerSlot) -> list[PendingRequest]:
+        """The requests at the head of a worker's pipeline: the one running, or every member of the batch running."""
+        if not slot.inflight:
+            return []
+        head = next(iter(slot.inflight.values()))
+        if not head.batch_id:
+            return [head]
+        return [r for r in slot.inflight.values() if r.batch_id == head.batch_id]
+
     def take_inflight(self, slot: WorkerSlot) -> list[PendingRequest]:
         """Detach every request the slot's process holds, oldest first."""
         requests = list(slot.inflight.values())
@@ -344,9 +428,18 @@ class Broker:
         alone is charged a retry. The ones waiting behind it go back in line as they were.
         """
         model = self.serving.model(slot.model.name) or slot.model
+        running = self.running(slot)
         held = self.take_inflight(slot)
+        if len(running) > 1:
+            # A batch was running: which of its requests killed the worker is unknown. Split it in two, charge
+            # nobody, and let each half run alone: halving finds a poison request in log2(size) steps.
+            half = (len(running) + 1) // 2
+            for index, request in enumerate(running):
+                request.batch_limit = half if index < half else len(running) - half
+            log.warning("batch_split", model=slot.model.name, size=len(running), reason=reason)
         for index in range(len(held) - 1, -1, -1):
-            self.requeue_or_fail(held[index], model.max_retries, reason, charged=index == 0)
+            charged = index == 0 and len(running) <= 1
+            self.requeue_or_fail(held[index], model.max_retries, reason, charged=charged)
         self.dispatch(slot.model.name)
 
     def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str, charged: bool = True) -> None:

@@ -76,6 +76,18 @@ class CurveConfig:
 
 
 @dataclass(frozen=True)
+class BatchingConfig:
+    """Server-side batching of one model (Triton's dynamic batcher terms); see supervisor/batcher.py."""
+
+    #: Rows (dim 0, summed over the joined requests) one forward pass may carry.
+    max_batch_size: int
+    #: How long the oldest queued request may wait for companions before its batch goes as it is.
+    max_queue_delay_us: int
+    #: Batch sizes (rows) to aim for, e.g. the model's compiled buckets; empty: any size up to the maximum.
+    preferred_batch_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One served model and its worker pool: its name, then one field per declaration of MODEL_KEYS."""
 
@@ -112,6 +124,7 @@ class ModelConfig:
     drift_window: int
     canary_interval_s: float | None
     canary_tolerance: float
+    batching: BatchingConfig | None
 
 
 @dataclass(frozen=True)
@@ -252,6 +265,30 @@ def _read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
     }
 
 
+#: At most this many requests go into one batch: the worker link carries each one's header and tensor frames.
+MAX_BATCH_REQUESTS = 64
+
+
+def _read_batching(ctx: ReadContext, raw: Any, path: str) -> BatchingConfig | None:
+    r = ctx.fields
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        r.fail(path, "must be an object with max_batch_size, max_queue_delay_us, preferred_batch_sizes, or null")
+        return None
+    r.check_keys(raw, path, {"max_batch_size", "max_queue_delay_us", "preferred_batch_sizes"})
+    size = r.integer(raw, "max_batch_size", path, 8, 2, 4096)
+    delay = r.integer(raw, "max_queue_delay_us", path, 0, 0, 10_000_000)
+    preferred = raw.get("preferred_batch_sizes", [])
+    if not isinstance(preferred, list) or not all(type(p) is int and 1 <= p <= size for p in preferred):
+        r.fail(f"{path}.preferred_batch_sizes", f"must be an array of integers in [1, max_batch_size={size}]")
+        preferred = []
+    inputs = ctx.earlier.get("inputs") or ()
+    if any(not spec.shape or spec.shape[0] is not None for spec in inputs):
+        r.fail(path, "needs every input's first dim to be the batch (null): requests are joined along it")
+    return BatchingConfig(size, delay, tuple(sorted(set(preferred))))
+
+
 def _read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
     """An .npz path (relative to config.json's folder) that must exist and fit the inputs, as an absolute path."""
     value = ctx.fields.string_or_null(raw, path)
@@ -349,6 +386,10 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("validation", Custom(_read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
         "an `.npz` of the inputs every profile is checked on against eager fp32; null: seeded random inputs "
         "([more](#calibration-and-validation))."),
+    Key("batching",
+        Custom(_read_batching, "`{max_batch_size, max_queue_delay_us, preferred_batch_sizes}` or null"),
+        Applied.ROLLING,
+        "join requests of this model into one forward pass (off when null) ([more](#batching))."),
     Key("tolerance",
         Custom(_read_tolerance, "`min_cosine` (-1..1), `max_abs_error` (≥ 0 or null), `top1` (bool)",
                {"min_cosine": 0.999}),

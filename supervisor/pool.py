@@ -176,6 +176,12 @@ class WorkerPool:
             slot.respawn_at = now
             slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
             return
+        if len(self.broker.running(slot)) > 1:
+            # A batch was running: the broker splits it to find the request that kills (each split costs one
+            # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} while running a batch; it is split, respawn now")
+            return
         failures = slot.record_failure(now, config.restart_window_s)
         if failures >= config.max_restarts:
             why = f"{failures} failures within {config.restart_window_s:.0f} s; last: {how}"
@@ -199,10 +205,10 @@ class WorkerPool:
             elif slot.state is SlotState.STARTING and now - slot.spawned_at > config.worker_start_timeout_s:
                 slot.kill(f"not ready after {config.worker_start_timeout_s:.0f} s")
             elif slot.inflight:
-                # Only the head of the pipeline is running, so progress is measured from its start; its budget
-                # grows with its rows, since warm-up timed a batch of one.
-                head = next(iter(slot.inflight.values()))
-                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * head.rows / 1000.0)
+                # Only the head of the pipeline is running (one request, or one batch), so progress is measured
+                # from its start; its budget grows with its rows, since warm-up timed a batch of one.
+                rows = sum(r.rows for r in self.broker.running(slot))
+                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * rows / 1000.0)
                 if now - slot.progress_at > budget and slot.kill(f"no reply within {budget:.1f} s (hung)"):
                     slot.hung_request = True
             elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:

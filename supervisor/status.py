@@ -8,8 +8,8 @@ from typing import Any
 import psutil
 
 from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
-from supervisor.broker import Broker
-from supervisor.config import Config
+from supervisor.broker import Broker, ModelQueue
+from supervisor.config import BatchingConfig, Config
 from supervisor.health import ModelReport
 from supervisor.pool import WorkerPool
 from supervisor.slot import SlotState, WorkerSlot
@@ -83,6 +83,7 @@ def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelRepo
             "errors": dict(queue.errors),
             "p50_ms": percentile(queue.latencies_ms, 50),
             "p99_ms": percentile(queue.latencies_ms, 99),
+            "batching": batching_status(model.batching, queue),
             "workers": [slot_status(s) for s in slots]
             + [
                 slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
@@ -91,6 +92,24 @@ def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelRepo
             ],
         }
     return models
+
+
+def batching_status(policy: BatchingConfig | None, queue: ModelQueue) -> dict[str, Any] | None:
+    """How a batching model's requests were joined: batches per size (rows), mean size, the wait to be batched."""
+    if policy is None:
+        return None
+    batches = sum(queue.batch_sizes.values())
+    rows = sum(size * count for size, count in queue.batch_sizes.items())
+    return {
+        "max_batch_size": policy.max_batch_size,
+        "max_queue_delay_us": policy.max_queue_delay_us,
+        "preferred_batch_sizes": list(policy.preferred_batch_sizes),
+        "batches": batches,
+        "mean_size": round(rows / batches, 3) if batches else None,
+        "batch_sizes": {str(size): count for size, count in sorted(queue.batch_sizes.items())},
+        "wait_p50_ms": percentile(queue.batch_wait_ms, 50),
+        "wait_p99_ms": percentile(queue.batch_wait_ms, 99),
+    }
 
 
 def config_states(pool: WorkerPool) -> dict[str, Any]:

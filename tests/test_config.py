@@ -754,6 +754,7 @@ def _another(key: Key, folder: Path) -> object:
         "calibration": "samples.npz",
         "validation": "samples.npz",
         "tolerance": {"min_cosine": 0.9},
+        "batching": {"max_batch_size": 8},
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",
     }
