@@ -14,7 +14,8 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from supervisor.config import MAX_BATCH_REQUESTS, BatchingConfig
+from protocol.constants import MAX_BATCH_REQUESTS
+from supervisor.config import BatchingConfig
 from supervisor.pending import PendingRequest
 
 

@@ -367,14 +367,12 @@ class Broker:
         if len(live) == 1:
             self.send_to_worker(slot, live[0])
             return
-        message = wm.Batch(
-            [r.internal_id for r in live],
-            [r.deadline for r in live],
-            [r.accepted_at for r in live],
-            [(now - r.accepted_at) * 1000.0 for r in live],
-            [len(r.frames) for r in live],
-        )
-        if not self.links.send(slot, wm.encode(message, [f for r in live for f in r.frames])):
+        frames: list[Any] = []
+        for request in live:
+            queue_ms = (now - request.accepted_at) * 1000.0
+            member = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms)
+            frames += wm.encode(member, request.frames)
+        if not self.links.send(slot, wm.encode(wm.Batch([len(r.frames) + 1 for r in live]), frames)):
             queue.waiting.extendleft(reversed(live))
             self.events.link_broken(slot, "worker link closed")
             return

@@ -265,10 +265,6 @@ def _read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
     }
 
 
-#: At most this many requests go into one batch: the worker link carries each one's header and tensor frames.
-MAX_BATCH_REQUESTS = 64
-
-
 def _read_batching(ctx: ReadContext, raw: Any, path: str) -> BatchingConfig | None:
     r = ctx.fields
     if raw is None:

@@ -31,7 +31,7 @@ class Burst:
         self.socket.connect(daemon.endpoint)
         self.replies: dict[int, list[tuple[dict[str, Any], list[bytes]]]] = {}
 
-    def send(self, request_id: int, model: str, inputs: dict[str, np.ndarray], deadline_ms: int = 0) -> None:
+    def send(self, request_id: int, model: str, inputs: dict[str, np.ndarray], deadline_ms: int | None = None) -> None:
         """Send one request without waiting for its reply."""
         descs = tuple(TensorDesc(name, array.dtype.name, array.shape) for name, array in inputs.items())
         header = encode_infer(InferRequest(request_id, model, descs, deadline_ms=deadline_ms))
@@ -82,7 +82,8 @@ def _rows(*values: float) -> np.ndarray:
 def test_joined_rows_are_bit_identical_to_serving_each_request_alone(start_daemon: Callable[..., Daemon]) -> None:
     """Eight encoder requests joined into one forward pass get exactly the bits each gets when sent alone."""
     batching = {"max_batch_size": 8, "max_queue_delay_us": 200_000}
-    daemon = start_daemon({"models": {"encoder": model_entry({"builtin": "encoder"}, ENCODER_INPUTS, batching=batching)}})
+    encoder = model_entry({"builtin": "encoder"}, ENCODER_INPUTS, batching=batching)
+    daemon = start_daemon({"models": {"encoder": encoder}})
     daemon.wait_ready(180)
     rng = np.random.default_rng(7)
     inputs = [
@@ -157,7 +158,8 @@ def test_a_worker_killed_with_a_batch_in_flight_loses_and_duplicates_nothing(
 ) -> None:
     """kill -9 of busy workers while batches run: every numbered request gets exactly one result."""
     batching = {"max_batch_size": 8, "max_queue_delay_us": 20_000}
-    config = {"oversubscribe": True, "models": {"rows": model_entry(ROWFAULTY, ROW_INPUTS, batching=batching, workers=2)}}
+    rows = model_entry(ROWFAULTY, ROW_INPUTS, batching=batching, workers=2)
+    config = {"oversubscribe": True, "models": {"rows": rows}}
     daemon = start_daemon(config, env=ENV)
     daemon.wait_ready()
     stop = threading.Event()
