@@ -41,6 +41,11 @@ log = structlog.get_logger("supervisor")
 _BATCH = 256
 
 
+def _batches_in(slot: WorkerSlot) -> int:
+    """How many dispatches (batches, or lone requests) a worker holds."""
+    return len({request.batch_id or -request.internal_id for request in slot.inflight.values()})
+
+
 class WorkerEvents(Protocol):
     """Where the broker reports what it saw of a worker; the pool and the monitors decide what it means."""
 
@@ -308,8 +313,15 @@ class Broker:
         if self.shed:  # half of the workers that can serve, so shedding never routes to a dead one
             serving = [s for s in slots if s.state is SlotState.SERVING]
             slots = serving[: (len(serving) + 1) // 2]
+        batched = config.batching is not None
         for slot in slots:
-            if not slot.can_take(prefetch) or (spec is not None and slot.model.inputs != spec):
+            if batched:
+                # With batching, `prefetch` counts batches in hand: one running and the next joined while it runs.
+                if not slot.can_take(prefetch + len(slot.inflight) - _batches_in(slot)):
+                    continue
+            elif not slot.can_take(prefetch):
+                continue
+            if spec is not None and slot.model.inputs != spec:
                 continue
             if best is None or (len(slot.inflight), -slot.progress_at) < (len(best.inflight), -best.progress_at):
                 best = slot
