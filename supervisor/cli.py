@@ -1,4 +1,4 @@
-"""`infervisor` command line: serve, status, infer, restart, reload, demo, bench and the toolkit commands.
+"""`infervisor` command line: serve, status, metrics, infer, restart, reload, demo, bench and the toolkit commands.
 
 Each command's module is imported only when it runs, so `serve` starts without the toolkit's imports.
 """
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="for probes: print the state line only and exit 0 ready, 1 degraded, 2 starting/down/stopping/not running",
     )
+
+    metrics = command("metrics", "print the daemon's Prometheus metrics (what a scrape of metrics_listen returns)")
+    metrics.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
 
     infer = command("infer", "send one request from the shell")
     infer.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
@@ -216,6 +219,10 @@ def _run(args: argparse.Namespace) -> int:
         from supervisor.commands.status import run_status
 
         return run_status(args)
+    if args.command == "metrics":
+        from supervisor.commands.metrics import run_metrics
+
+        return run_metrics(args)
     if args.command == "infer":
         from supervisor.commands.infer import run_infer
 

@@ -57,6 +57,7 @@ def _is_loopback(host: str) -> bool:
 
 
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
+_LISTEN = re.compile(r"(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
 
 class ConfigError(Exception):
@@ -125,6 +126,10 @@ class Config:
     log_level: str
     tcp_endpoint: str | None
     curve: CurveConfig | None
+    #: Let metrics_listen name an address that is not loopback (the operator's explicit choice).
+    metrics_allow_remote: bool
+    #: HOST:PORT of the Prometheus endpoint (supervisor/metrics.py), or None for none.
+    metrics_listen: str | None
     oversubscribe: bool
     #: Keep the supervisor on the allowed cpus no worker holds (supervisor/affinity.py).
     pin_supervisor: bool
@@ -437,6 +442,28 @@ def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
     return tcp
 
 
+def _read_metrics_listen(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    listen = ctx.fields.string_or_null(raw, path)
+    if listen is None:
+        return None
+    match = _LISTEN.fullmatch(listen)
+    if match is None or not 1 <= int(match["port"]) <= 65535:
+        ctx.fields.fail(path, f"must look like 127.0.0.1:9464 (HOST:PORT, PORT 1-65535), got {listen!r}")
+        return None
+    host = match["host"]
+    try:
+        if host != "localhost":
+            ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        # A name would be resolved at bind time, to whatever it means then: an address says where it listens.
+        ctx.fields.fail(path, f"HOST must be an IP address or localhost, got {host!r}")
+        return None
+    if not _is_loopback(host) and not ctx.earlier["metrics_allow_remote"]:
+        # Metrics say what runs, how much and where it hurts: beyond this box only when the operator says so.
+        ctx.fields.fail(path, f"host {host!r} is not loopback; that needs `metrics_allow_remote: true`")
+    return listen
+
+
 # fmt: off
 #: The top-level keys, in the order they are read and documented (`curve` before the tcp_endpoint rule that needs it).
 TOP_KEYS: tuple[Key, ...] = (
@@ -460,6 +487,14 @@ TOP_KEYS: tuple[Key, ...] = (
         Applied.DAEMON_RESTART,
         "extra client endpoint on its own socket. A host that is not loopback (`localhost`, 127.0.0.0/8, `[::1]`) "
         "is refused unless `curve` is set."),
+    Key("metrics_allow_remote", Flag(False), Applied.DAEMON_RESTART,
+        "let `metrics_listen` name an address that is not loopback, such as `0.0.0.0` in a pod whose IP "
+        "Prometheus scrapes."),
+    Key("metrics_listen", Custom(_read_metrics_listen, "`HOST:PORT` (HOST an IP address or `localhost`), or null"),
+        Applied.DAEMON_RESTART,
+        "serve Prometheus metrics over HTTP there, e.g. `127.0.0.1:9464`; a host that is not loopback is refused "
+        "unless `metrics_allow_remote` is true. `infervisor metrics` prints the same text without it "
+        "([operations.md](operations.md#metrics))."),
     Key("oversubscribe", Flag(False), Applied.DAEMON_RESTART,
         "when the workers ask for more physical cores than the cpuset has, share cores round-robin (status shows "
         "`shared_cores`) instead of refusing to start."),

@@ -756,6 +756,7 @@ def _another(key: Key, folder: Path) -> object:
         "tolerance": {"min_cosine": 0.9},
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",
+        "metrics_listen": "127.0.0.1:9464",
     }
     return custom[key.name]
 
