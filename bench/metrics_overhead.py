@@ -1,6 +1,7 @@
 """What metrics cost the request path: the transport benchmark's tiny 8-client row, metrics off and on, alternating.
 
-    python bench/metrics_overhead.py --baseline DIR [--pairs 4] [--seconds 5] [--clients 8] [--scrape-every 1]
+    python bench/metrics_overhead.py --baseline DIR [--pairs 4] [--seconds 5] [--clients 8] [--lead 20]
+                                     [--scrape-every 1]
 
 "off" is the daemon of another checkout (`--baseline`, e.g. a worktree of the commit before metrics),
 "on" this tree's daemon with `metrics_listen` set and this process scraping it every
@@ -9,27 +10,34 @@
 way (`infervisor metrics` reads them), so that compares the endpoint and its scrapes only.
 
 The runs alternate off/on, each pair in turn reversed (ABBA), so a drift of the machine's load
-falls on both sides; the table gives every run and the medians, and the ratio on/off.
+falls on both sides; the table gives every run and the medians, and the ratio on/off. Besides
+req/s, each run reports the supervisor's CPU time per reply during the load (every thread: the
+loop, ZeroMQ's I/O, the metrics server): on a box other work keeps busy, req/s moves with that
+work, while the CPU the daemon spends per reply still shows what metrics add.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import signal
 import socket
 import statistics
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.daemon import builtin_entry, start_daemon  # noqa: E402
-from bench.transport import run_clients  # noqa: E402
+from bench.transport import client_loop  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from supervisor.status import percentile  # noqa: E402
 
@@ -50,6 +58,54 @@ def _scraper(url: str, every: float, stop: threading.Event, counts: list[int]) -
                 counts[0] += response.status == 200
         except OSError:
             counts[1] += 1
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process, every thread of it."""
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def _sample_cpu(pid: int, start_at: float, stop_at: float, out: list[float]) -> None:
+    """The daemon's CPU seconds at the start and the end of the load window."""
+    for moment in (start_at, stop_at):
+        time.sleep(max(0.0, moment - time.time()))
+        out.append(_cpu_s(pid))
+
+
+def run_clients(
+    endpoint: str, daemon_pid: int, clients: int, seconds: float, lead_s: float
+) -> tuple[list[float], int, float]:
+    """transport.py's raw-socket clients, all starting `lead_s` from now (on a loaded box a spawn takes seconds).
+
+    Returns the latencies, the errors, and the supervisor's CPU seconds during the load.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + lead_s
+    cpu: list[float] = []
+    sampler = threading.Thread(target=_sample_cpu, args=(daemon_pid, start_at, start_at + seconds, cpu), daemon=True)
+    sampler.start()
+    pipes, procs = [], []
+    for _ in range(clients):
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=client_loop, args=(endpoint, "tiny", seconds, start_at, "raw", sender))
+        proc.start()
+        pipes.append(receiver)
+        procs.append(proc)
+    latencies: list[float] = []
+    errors = 0
+    late = 0
+    for receiver in pipes:
+        got, _, errs = receiver.recv()
+        latencies.extend(got)
+        errors += errs
+        late += not got
+    for proc in procs:
+        proc.join(30)
+    sampler.join(30)
+    if late:
+        raise SystemExit(f"{late} of {clients} clients were not ready within --lead {lead_s:g} s: raise it")
+    return latencies, errors, cpu[1] - cpu[0]
 
 
 def one_run(variant: str, args: argparse.Namespace, tmp: Path, index: int) -> dict[str, Any]:
@@ -75,7 +131,7 @@ def one_run(variant: str, args: argparse.Namespace, tmp: Path, index: int) -> di
         thread.start()
     try:
         endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
-        latencies, _, errors = run_clients(endpoint, "tiny", args.clients, args.seconds, "raw")
+        latencies, errors, cpu_s = run_clients(endpoint, daemon.pid, args.clients, args.seconds, args.lead)
     finally:
         stop.set()
         if thread is not None:
@@ -88,6 +144,8 @@ def one_run(variant: str, args: argparse.Namespace, tmp: Path, index: int) -> di
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
         "errors": errors,
+        # What the supervisor spent per reply, every thread included: far less sensitive than req/s to a busy box.
+        "cpu_us_per_req": cpu_s / max(1, len(latencies)) * 1e6,
         "scrapes": scrapes[0],
         "scrape_failures": scrapes[1],
     }
@@ -100,6 +158,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=4, help="off/on pairs")
     parser.add_argument("--seconds", type=float, default=5.0, help="load per run")
     parser.add_argument("--clients", type=int, default=8, help="concurrent client processes")
+    parser.add_argument("--lead", type=float, default=20.0, help="seconds the clients get to start before the load")
     parser.add_argument("--scrape-every", type=float, default=1.0, help="seconds between scrapes of the 'on' side")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-metrics-bench-"))
@@ -111,6 +170,7 @@ def main() -> int:
             r = runs[-1]
             print(
                 f"run {len(runs):>2} {variant:<3} {r['req_s']:>9.1f} req/s  p50 {r['p50_ms']:.3f} ms  "
+                f"supervisor {r['cpu_us_per_req']:.1f} us CPU/req  "
                 f"p99 {r['p99_ms']:.3f} ms  errors {r['errors']}  "
                 f"scrapes {r['scrapes']} (failed {r['scrape_failures']})",
                 flush=True,
@@ -119,13 +179,17 @@ def main() -> int:
     on = statistics.median(r["req_s"] for r in runs if r["variant"] == "on")
     off_p50 = statistics.median(r["p50_ms"] for r in runs if r["variant"] == "off")
     on_p50 = statistics.median(r["p50_ms"] for r in runs if r["variant"] == "on")
+    off_cpu = statistics.median(r["cpu_us_per_req"] for r in runs if r["variant"] == "off")
+    on_cpu = statistics.median(r["cpu_us_per_req"] for r in runs if r["variant"] == "on")
     side = f"baseline {args.baseline}" if args.baseline else "this tree without metrics_listen"
-    print(f"off ({side}): median {off:.1f} req/s, p50 {off_p50:.3f} ms")
+    print(f"off ({side}): median {off:.1f} req/s, p50 {off_p50:.3f} ms, supervisor {off_cpu:.1f} us CPU/req")
     print(
         f"on (this tree, metrics_listen, a scrape every {args.scrape_every:g} s): "
-        f"median {on:.1f} req/s, p50 {on_p50:.3f} ms"
+        f"median {on:.1f} req/s, p50 {on_p50:.3f} ms, supervisor {on_cpu:.1f} us CPU/req"
     )
-    print(f"ratio on/off: req/s x{on / off:.3f}, p50 x{on_p50 / off_p50:.3f}")
+    print(
+        f"ratio on/off: req/s x{on / off:.3f}, p50 x{on_p50 / off_p50:.3f}, supervisor CPU/req x{on_cpu / off_cpu:.3f}"
+    )
     return 0
 
 

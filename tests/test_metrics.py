@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -327,3 +328,21 @@ def test_the_dashboard_is_importable_grafana_json() -> None:
         "histogram_quantile(0.99," in q for q in quantiles
     )
     assert all("_bucket" in q and "le" in q for q in quantiles)
+
+
+def test_a_port_already_taken_is_reported_and_the_daemon_serves_on(start_daemon: Callable[..., Daemon]) -> None:
+    """Metrics are not worth a refused start: a busy port shows in status and the log, requests are answered."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = start_daemon(
+            {"metrics_listen": f"127.0.0.1:{port}", "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+        )
+        status = daemon.wait_ready(timeout=120)
+        assert status["endpoints"]["metrics"] is None
+        assert f"cannot listen on 127.0.0.1:{port}" in status["endpoints"]["metrics_error"]
+        assert any(e.get("event") == "metrics_listen_failed" for e in daemon.log_events())
+        with daemon.client() as client:
+            assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)}, timeout=10)["y"].shape == (1, 16)
+        assert "infervisor_requests_total" in _samples(daemon.control({"cmd": "metrics"})["text"])
