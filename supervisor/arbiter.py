@@ -26,7 +26,7 @@ from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.config_diff import ConfigDiff, diff_configs, held_back
-from supervisor.control import ControlServer
+from supervisor.control import ControlServer, status_server
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CONTROL, EventLoop
@@ -88,6 +88,10 @@ class Arbiter:
         self.control_context: zmq.Context[Any] = zmq.Context(1)
         self.control = ControlServer(self.control_context, runtime_dir, self.anomalies)
         self.loop.register(self.control.socket, CONTROL, lambda flags: self.control.handle(self.control_command))
+        # With a socket_group its members get the read-only commands on status.sock; control.sock stays ours.
+        self.status_server = status_server(self.control_context, runtime_dir, self.anomalies, config.socket_group)
+        if (reader := self.status_server) is not None:
+            self.loop.register(reader.socket, CONTROL, lambda flags: reader.handle(self.control_command))
         self.notifier = Notifier()
         self.cpu_latency = CpuLatencyHold()
         self.watcher = FileWatcher(self.loop.wake)
@@ -413,6 +417,8 @@ class Arbiter:
         self.pool.shutdown()
         self.broker.close()
         self.control.close()
+        if self.status_server is not None:
+            self.status_server.close()
         self.loop.close()
         self.context.term()
         self.control_context.term()

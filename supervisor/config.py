@@ -33,6 +33,7 @@ from supervisor.config_keys import (
 )
 from supervisor.fields import FieldReader
 from supervisor.module_lookup import module_missing
+from supervisor.socket_group import SocketGroup, SocketGroupError, lookup_group
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
@@ -121,6 +122,8 @@ class Config:
 
     models: dict[str, ModelConfig]
     runtime_dir: str | None
+    #: Who besides the daemon's user may use infer.sock and status.sock (supervisor/socket_group.py); None: nobody.
+    socket_group: SocketGroup | None
     #: Compiled packages and fastest-pick decisions, kept across restarts (None: the default, see cache_dir.py).
     cache_dir: str | None
     log_level: str
@@ -429,6 +432,20 @@ def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
     return CurveConfig(*paths) if len(paths) == 2 else None
 
 
+def _read_socket_group(ctx: ReadContext, raw: Any, path: str) -> SocketGroup | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)) or raw == "":
+        ctx.fields.fail(path, f"must be a group name, a numeric gid or null, got {raw!r}")
+        return None
+    try:
+        # Looked up now, so a group that does not exist is a config error before anything starts.
+        return lookup_group(raw)
+    except SocketGroupError as exc:
+        ctx.fields.fail(path, str(exc))
+        return None
+
+
 def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
     tcp = ctx.fields.string_or_null(raw, path)
     if tcp is None:
@@ -472,6 +489,11 @@ TOP_KEYS: tuple[Key, ...] = (
         f"{MAX_NAME_LEN} characters."),
     Key("runtime_dir", Text(), Applied.DAEMON_RESTART,
         "socket directory; `--runtime-dir` wins over it; default order in the README."),
+    Key("socket_group", Custom(_read_socket_group, "a group name that exists, a numeric gid, or null"),
+        Applied.DAEMON_RESTART,
+        "the local client group: `infer.sock` and `status.sock` 0660 in it and the runtime directory 0750, and "
+        "shared-memory inputs of the group are read; `control.sock` stays 0600. null: all private to the daemon's "
+        "user ([more](#socket_group))."),
     Key("cache_dir", Text(), Applied.ROLLING,
         "where compiled packages (`aoti`, `int8_*`), fastest-pick decisions and torch.compile's cache are kept "
         "across restarts ([default](#cache_dir))."),

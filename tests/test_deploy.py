@@ -70,7 +70,7 @@ def test_unit_keeps_its_contract_and_runs_as_the_fixed_user() -> None:
     settings = _unit_settings(UNIT.read_text())
     for key, value in {"Type": "notify", "NotifyAccess": "main", "KillMode": "mixed", "WatchdogSec": "30s",
                        "ExecReload": "/bin/kill -HUP $MAINPID", "User": "infervisor", "Group": "infervisor",
-                       "RuntimeDirectoryMode": "0750", "RestartPreventExitStatus": "78"}.items():  # fmt: skip
+                       "RuntimeDirectoryMode": "0700", "RestartPreventExitStatus": "78"}.items():  # fmt: skip
         assert settings.get(key) == [value], key
     assert "DynamicUser" not in settings and "MemoryDenyWriteExecute" not in settings
     # /proc/cpuinfo picks the profiles and keys the compiled cache: ProcSubset=pid would hide it.
