@@ -550,7 +550,7 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("max_frame_bytes", Integer(DEFAULT_MAX_FRAME_BYTES, 1024, 2**40), Applied.DAEMON_RESTART,
         "largest tensor frame, and largest input a client leaves in shared memory (the worker copies it out); a "
         "longer frame is answered `INVALID_INPUT`, one over twice this closes the connection (`ZMQ_MAXMSGSIZE`)."),
-    Key("client_budget_mb", Integer(128, 1, 2**20), Applied.LIVE,
+    Key("client_budget_mb", Integer(64, 1, 2**20), Applied.LIVE,
         "bytes one client connection may hold of the daemon: its requests in hand (frames and the shared-memory "
         "bytes they name) plus replies it has not read; past it, its next request is answered `OVERLOADED`."),
     Key("restart_window_s", Number(60.0, 1.0), Applied.LIVE,
