@@ -12,6 +12,8 @@ PROTOCOL_VERSION: Final = 1
 #: Socket file names inside the runtime directory.
 CLIENT_SOCKET_NAME: Final = "infer.sock"
 CONTROL_SOCKET_NAME: Final = "control.sock"
+#: The read-only control socket (status, ping, metrics), made only for config `socket_group` and open to it.
+STATUS_SOCKET_NAME: Final = "status.sock"
 
 
 class ClientMessageType(enum.StrEnum):

@@ -59,6 +59,8 @@ class LaunchSpec:
     #: The supervisor's pid: a worker whose parent is another process by the time it asked to die with
     #: its parent (the supervisor died during its start-up) exits at once instead of living on orphaned.
     supervisor_pid: int | None = None
+    #: Config `socket_group`'s gid: the worker reads shared-memory inputs of that group that it may read.
+    client_gid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

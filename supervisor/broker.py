@@ -30,6 +30,7 @@ from supervisor.client_ledger import ClientLedger
 from supervisor.config import ModelConfig
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CLIENTS, EventLoop
+from supervisor.metrics import RequestTimes
 from supervisor.pending import Peer, PendingRequest
 from supervisor.serving_config import ServingConfig
 from supervisor.slot import SlotState, WorkerSlot
@@ -104,6 +105,10 @@ class Broker:
         #: The workers each model routes to: the pool's members, read here, changed only by the pool.
         self.members: Mapping[str, Sequence[WorkerSlot]] = {}
         self.queues: dict[str, ModelQueue] = {}
+        #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
+        self.refused: collections.Counter[str] = collections.Counter()
+        #: Queue wait, service and total time of every successful request, per model (supervisor/metrics.py).
+        self.times = RequestTimes()
         self.next_id = 1
         self.inflight_count = 0
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
@@ -161,6 +166,7 @@ class Broker:
         """Validate one client message and queue or dispatch it, or answer with an error at once."""
         if len(frames) < 3 or len(frames[1]) != 0:
             self.anomalies.count("malformed_envelope")
+            self.count_refusal(None, ErrorCode.BAD_REQUEST)
             self.reply_error(client, None, ErrorCode.BAD_REQUEST, "expected frames: empty delimiter, header, tensors")
             return
         config = self.serving.current
@@ -169,6 +175,7 @@ class Broker:
             request = decode_infer(frames[2].buffer, [len(f) for f in tensor_frames], config.max_frame_bytes)
         except ProtocolError as exc:
             self.anomalies.count(f"rejected_{exc.code.value}", exc.message)
+            self.count_refusal(None, exc.code)
             self.reply_error(client, exc.request_id, exc.code, exc.message)
             return
         model = config.models.get(request.model)
@@ -184,6 +191,7 @@ class Broker:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "inputs in shared memory are for the ipc endpoint only")
         except ProtocolError as exc:
             self.anomalies.count(f"rejected_{exc.code.value}", exc.message)
+            self.count_refusal(request.model if model is not None else None, exc.code)
             self.reply_error(client, request.request_id, exc.code, exc.message)
             return
         cost = sum(len(f) for f in tensor_frames) + sum(d.nbytes for d in request.inputs if d.shm is not None)
@@ -263,6 +271,14 @@ class Broker:
             check_against_spec(inputs, target.inputs)
             return target.inputs
 
+    def count_refusal(self, model: str | None, code: ErrorCode) -> None:
+        """Count a request answered at admission: in its model's errors when it named a served one."""
+        queue = self.queues.get(model) if model is not None else None
+        if queue is not None:
+            queue.errors[code.value] += 1
+        else:
+            self.refused[code.value] += 1
+
     def has_capacity(self, model: str) -> bool:
         """False when every slot of the model has FAILED: queueing would only delay an error.
 
@@ -284,7 +300,9 @@ class Broker:
         queue = self.queues.get(request.model)  # None once a reload removed the model
         if queue is not None and code is None:
             queue.completed += 1
-            queue.latencies_ms.append((time.monotonic() - request.accepted_at) * 1000.0)
+            now = time.monotonic()
+            queue.latencies_ms.append((now - request.accepted_at) * 1000.0)
+            self.times.request_done(request.model, request.accepted_at, request.dispatched_at, now)
         elif queue is not None and code is not None:
             queue.errors[code.value] += 1
         self.ledger.give_back(request.client, request.cost)

@@ -33,6 +33,7 @@ from supervisor.config_keys import (
 )
 from supervisor.fields import FieldReader
 from supervisor.module_lookup import module_missing
+from supervisor.socket_group import SocketGroup, SocketGroupError, lookup_group
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
@@ -57,6 +58,7 @@ def _is_loopback(host: str) -> bool:
 
 
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
+_LISTEN = re.compile(r"(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
 
 class ConfigError(Exception):
@@ -133,11 +135,17 @@ class Config:
 
     models: dict[str, ModelConfig]
     runtime_dir: str | None
+    #: Who besides the daemon's user may use infer.sock and status.sock (supervisor/socket_group.py); None: nobody.
+    socket_group: SocketGroup | None
     #: Compiled packages and fastest-pick decisions, kept across restarts (None: the default, see cache_dir.py).
     cache_dir: str | None
     log_level: str
     tcp_endpoint: str | None
     curve: CurveConfig | None
+    #: Let metrics_listen name an address that is not loopback (the operator's explicit choice).
+    metrics_allow_remote: bool
+    #: HOST:PORT of the Prometheus endpoint (supervisor/metrics.py), or None for none.
+    metrics_listen: str | None
     oversubscribe: bool
     #: Keep the supervisor on the allowed cpus no worker holds (supervisor/affinity.py).
     pin_supervisor: bool
@@ -461,6 +469,20 @@ def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
     return CurveConfig(*paths) if len(paths) == 2 else None
 
 
+def _read_socket_group(ctx: ReadContext, raw: Any, path: str) -> SocketGroup | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)) or raw == "":
+        ctx.fields.fail(path, f"must be a group name, a numeric gid or null, got {raw!r}")
+        return None
+    try:
+        # Looked up now, so a group that does not exist is a config error before anything starts.
+        return lookup_group(raw)
+    except SocketGroupError as exc:
+        ctx.fields.fail(path, str(exc))
+        return None
+
+
 def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
     tcp = ctx.fields.string_or_null(raw, path)
     if tcp is None:
@@ -474,6 +496,28 @@ def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
     return tcp
 
 
+def _read_metrics_listen(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    listen = ctx.fields.string_or_null(raw, path)
+    if listen is None:
+        return None
+    match = _LISTEN.fullmatch(listen)
+    if match is None or not 1 <= int(match["port"]) <= 65535:
+        ctx.fields.fail(path, f"must look like 127.0.0.1:9464 (HOST:PORT, PORT 1-65535), got {listen!r}")
+        return None
+    host = match["host"]
+    try:
+        if host != "localhost":
+            ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        # A name would be resolved at bind time, to whatever it means then: an address says where it listens.
+        ctx.fields.fail(path, f"HOST must be an IP address or localhost, got {host!r}")
+        return None
+    if not _is_loopback(host) and not ctx.earlier["metrics_allow_remote"]:
+        # Metrics say what runs, how much and where it hurts: beyond this box only when the operator says so.
+        ctx.fields.fail(path, f"host {host!r} is not loopback; that needs `metrics_allow_remote: true`")
+    return listen
+
+
 # fmt: off
 #: The top-level keys, in the order they are read and documented (`curve` before the tcp_endpoint rule that needs it).
 TOP_KEYS: tuple[Key, ...] = (
@@ -482,6 +526,11 @@ TOP_KEYS: tuple[Key, ...] = (
         f"{MAX_NAME_LEN} characters."),
     Key("runtime_dir", Text(), Applied.DAEMON_RESTART,
         "socket directory; `--runtime-dir` wins over it; default order in the README."),
+    Key("socket_group", Custom(_read_socket_group, "a group name that exists, a numeric gid, or null"),
+        Applied.DAEMON_RESTART,
+        "the local client group: `infer.sock` and `status.sock` 0660 in it and the runtime directory 0750, and "
+        "shared-memory inputs of the group are read; `control.sock` stays 0600. null: all private to the daemon's "
+        "user ([more](#socket_group))."),
     Key("cache_dir", Text(), Applied.ROLLING,
         "where compiled packages (`aoti`, `int8_*`), fastest-pick decisions and torch.compile's cache are kept "
         "across restarts ([default](#cache_dir))."),
@@ -497,6 +546,14 @@ TOP_KEYS: tuple[Key, ...] = (
         Applied.DAEMON_RESTART,
         "extra client endpoint on its own socket. A host that is not loopback (`localhost`, 127.0.0.0/8, `[::1]`) "
         "is refused unless `curve` is set."),
+    Key("metrics_allow_remote", Flag(False), Applied.DAEMON_RESTART,
+        "let `metrics_listen` name an address that is not loopback, such as `0.0.0.0` in a pod whose IP "
+        "Prometheus scrapes."),
+    Key("metrics_listen", Custom(_read_metrics_listen, "`HOST:PORT` (HOST an IP address or `localhost`), or null"),
+        Applied.DAEMON_RESTART,
+        "serve Prometheus metrics over HTTP there, e.g. `127.0.0.1:9464`; a host that is not loopback is refused "
+        "unless `metrics_allow_remote` is true. `infervisor metrics` prints the same text without it "
+        "([operations.md](operations.md#metrics))."),
     Key("oversubscribe", Flag(False), Applied.DAEMON_RESTART,
         "when the workers ask for more physical cores than the cpuset has, share cores round-robin (status shows "
         "`shared_cores`) instead of refusing to start."),
@@ -530,7 +587,7 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("max_frame_bytes", Integer(DEFAULT_MAX_FRAME_BYTES, 1024, 2**40), Applied.DAEMON_RESTART,
         "largest tensor frame, and largest input a client leaves in shared memory (the worker copies it out); a "
         "longer frame is answered `INVALID_INPUT`, one over twice this closes the connection (`ZMQ_MAXMSGSIZE`)."),
-    Key("client_budget_mb", Integer(128, 1, 2**20), Applied.LIVE,
+    Key("client_budget_mb", Integer(64, 1, 2**20), Applied.LIVE,
         "bytes one client connection may hold of the daemon: its requests in hand (frames and the shared-memory "
         "bytes they name) plus replies it has not read; past it, its next request is answered `OVERLOADED`."),
     Key("restart_window_s", Number(60.0, 1.0), Applied.LIVE,

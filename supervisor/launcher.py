@@ -99,6 +99,7 @@ def launch_spec(
         validation=model.validation,
         recent_exits=list(recent_exits),
         supervisor_pid=os.getpid(),
+        client_gid=config.socket_group.gid if config.socket_group is not None else None,
     )
 
 

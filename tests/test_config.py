@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Final, get_type_hints
@@ -757,6 +758,8 @@ def _another(key: Key, folder: Path) -> object:
         "batching": {"max_batch_size": 8},
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",
+        "metrics_listen": "127.0.0.1:9464",
+        "socket_group": os.getegid(),  # a gid is taken as it is: one that exists on any box
     }
     return custom[key.name]
 

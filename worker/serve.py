@@ -64,7 +64,7 @@ class WorkerLoop:
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
         #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
-        self.shared_inputs = SharedInputs()
+        self.shared_inputs = SharedInputs(client_group=launch.client_gid)
         #: The request path run on a canned request after a long forward pass (worker/request_path.py).
         self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
         self.rehearse_due = False
