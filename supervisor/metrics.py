@@ -162,6 +162,12 @@ class ModelSample:
     total: Histogram
     queue: Histogram
     service: Histogram
+    #: With batching: (rows, batches sent of that size); empty otherwise.
+    batch_sizes: tuple[tuple[int, int], ...] = ()
+
+
+#: Upper bounds of the batch-size histogram, in rows.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +250,7 @@ def take_snapshot(
                 total=EMPTY if model_times is None else _histogram(model_times.total, model_times.total_sum),
                 queue=EMPTY if model_times is None else _histogram(model_times.queue, model_times.queue_sum),
                 service=EMPTY if model_times is None else _histogram(model_times.service, model_times.service_sum),
+                batch_sizes=tuple(sorted(queue.batch_sizes.items())),
             )
         )
     serving = {id(s) for members in pool.members.values() for s in members if s.state is SlotState.SERVING}
@@ -365,6 +372,22 @@ def _request_families(snapshot: Snapshot) -> Iterator[Metric]:
     for code, count in snapshot.refused:
         requests.add_metric(["", "error", code], count)
     yield from (requests, queued, capacity, in_flight, *histograms.values())
+    yield _batch_sizes(snapshot)
+
+
+def _batch_sizes(snapshot: Snapshot) -> HistogramMetricFamily:
+    """Rows per forward pass of each batching model (the wait to be batched is the queue histogram)."""
+    family = HistogramMetricFamily(
+        "infervisor_batch_size_rows", "rows joined into one forward pass, per batching model", labels=["model"]
+    )
+    for model in snapshot.models:
+        if not model.batch_sizes:
+            continue
+        counts = dict(model.batch_sizes)
+        buckets = [(str(bound), sum(n for rows, n in counts.items() if rows <= bound)) for bound in BATCH_BUCKETS]
+        buckets.append(("+Inf", sum(counts.values())))
+        family.add_metric([model.name], buckets, float(sum(rows * n for rows, n in counts.items())))
+    return family
 
 
 def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.client_messages import InferRequest, encode_infer
 from protocol.tensors import TensorDesc
@@ -95,6 +96,9 @@ def test_joined_rows_are_bit_identical_to_serving_each_request_alone(start_daemo
         together.send(request_id, "encoder", request)
     together.collect(8)
     assert _batches(daemon, "encoder") == {"8": 1}, "the eight were joined"
+    families = {f.name: f for f in text_string_to_metric_families(daemon.control({"cmd": "metrics"})["text"])}
+    (count,) = [s.value for s in families["infervisor_batch_size_rows"].samples if s.name.endswith("_count")]
+    assert count == 1
     with daemon.client() as client:
         for request_id, request in enumerate(inputs):
             alone = client.infer("encoder", request, timeout=60)["embedding"]
