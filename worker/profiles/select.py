@@ -144,7 +144,9 @@ def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None) -> Gold
             # A dynamic dim that is not a batch (a sequence length): checked at another size too.
             larger = GoldenCase(f"a synthetic input at size {_MIN_BATCHED_ROWS}",
                                 runner.example_inputs(batch=_MIN_BATCHED_ROWS), (0,))  # fmt: skip
-            return GoldenSet([*_alone(samples, kind), larger], f"{what}, each alone and once at size 3")
+            return GoldenSet(
+                [*_alone(samples, kind), larger], f"{what}, each alone and once at size {_MIN_BATCHED_ROWS}"
+            )
         return GoldenSet(_alone(samples, kind), f"{what}, each alone")
     bounded = any(spec.bounds and spec.bounds[0] is not None for spec in runner.specs)
     sizes = _batched_sizes(len(samples), batch, bounded)
