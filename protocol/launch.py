@@ -72,10 +72,7 @@ class LaunchSpec:
         """Parse what to_json wrote; raises ValueError/TypeError/KeyError on anything else."""
         raw = json.loads(text)
         raw["source"] = ModelSource(**raw["source"])
-        raw["inputs"] = tuple(
-            TensorSpec(s["name"], s["dtype"], tuple(s["shape"]), bool(s.get("allow_non_finite", False)))
-            for s in raw["inputs"]
-        )
+        raw["inputs"] = tuple(TensorSpec.from_dict(s) for s in raw["inputs"])
         raw["output_names"] = tuple(raw["output_names"]) if raw.get("output_names") is not None else None
         raw["cpus"] = tuple(raw["cpus"])
         raw["profiles"] = tuple(raw.get("profiles", ("eager",)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from common.builtin_models import BUILTIN_MODELS
 from common.profiles import PROFILE_NAMES
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, ModelSource
-from protocol.tensors import TensorSpec
+from protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
 from supervisor.config_keys import (
     Applied,
     Choice,
@@ -31,7 +32,7 @@ from supervisor.config_keys import (
     Text,
     read_object,
 )
-from supervisor.fields import FieldReader
+from supervisor.fields import FieldReader, join_path
 from supervisor.module_lookup import module_missing
 from supervisor.socket_group import SocketGroup, SocketGroupError, lookup_group
 
@@ -200,6 +201,79 @@ def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
     return ModelSource("builtin", "invalid")
 
 
+#: The range `integers` synthetic data may draw from, [low, high): what the dtype holds (int64: what a float
+#: parameter carries exactly).
+_INTEGER_RANGES = {
+    "bool": (0, 2),
+    "uint8": (0, 2**8),
+    "int8": (-(2**7), 2**7),
+    "int16": (-(2**15), 2**15),
+    "int32": (-(2**31), 2**31),
+    "int64": (-(2**53), 2**53),
+}
+_MAX_DIM = 2**31 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _read_dim(r: FieldReader, dim: Any, where: str) -> tuple[int | None, DimRange | None] | None:
+    """One dim of a shape: an integer, null (any size), or [min, max] (max null: no upper bound); None when bad."""
+    if dim is None:
+        return None, None
+    if _is_int(dim) and 1 <= dim <= _MAX_DIM:
+        return dim, None
+    if isinstance(dim, list) and len(dim) == 2 and _is_int(dim[0]) and (dim[1] is None or _is_int(dim[1])):
+        low, high = dim
+        if 1 <= low <= _MAX_DIM and (high is None or low <= high <= _MAX_DIM):
+            if low == high:
+                return low, None
+            return None, (None if (low, high) == (1, None) else (low, high))
+    r.fail(where, f"must be an integer 1..{_MAX_DIM}, null (any size) or [min, max] with 1 <= min <= max "
+           f"(max null: no upper bound), got {dim!r}")  # fmt: skip
+    return None
+
+
+def _read_synthetic(r: FieldReader, raw: Any, where: str, dtype: str) -> Synthetic | None:
+    """`{"distribution": NAME, ...parameters}`: normal (mean, std), uniform (low, high), integers (low, high)."""
+    if raw is None:
+        return None
+    names = ", ".join(SYNTHETIC_DISTRIBUTIONS)
+    if not isinstance(raw, dict) or raw.get("distribution") not in SYNTHETIC_DISTRIBUTIONS:
+        r.fail(where, f"must be an object with a `distribution` of {names}, got {raw!r}")
+        return None
+    distribution = str(raw["distribution"])
+    parameters = SYNTHETIC_DISTRIBUTIONS[distribution]
+    r.check_keys(raw, where, {"distribution", *parameters})
+    values: list[float] = []
+    for key, default in parameters.items():
+        value: Any = raw.get(key, default)
+        integral = distribution == "integers"
+        if not (_is_int(value) if integral else isinstance(value, (int, float)) and not isinstance(value, bool)):
+            kind = "an integer" if integral else "a number"
+            r.fail(join_path(where, key), f"must be {kind}{' (required)' if default is None else ''}, got {value!r}")
+            return None
+        if not math.isfinite(value):
+            r.fail(join_path(where, key), f"must be finite, got {value!r}")
+            return None
+        values.append(float(value))
+    first, second = values
+    floating = dtype.startswith("float")
+    low, high = _INTEGER_RANGES.get(dtype, (-math.inf, math.inf))
+    if distribution in ("normal", "uniform") and not floating:
+        r.fail(join_path(where, "distribution"), f"{distribution} draws floats; a {dtype} input takes `integers`")
+    elif distribution == "normal" and second <= 0:
+        r.fail(join_path(where, "std"), f"must be > 0, got {raw.get('std')!r}")
+    elif distribution != "normal" and first >= second:
+        r.fail(where, f"needs low < high, got low {raw.get('low', first)!r} and high {raw.get('high')!r}")
+    elif distribution == "integers" and (first < low or second > high):
+        r.fail(where, f"integers for a {dtype} input need {low} <= low < high <= {high}")
+    else:
+        return Synthetic(distribution, first, second)
+    return None
+
+
 def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...]:
     r = ctx.fields
     if not isinstance(raw, list) or not raw:
@@ -211,7 +285,7 @@ def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...
         if not isinstance(item, dict):
             r.fail(where, "must be an object")
             continue
-        r.check_keys(item, where, {"name", "dtype", "shape", "allow_non_finite"})
+        r.check_keys(item, where, {"name", "dtype", "shape", "allow_non_finite", "synthetic"})
         name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
             r.fail(f"{where}.name", "must be a non-empty string")
@@ -219,21 +293,20 @@ def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...
         if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
             r.fail(f"{where}.dtype", f"must be one of {', '.join(sorted(DTYPE_ITEMSIZE))}, got {dtype!r}")
             continue
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_RANK
-            or not all(d is None or (type(d) is int and 1 <= d < 2**31) for d in shape)
-        ):
-            r.fail(
-                f"{where}.shape",
-                f"must be an array of at most {MAX_RANK} positive integers or null (dynamic), got {shape!r}",
-            )
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            r.fail(f"{where}.shape", f"must be an array of at most {MAX_RANK} dims, got {shape!r}")
+            continue
+        dims = [_read_dim(r, dim, f"{where}.shape[{i}]") for i, dim in enumerate(shape)]
+        if any(dim is None for dim in dims):
             continue
         if any(spec.name == name for spec in specs):
             r.fail(f"{where}.name", f"input {name!r} is declared twice")
             continue
         allow = r.boolean(item, "allow_non_finite", where, False)
-        specs.append(TensorSpec(name, dtype, tuple(shape), allow))
+        synthetic = _read_synthetic(r, item.get("synthetic"), f"{where}.synthetic", dtype)
+        sizes = tuple(d[0] for d in dims if d is not None)
+        bounds = tuple(d[1] for d in dims if d is not None)
+        specs.append(TensorSpec(name, dtype, sizes, allow, bounds if any(bounds) else (), synthetic))
     return tuple(specs)
 
 
@@ -328,13 +401,17 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
         fits = (
             array.ndim == len(spec.shape)
             and array.dtype.name == spec.dtype
-            and all(want is None or want == got for want, got in zip(spec.shape[1:], array.shape[1:], strict=False))
+            and all(_within(spec.dim_range(i), got) for i, got in enumerate(array.shape[1:], start=1))
         )
         if not fits:
             r.fail(where, f"array {spec.name!r} is {array.dtype.name}{list(array.shape)}; expected {spec.describe()}")
         samples.add(array.shape[0] if array.ndim else 0)
     if len(samples) > 1 or 0 in samples:
         r.fail(where, "its arrays must share a non-empty first (sample) dimension")
+
+
+def _within(bound: DimRange, size: int) -> bool:
+    return bound[0] <= size and (bound[1] is None or size <= bound[1])
 
 
 def _choices(names: tuple[str, ...]) -> str:
@@ -347,9 +424,11 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("source", Custom(_read_source, f"object with exactly one key: {_choices(SOURCE_KINDS)}", required=True),
         Applied.ROLLING,
         "where the model comes from; a model file must exist when the config is validated ([more](#source))."),
-    Key("inputs", Custom(_read_inputs, "non-empty array of `{name, dtype, shape, allow_non_finite}`", required=True),
+    Key("inputs",
+        Custom(_read_inputs, "non-empty array of `{name, dtype, shape, allow_non_finite, synthetic}`", required=True),
         Applied.ROLLING,
-        "the model's inputs, in the order its `forward` takes them; admission checks requests against new ones at "
+        "the model's inputs, in the order its `forward` takes them, each dim fixed, any size (null) or a range "
+        "`[min, max]`, and the synthetic data the daemon draws for it; admission checks requests against new ones at "
         "once ([more](#inputs))."),
     Key("outputs", Custom(_read_outputs, "array of non-empty strings, or null (`[]` = null)"), Applied.ROLLING,
         "names for the model's outputs in order; default: the built-in's names, the keys of a returned dict, else "

@@ -7,6 +7,7 @@ from typing import Any
 
 import psutil
 
+from common.profiles import PROFILES
 from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from supervisor.broker import Broker, ModelQueue
 from supervisor.config import BatchingConfig, Config
@@ -57,11 +58,29 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "profile": slot.profile,
         "profile_skipped": [n for n in slot.profile_notes.split("; ") if n],
         "profile_build": [n for n in slot.build_notes.split("; ") if n],
+        **accuracy_data(slot),
         "last_profile": slot.last_profile,
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
         "last_event": slot.last_event,
     }
+
+
+def accuracy_data(slot: WorkerSlot) -> dict[str, str | None]:
+    """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
+    numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
+    if slot.profile is None:
+        return {"checked_on": None, "accuracy_warning": None}
+    if slot.model.validation:
+        return {"checked_on": "validation set", "accuracy_warning": None}
+    declared = PROFILES.get(slot.profile)
+    warning = None
+    if declared is not None and declared.changes_numerics:
+        warning = (
+            f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
+            "`validation`, an .npz of real inputs"
+        )
+    return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
 
 
 def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelReport]) -> dict[str, Any]:
@@ -76,7 +95,15 @@ def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelRepo
             "health": report.health.value,
             "reason": report.reason,
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
-            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in model.inputs],
+            "inputs": [
+                {
+                    "name": s.name,
+                    "dtype": s.dtype,
+                    "shape": s.config_shape(),
+                    "synthetic": s.synthetic.to_config() if s.synthetic is not None else None,
+                }
+                for s in model.inputs
+            ],
             "queued": len(queue.waiting),
             "queue_size": queue.capacity,
             "completed": queue.completed,

@@ -384,7 +384,7 @@ def serve(launch: LaunchSpec) -> int:
     torch.set_num_threads(launch.threads)
     started = time.perf_counter()
     try:
-        module = load_model(launch.source)
+        module = load_model(launch.source, launch.inputs)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
         context = build_context(launch, runner)
