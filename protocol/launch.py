@@ -61,6 +61,8 @@ class LaunchSpec:
     supervisor_pid: int | None = None
     #: Config `socket_group`'s gid: the worker reads shared-memory inputs of that group that it may read.
     client_gid: int | None = None
+    #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.
+    served_batches: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.client_messages import InferRequest, encode_infer
 from protocol.tensors import TensorDesc
-from tests.conftest import ENCODER_INPUTS, ROOT, Daemon, model_entry, wait_for
+from tests.conftest import ENCODER_INPUTS, ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.fault_models import ROW_INPUTS, SEGFAULT, SLEEP
 
 ENV = {"PYTHONPATH": str(ROOT)}
@@ -217,3 +217,14 @@ def test_requests_whose_other_dims_differ_are_never_joined(start_daemon: Callabl
     assert burst.result(0).shape == (1, 2) and burst.result(1).shape == (1, 3) and burst.result(2).shape == (2, 2)
     assert _batches(daemon, "rows") == {"3": 1, "1": 1}, "the two [*, 2] requests joined (3 rows), [1, 3] alone"
     burst.close()
+
+
+def test_the_accuracy_gate_checks_the_batch_sizes_the_broker_will_form(start_daemon: Callable[..., Daemon]) -> None:
+    """With batching up to 8 rows (preferring 4), a profile is checked batched at 4 and 8 before it serves."""
+    batching = {"max_batch_size": 8, "preferred_batch_sizes": [4]}
+    tiny = model_entry({"builtin": "tiny"}, TINY_INPUTS, batching=batching, profiles=["jit", "eager"])
+    daemon = start_daemon({"models": {"tiny": tiny}})
+    (worker,) = daemon.wait_ready()["models"]["tiny"]["workers"]
+    assert worker["profile"] == "jit"
+    checked = " ".join(worker["profile_build"])
+    assert "batched at" in checked and "4" in checked.split("batched at")[1] and "8" in checked.split("batched at")[1]

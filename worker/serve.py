@@ -359,6 +359,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
         cache=ArtifactCache(Path(launch.cache_dir)) if launch.cache_dir else None,
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
+        served_batches=tuple(launch.served_batches),
     )
 
 

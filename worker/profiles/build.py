@@ -45,6 +45,8 @@ class BuildContext:
     calibration: Path | None = None
     #: Only part of the fastest-pick decision's key: the profiles were checked on it.
     validation: Path | None = None
+    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
+    served_batches: tuple[int, ...] = ()
 
 
 @dataclass

@@ -105,20 +105,25 @@ def _batch_range(runner: ModelRunner) -> tuple[int, int | None] | None:
     return max(low for low, _ in ranges), min(highs) if highs else None
 
 
-def _batched_sizes(count: int, batch: tuple[int, int | None], bounded: bool) -> list[int]:
+def _batched_sizes(
+    count: int, batch: tuple[int, int | None], bounded: bool, served: Sequence[int] = ()
+) -> list[int]:
     """The batch sizes all `count` samples are checked at together: the whole set (in chunks when it is larger
-    than the model takes or than _MAX_GOLDEN_BATCH), at least _MIN_BATCHED_ROWS rows, and a bounded batch at its
-    bounds."""
+    than the model takes or than _MAX_GOLDEN_BATCH), at least _MIN_BATCHED_ROWS rows, a bounded batch at its
+    bounds, and each batch size the broker joins requests into (`served`, samples cycled to fill it)."""
     low, high = batch
     largest = min(high, _MAX_GOLDEN_BATCH) if high is not None else _MAX_GOLDEN_BATCH
     size = max(low, min(count, largest), min(_MIN_BATCHED_ROWS, high if high is not None else _MIN_BATCHED_ROWS))
     sizes = [size] * max(1, -(-count // size))
     if bounded:
         sizes += [bound for bound in (low, high) if bound is not None and bound > 1 and bound not in sizes]
+    sizes += [n for n in served if n > 1 and n not in sizes and (high is None or n <= high)]
     return sizes
 
 
-def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None) -> GoldenSet:
+def golden_set(
+    runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()
+) -> GoldenSet:
     """The inputs every profile is checked on against eager: each sample alone (batch 1), and all of them batched.
 
     The samples are the model's validation set when one is configured (synthetic inputs say little about
@@ -149,7 +154,7 @@ def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None) -> Gold
             )
         return GoldenSet(_alone(samples, kind), f"{what}, each alone")
     bounded = any(spec.bounds and spec.bounds[0] is not None for spec in runner.specs)
-    sizes = _batched_sizes(len(samples), batch, bounded)
+    sizes = _batched_sizes(len(samples), batch, bounded, served)
     cases = _alone(samples, kind) if batch[0] == 1 else []
     start = 0
     for size in sizes:
@@ -205,7 +210,7 @@ class _Trial:
         self.tolerance = tolerance
         self.caps = caps
         self.eager = runner.module
-        self.golden = golden_set(runner, validation)
+        self.golden = golden_set(runner, validation, context.served_batches)
         self.cases = [case.inputs for case in self.golden.cases]
         self.reference = [[a for _, a in runner.forward(case)] for case in self.cases]
 
