@@ -8,7 +8,6 @@ pool reconciles toward the configured shape and the monitors look at the workers
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import math
 import os
@@ -25,8 +24,7 @@ from supervisor import status
 from supervisor.affinity import SupervisorAffinity
 from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
-from supervisor.config import Config, ConfigError, load_config
-from supervisor.config_diff import ConfigDiff, diff_configs, held_back
+from supervisor.config import Config
 from supervisor.control import ControlServer, status_server
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
@@ -34,8 +32,7 @@ from supervisor.event_loop import CONTROL, EventLoop
 from supervisor.file_watch import FileWatcher
 from supervisor.health import DaemonState, daemon_state, ready_to_announce, status_line
 from supervisor.launcher import Launcher, launch_worker
-from supervisor.logs import configure_logging
-from supervisor.metrics import Metrics, ReloadOutcome, ReloadStats, take_snapshot
+from supervisor.metrics import Metrics, take_snapshot
 from supervisor.monitors.age import AgeWatch
 from supervisor.monitors.canary import CanaryWatch
 from supervisor.monitors.drift import DriftWatch
@@ -43,18 +40,17 @@ from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.memory import MemoryWatch
 from supervisor.monitors.thermal import ThermalWatch
 from supervisor.monitors.view import Monitor, MonitorView
-from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from supervisor.planner import Assignment, WorkerDemand, plan_cores
 from supervisor.pool import WorkerPool
+from supervisor.reloader import ConfigReloader
 from supervisor.sd_notify import Notifier
 from supervisor.serving_config import ServingConfig
 from supervisor.slot import RestartReason, SlotState, WorkerSlot
-from supervisor.topology import TopologyError, read_topology
+from supervisor.topology import read_topology
 from supervisor.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 
-#: The file watcher's key for config.json (model files are keyed by model name).
-_CONFIG_KEY = "\0config"
 #: How often timers (reaping, hang checks, deadlines, heartbeats) run, at most.
 _HOUSEKEEPING_S = 0.02
 _HOUSEKEEPING_MS = int(_HOUSEKEEPING_S * 1000)
@@ -71,7 +67,6 @@ class Arbiter:
         sysfs_root: Path = Path("/sys"),
         launcher: Launcher = launch_worker,
     ) -> None:
-        self.config_path = config_path
         self.runtime_dir = runtime_dir
         self.sysfs_root = sysfs_root
         self.started_at = time.time()
@@ -102,13 +97,10 @@ class Arbiter:
         #: Adding a monitor is one file and one entry here.
         self.monitors: list[Monitor] = [self.memory, AgeWatch(), DriftWatch(), self.canaries, self.thermal]
         self.signals: collections.deque[int] = collections.deque()
-        self.reload_reason: str | None = None
-        self.config_applied_at = time.time()
-        self.config_error: list[str] | None = None
-        #: How many configs have been applied since start (the first one is 0).
-        self.generation = 0
-        self.last_diff: dict[str, object] = {}
-        self.reloads = ReloadStats(last_success_at=self.started_at)
+        self.reloader = ConfigReloader(
+            config_path, self.serving, self.pool, self.plan, self.watcher, self.notifier, self.started_at
+        )
+        self.reloader.status_line = lambda: self.status_line
         #: Published each monitor turn; served over HTTP only with metrics_listen, and by `infervisor metrics`.
         self.metrics = Metrics()
         self.announced_ready = False
@@ -162,7 +154,7 @@ class Arbiter:
                 else:
                     self.begin_stop(f"signal {signal.Signals(signum).name}")
             elif signum == signal.SIGHUP:
-                self.reload_reason = "SIGHUP"
+                self.reloader.requested = "SIGHUP"
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -175,7 +167,7 @@ class Arbiter:
             runtime_dir=str(self.runtime_dir),
             endpoint=self.endpoints.ipc_endpoint,
             tcp_endpoint=self.config.tcp_endpoint,
-            config=str(self.config_path),
+            config=str(self.reloader.config_path),
             config_digest=self.config.digest,
             plan={s.name: list(s.assignment.cpus) for s in self.pool.all_slots()},
         )
@@ -185,7 +177,7 @@ class Arbiter:
             if self.config.metrics_listen is not None:
                 self.metrics.listen(self.config.metrics_listen)
             self.pool.start()
-            self.watch_files()
+            self.reloader.watch_files()
             self.watcher.start()
             while not self.pool.finished():
                 self.loop.poll(self.wait_ms())
@@ -219,7 +211,7 @@ class Arbiter:
         self.pet_watchdog(now)
         if self.pool.stopping:
             return
-        self.react_to_file_changes(now)
+        self.reloader.react_to_file_changes(now)
         self.monitor(now)
         if self.pool.all_failed():
             log.error("all_workers_failed", reason="every slot of every model failed; exiting for the service manager")
@@ -301,11 +293,8 @@ class Arbiter:
     def publish_metrics(self) -> None:
         """Hand the metrics endpoint a fresh snapshot (it never reads the loop's state itself)."""
         rss_mb = {pid: samples[-1][1] for pid, samples in self.memory.history.items() if samples}
-        self.metrics.publish(
-            take_snapshot(
-                self.pool, self.broker, rss_mb, self.thermal.reading, self.reloads, self.anomalies.counts, time.time()
-            )
-        )
+        reading, reloads, anomalies = self.thermal.reading, self.reloader.stats, self.anomalies.counts
+        self.metrics.publish(take_snapshot(self.pool, self.broker, rss_mb, reading, reloads, anomalies, time.time()))
 
     def act(self, finding: Finding) -> None:
         """Log a finding as data, show it in status, and probe, recycle or kill as it says."""
@@ -329,89 +318,6 @@ class Arbiter:
             slot.kill(f"monitor {finding.monitor}", RestartReason.MONITOR_KILL)
         elif finding.action is Action.RECYCLE:
             self.pool.recycle(slot, f"monitor {finding.monitor}")
-
-    # ---- files and reloads -------------------------------------------------------------------
-
-    def watch_files(self) -> None:
-        """Watch config.json and every model file (a changed file restarts its model, rolling)."""
-        files = {_CONFIG_KEY: self.config_path}
-        for name, model in self.config.models.items():
-            if model.source.path is not None:
-                files[name] = Path(model.source.path)
-        self.watcher.watch(files)
-
-    def react_to_file_changes(self, now: float) -> None:
-        """A changed config.json is reloaded; a changed model file restarts its model, rolling."""
-        for key in self.watcher.due(now):
-            if key == _CONFIG_KEY:
-                self.reload_reason = self.reload_reason or "config file changed"
-            elif key in self.pool.members:
-                self.pool.restart(key, "model file changed on disk", RestartReason.MODEL_FILE)
-        # A drain-first step has taken a worker out of its pool and not yet put the replacement in;
-        # re-planning the pool now would see a hole and fill it twice. The reload waits for the step.
-        if self.reload_reason is not None and not self.pool.rollout.mid_drain:
-            reason, self.reload_reason = self.reload_reason, None
-            self.reload_config(reason)
-
-    def reload_config(self, reason: str) -> dict[str, Any]:
-        """Read config.json again; a bad file changes nothing, a good one is applied by its diff.
-
-        Returns the outcome as the control socket answers it.
-        """
-        self.notifier.reloading()
-        try:
-            new = load_config(self.config_path)
-            diff = diff_configs(self.config, new)
-            if diff.needs_daemon_restart:
-                # Bound into sockets at start: keep the running values, say what needs a restart.
-                kept = {key: getattr(self.config, key) for key in diff.needs_daemon_restart}
-                new = dataclasses.replace(new, **kept)
-                log.warning("config_needs_daemon_restart", keys=diff.needs_daemon_restart)
-            plan = self.plan(new)
-        except ConfigError as exc:
-            return self.reject_config(reason, exc.problems)
-        except (PlanError, TopologyError) as exc:
-            return self.reject_config(reason, [f"models: {exc}"])
-        self.config_error = None
-        self.reloads.record(ReloadOutcome.SUCCESS, time.time())
-        self.last_diff = diff.summary()
-        if diff.empty and new.digest == self.config.digest:
-            log.info("config_unchanged", reason=reason)
-        else:
-            self.apply_config(new, plan, diff)
-            log.info("config_applied", reason=reason, digest=new.digest, diff=self.last_diff)
-        self.notifier.ready(self.status_line or f"config {self.config.digest} applied")
-        # Every model still moving to a new config, whichever reload started it: what `infervisor reload` waits for.
-        rolling = sorted(self.serving.targets)
-        return {"ok": True, "generation": self.generation, "diff": self.last_diff, "rolling": rolling}
-
-    def reject_config(self, reason: str, problems: list[str]) -> dict[str, Any]:
-        """Keep serving with the last good config and say why the new one was refused."""
-        self.config_error = problems
-        self.reloads.record(ReloadOutcome.FAILURE, time.time())
-        log.error("config_rejected", reason=reason, problems=problems, serving_digest=self.config.digest)
-        self.notifier.ready(self.status_line or f"config rejected; still serving {self.config.digest}")
-        return {"ok": False, "error": "config rejected; nothing changed", "problems": problems}
-
-    def apply_config(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
-        """Serve with a validated config: one snapshot replaced whole, then the pools reshaped by its diff.
-
-        A model whose workers must be rebuilt keeps serving with its old build keys (admission
-        included) until every worker has been replaced and is READY; the new config is its target.
-        """
-        old = self.config
-        held = {name: held_back(old.models[name], new.models[name]) for name in diff.rolling}
-        self.serving.replace(dataclasses.replace(new, models={**new.models, **held}))
-        for name in diff.rolling:
-            self.serving.targets[name] = new.models[name]
-        for name in diff.removed:
-            self.serving.targets.pop(name, None)
-        self.generation += 1
-        self.config_applied_at = time.time()
-        if "log_level" in diff.live:
-            configure_logging(new.log_level)
-        self.pool.adopt(new, plan, diff)
-        self.watch_files()
 
     # ---- stopping ---------------------------------------------------------------------------
 
@@ -459,10 +365,7 @@ class Arbiter:
                 return {"ok": False, "error": "profile needs model (a string) and requests (1..10000)"}
             return self.start_profile(model, requests)
         if name == "reload":
-            if self.pool.rollout.mid_drain:  # applied once the drain-first step has put its replacement in
-                self.reload_reason = "operator command"
-                return {"ok": True, "queued": True, "generation": self.generation}
-            return self.reload_config("operator command")
+            return self.reloader.command()
         known = "status, ping, metrics, restart, reload, profile"
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}
 
@@ -491,12 +394,7 @@ class Arbiter:
             "cpus": sorted(self.affinity.current),
             "cpu_latency": self.cpu_latency.status(config.cpu_latency_us),
             "config": {
-                "path": str(self.config_path),
-                "digest": config.digest,
-                "applied_at": self.config_applied_at,
-                "generation": self.generation,
-                "last_error": self.config_error,
-                "last_diff": self.last_diff,
+                **self.reloader.status(),
                 "models": status.config_states(self.pool),
             },
             "limits": status.limits(config),

@@ -312,6 +312,8 @@ def test_a_bounded_batch_serves_its_bound_and_refuses_one_more(
         with pytest.raises(InferenceError) as caught:
             client.infer("m", {"x": x})
     assert caught.value.code is ErrorCode.INVALID_INPUT and "outside its bound 1..64" in caught.value.message
-    # Refused at admission: counted as a rejected request, never handed to the worker.
-    assert daemon.status()["counters"].get("rejected_INVALID_INPUT") == 1
-    assert daemon.status()["models"]["m"]["errors"] == {}
+    # Refused at admission: counted as the model's rejected request, never handed to the worker.
+    after = daemon.status()
+    assert after["counters"].get("rejected_INVALID_INPUT") == 1
+    assert after["models"]["m"]["errors"] == {"INVALID_INPUT": 1}
+    assert [w["requests"] for w in after["models"]["m"]["workers"]] == [1]
