@@ -3,6 +3,7 @@
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
                               [--float-supervisor] [--cpu-latency-us 0] [--keep-warm-ms 1]
+                              [--config configs/default.json]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
 
@@ -17,6 +18,12 @@ It needs write access to /dev/cpu_dma_latency (root).
 
 `--keep-warm-ms N` runs the daemon twice, without and then with `keep_warm_ms` N (the broker
 rehearses its path while a worker holds a request), and adds the second daemon's raw-socket rows.
+
+`--config FILE` serves that file's models as it configures them (profiles, pick, workers, prefetch,
+cache_dir and its other keys), instead of eager built-ins in the bench's layout, and runs only the
+daemon rows: the baselines run the eager model, which would not be the one served. Each model's
+name must be a built-in the clients know the input of (tiny, resnet18, resnet50). Give the file a
+`cache_dir` that persists, so a compiled profile is built once and never timed.
 """
 
 from __future__ import annotations
@@ -222,15 +229,46 @@ def measure(
     cpu_latency_us: int | None,
     keep_warm_ms: int | None,
     tmp: Path,
+    served: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients.
 
-    `layout` is the daemon's workers and prefetch, then the bare broker's workers.
+    `layout` is the daemon's workers and prefetch, then the bare broker's workers. With `served`
+    (a config.json of this model), the daemon runs that config and the baselines do not run.
     """
+    workers, prefetch, bare_workers = layout
+    rows = [] if served is not None else baselines(model, clients, seconds, bare_workers, cpu_latency_us, tmp)
+    for warm in [None] if keep_warm_ms is None else [None, keep_warm_ms]:
+        daemon_dir = tmp / f"daemon-{model}-{warm}"
+        config = served or {
+            "oversubscribe": True,
+            "pin_supervisor": pin,
+            "cpu_latency_us": cpu_latency_us,
+            "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
+        }
+        config = {**config, "log_level": "warning"} | ({} if warm is None else {"keep_warm_ms": warm})
+        daemon = start_daemon(config, daemon_dir)
+        try:
+            endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
+            for kind in CLIENT_KINDS if warm is None else ("raw", "shm"):
+                for n in (1, clients):
+                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
+                    name = "daemon" if warm is None else f"daemon keep_warm {warm}"
+                    label = f"{name}, {n} client(s), {CLIENT_KINDS[kind]}"
+                    rows.append(row(model, label, latencies, seconds, errors, overheads))
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+    return rows
+
+
+def baselines(
+    model: str, clients: int, seconds: float, bare_workers: int, cpu_latency_us: int | None, tmp: Path
+) -> list[dict[str, Any]]:
+    """The eager model in-process, and behind the bare pyzmq broker with 1 and N clients."""
     from bench import bare_broker
     from supervisor.cpu_latency import CpuLatencyHold
 
-    workers, prefetch, bare_workers = layout
     # The baselines get the idle policy the daemon will hold for itself; the daemon's rows run on its own hold.
     hold = CpuLatencyHold()
     hold.reconcile(cpu_latency_us, throttled=False)
@@ -250,28 +288,6 @@ def measure(
                 process.kill()
     finally:
         hold.release("bench baseline done")
-    for warm in [None] if keep_warm_ms is None else [None, keep_warm_ms]:
-        daemon_dir = tmp / f"daemon-{model}-{warm}"
-        config = {
-            "log_level": "warning",
-            "oversubscribe": True,
-            "pin_supervisor": pin,
-            "cpu_latency_us": cpu_latency_us,
-            "keep_warm_ms": warm,
-            "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
-        }
-        daemon = start_daemon(config, daemon_dir)
-        try:
-            endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
-            for kind in CLIENT_KINDS if warm is None else ("raw", "shm"):
-                for n in (1, clients):
-                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
-                    name = "daemon" if warm is None else f"daemon keep_warm {warm}"
-                    label = f"{name}, {n} client(s), {CLIENT_KINDS[kind]}"
-                    rows.append(row(model, label, latencies, seconds, errors, overheads))
-        finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(60)
     return rows
 
 
@@ -296,20 +312,32 @@ def main() -> int:
     parser.add_argument(
         "--keep-warm-ms", type=int, help="also run the daemon with config keep_warm_ms N, and compare the two"
     )
+    parser.add_argument("--config", help="serve this config.json's models as configured; daemon rows only")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-    models = args.models.split(",")
-    workers, prefetch = per_model(args.workers, models), per_model(args.prefetch, models)
+    served = json.loads(Path(args.config).read_text()) if args.config else None
+    models = list(served["models"]) if served is not None else args.models.split(",")
+    unknown = sorted(set(models) - set(SHAPES))
+    if unknown:
+        parser.error(f"no client input for model(s) {unknown}; the bench knows {sorted(SHAPES)}")
+    if served is None:
+        workers, prefetch = per_model(args.workers, models), per_model(args.prefetch, models)
+    else:  # the file lays out its own models; --workers and --prefetch do not apply
+        workers = prefetch = dict.fromkeys(models, 0)
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
     rows: list[dict[str, Any]] = []
     for model in models:
         pin = not args.float_supervisor
         layout = (workers[model], prefetch[model], args.bare_workers)
+        one = None if served is None else {**served, "models": {model: served["models"][model]}}
         rows.extend(
-            measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp)
+            measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp, one)
         )
     for model in models:
+        if served is not None:
+            print(f"{model}: daemon as configured in {args.config}; {args.clients} client processes")
+            continue
         print(
             f"{model}: daemon {workers[model]} worker(s) x 1 core, prefetch {prefetch[model]}; "
             f"pin_supervisor {'off' if args.float_supervisor else 'on'}; "
@@ -326,11 +354,20 @@ def main() -> int:
             f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f} {overhead:>13}"
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
+    if served is None:
+        print_ratios(rows, models, args.clients, args.keep_warm_ms)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def print_ratios(rows: list[dict[str, Any]], models: list[str], clients: int, keep_warm_ms: int | None) -> None:
+    """The daemon against the baselines of the same run, and the variants against the plain daemon."""
     print("\nratios (daemon raw socket / bare pyzmq, same run):")
     for model in models:
         by = {r["path"]: r for r in rows if r["model"] == model}
         base = by["in-process, 1 thread"]
-        for n in (1, args.clients):
+        for n in (1, clients):
             bare = by[f"bare pyzmq, {n} client(s)"]
             ours = by[f"daemon, {n} client(s), raw socket"]
             print(
@@ -344,18 +381,15 @@ def main() -> int:
                 f"    input in shared memory: p50 x{shared['p50_ms'] / ours['p50_ms']:.2f}, "
                 f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {shared['overhead_p50_ms']:.3f} ms"
             )
-            warm = by.get(f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), raw socket")
+            warm = by.get(f"daemon keep_warm {keep_warm_ms}, {n} client(s), raw socket")
             if warm is not None:
                 print(
-                    f"    keep_warm {args.keep_warm_ms}: p50 x{warm['p50_ms'] / ours['p50_ms']:.2f} of the daemon "
+                    f"    keep_warm {keep_warm_ms}: p50 x{warm['p50_ms'] / ours['p50_ms']:.2f} of the daemon "
                     "without it, "
                     f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {warm['overhead_p50_ms']:.3f} ms"
                 )
-                warm_shared = by[f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), {CLIENT_KINDS['shm']}"]
+                warm_shared = by[f"daemon keep_warm {keep_warm_ms}, {n} client(s), {CLIENT_KINDS['shm']}"]
                 print(f"      and the input in shared memory: overhead p50 {warm_shared['overhead_p50_ms']:.3f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
