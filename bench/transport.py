@@ -348,10 +348,11 @@ def main() -> int:
         f"{'model':<9} {'path':<58} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
     )
     for r in rows:
-        overhead = "" if r["overhead_p50_ms"] is None else f"{r['overhead_p50_ms']:.3f}"
+        # A row with no answered request (every one an error, or none in time) has no percentiles.
+        p50, p99, overhead = ("" if r[k] is None else f"{r[k]:.3f}" for k in ("p50_ms", "p99_ms", "overhead_p50_ms"))
         print(
             f"{r['model']:<9} {r['path']:<58} {r['n']:>7} {r['errors']:>4} "
-            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f} {overhead:>13}"
+            f"{p50:>8} {p99:>8} {r['req_s']:>9.1f} {overhead:>13}"
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
     if served is None:
