@@ -3,7 +3,7 @@
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
                               [--float-supervisor] [--cpu-latency-us 0] [--keep-warm-ms 1]
-                              [--config configs/default.json]
+                              [--config configs/default.json] [--kinds raw,shm,client]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
 
@@ -24,6 +24,10 @@ cache_dir and its other keys), instead of eager built-ins in the bench's layout,
 daemon rows: the baselines run the eager model, which would not be the one served. Each model's
 name must be a built-in the clients know the input of (tiny, resnet18, resnet50). Give the file a
 `cache_dir` that persists, so a compiled profile is built once and never timed.
+
+`--kinds` runs only those client kinds against the daemon (raw, shm, client; all by default): with
+`raw` alone a run is a third as long, so alternating runs of two builds come closer in time. The
+ratios need the raw-socket rows.
 """
 
 from __future__ import annotations
@@ -229,6 +233,7 @@ def measure(
     cpu_latency_us: int | None,
     keep_warm_ms: int | None,
     tmp: Path,
+    kinds: list[str],
     served: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients.
@@ -250,7 +255,7 @@ def measure(
         daemon = start_daemon(config, daemon_dir)
         try:
             endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
-            for kind in CLIENT_KINDS if warm is None else ("raw", "shm"):
+            for kind in kinds if warm is None else ("raw", "shm"):
                 for n in (1, clients):
                     latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
                     name = "daemon" if warm is None else f"daemon keep_warm {warm}"
@@ -313,6 +318,7 @@ def main() -> int:
         "--keep-warm-ms", type=int, help="also run the daemon with config keep_warm_ms N, and compare the two"
     )
     parser.add_argument("--config", help="serve this config.json's models as configured; daemon rows only")
+    parser.add_argument("--kinds", default=",".join(CLIENT_KINDS), help="client kinds against the daemon")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -321,6 +327,9 @@ def main() -> int:
     unknown = sorted(set(models) - set(SHAPES))
     if unknown:
         parser.error(f"no client input for model(s) {unknown}; the bench knows {sorted(SHAPES)}")
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(CLIENT_KINDS) or (served is None and "raw" not in kinds):
+        parser.error(f"--kinds: some of {sorted(CLIENT_KINDS)}, with raw unless --config is given (the ratios need it)")
     if served is None:
         workers, prefetch = per_model(args.workers, models), per_model(args.prefetch, models)
     else:  # the file lays out its own models; --workers and --prefetch do not apply
@@ -332,7 +341,9 @@ def main() -> int:
         layout = (workers[model], prefetch[model], args.bare_workers)
         one = None if served is None else {**served, "models": {model: served["models"][model]}}
         rows.extend(
-            measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp, one)
+            measure(
+                model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp, kinds, one
+            )
         )
     for model in models:
         if served is not None:
@@ -377,7 +388,9 @@ def print_ratios(rows: list[dict[str, Any]], models: list[str], clients: int, ke
                 f"added over in-process p50: daemon {ours['p50_ms'] - base['p50_ms']:.3f} ms, "
                 f"bare {bare['p50_ms'] - base['p50_ms']:.3f} ms"
             )
-            shared = by[f"daemon, {n} client(s), {CLIENT_KINDS['shm']}"]
+            shared = by.get(f"daemon, {n} client(s), {CLIENT_KINDS['shm']}")
+            if shared is None:
+                continue
             print(
                 f"    input in shared memory: p50 x{shared['p50_ms'] / ours['p50_ms']:.2f}, "
                 f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {shared['overhead_p50_ms']:.3f} ms"
