@@ -91,10 +91,17 @@ def in_process(model: str, seconds: float, threads: int) -> list[float]:
 #: daemon and baseline), the same with the tensor in a shared-memory region, or protocol.Client,
 #: what an application would use.
 CLIENT_KINDS = {"raw": "raw socket", "shm": "raw socket, shared memory", "client": "protocol.Client"}
+#: How long the clients may take to start and answer their first request before the run fails.
+_WARM_TIMEOUT_S = 120.0
 
 
-def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind: str, out: Any) -> None:
-    """One client process: back-to-back requests until the shared stop time; sends its latencies home."""
+def client_loop(endpoint: str, model: str, seconds: float, warm: Any, kind: str, out: Any) -> None:
+    """One client process: back-to-back requests for `seconds` once every client is warm; sends its latencies home.
+
+    `warm` is a barrier of all the clients and the parent: on a loaded machine spawning eight Python
+    processes can take longer than a fixed head start, and a late client would leave the others to
+    run part of the window with fewer than N clients, or record nothing at all.
+    """
     import zmq
 
     from protocol.client_messages import InferRequest, encode_infer
@@ -144,9 +151,8 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind
             break
         except Exception:  # noqa: BLE001 - the baseline may not be listening yet
             time.sleep(0.1)
-    while time.time() < start_at:
-        time.sleep(0.001)
-    stop = start_at + seconds
+    warm.wait(_WARM_TIMEOUT_S)
+    stop = time.time() + seconds
     overheads: list[float] = []
     while time.time() < stop and len(latencies) < 500_000:
         started = time.perf_counter()
@@ -172,13 +178,14 @@ def run_clients(
     ctx = multiprocessing.get_context("spawn")
     pipes = []
     procs = []
-    start_at = time.time() + 3.0 + 0.3 * clients
+    warm = ctx.Barrier(clients + 1)
     for _ in range(clients):
         receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, start_at, kind, sender))
+        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, warm, kind, sender))
         proc.start()
         pipes.append(receiver)
         procs.append(proc)
+    warm.wait(_WARM_TIMEOUT_S)
     latencies: list[float] = []
     overheads: list[float] = []
     errors = 0
