@@ -1,4 +1,4 @@
-"""The worker's request path up to the model, and its rehearsal on a canned request, with a real model."""
+"""The worker's request path up to the model, with a real model."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorDesc, TensorSpec
 from worker.models import build_builtin
-from worker.request_path import Rehearsal, prepare
+from worker.request_path import prepare
 from worker.runner import ModelRunner
 from worker.shared_inputs import SharedInputs
 
 # Frames are read-only buffers, as the link delivers them; worker.runner silences this in a worker.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
-ENCODER_SPECS = (TensorSpec("input_ids", "int64", (None, 128)), TensorSpec("attention_mask", "int64", (None, 128)))
 
 
 def _launch(model: str, specs: tuple[TensorSpec, ...]) -> LaunchSpec:
@@ -29,21 +27,6 @@ def _launch(model: str, specs: tuple[TensorSpec, ...]) -> LaunchSpec:
 
 def _runner(model: str, specs: tuple[TensorSpec, ...]) -> ModelRunner:
     return ModelRunner(build_builtin(model).eval(), specs, None)
-
-
-def test_a_rehearsal_prepares_the_models_own_example_and_runs_nothing() -> None:
-    """The canned request decodes, passes every check and views the example inputs; the model never runs."""
-    runner = _runner("encoder", ENCODER_SPECS)
-    calls: list[object] = []
-    runner.module.register_forward_pre_hook(lambda module, args: calls.append(args))
-    rehearsal = Rehearsal(_launch("encoder", ENCODER_SPECS), runner)
-    rehearsal.run()
-    rehearsal.run()
-    assert calls == []
-    assert wm.decode(rehearsal.header) == rehearsal.request
-    prepared = prepare(rehearsal.launch, runner, rehearsal.shared, rehearsal.request, rehearsal.frames)
-    for name, example in runner.example_inputs().items():
-        assert torch.equal(prepared.inputs[name], example)
 
 
 def test_prepare_encodes_the_reply_parts_a_client_can_read() -> None:

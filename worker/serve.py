@@ -31,7 +31,7 @@ from worker.profiles.cache import ArtifactCache, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
-from worker.request_path import REHEARSE_AFTER_MS, Rehearsal, prepare
+from worker.request_path import prepare
 from worker.runner import ModelRunner, timed_ms
 from worker.shared_inputs import SharedInputs
 
@@ -63,10 +63,6 @@ class WorkerLoop:
         self.profile_left = 0
         #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
         self.shared_inputs = SharedInputs()
-        #: The request path run on a canned request after a long forward pass (worker/request_path.py).
-        self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
-        self.rehearse_due = False
-        self.rehearsals = 0
         #: Packed output descriptors by (name, dtype, shape) of each output: the same on most requests.
         self.outputs_headers: dict[tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...], bytes] = {}
 
@@ -106,9 +102,6 @@ class WorkerLoop:
                     outcome = self.handle(frames)
                     if outcome is not None:
                         return outcome
-                # Only with nothing in hand or on its way: a rehearsal must never delay a request.
-                if self.rehearse_due and not self.link.mid_message and not self.link.wait_readable(0):
-                    self.rehearse()
             else:
                 silent = time.monotonic() - self.last_heard
                 if silent > self.silence_limit:
@@ -144,19 +137,6 @@ class WorkerLoop:
             log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)
             return WorkerExitCode.OK
         return None
-
-    def rehearse(self) -> None:
-        """Run the request path on the canned request while nothing waits, so the next request finds it in cache."""
-        self.rehearse_due = False
-        if self.rehearsal is None or self.profiler is not None:  # its views would show in the profile
-            return
-        try:
-            self.rehearsal.run()
-        except Exception as exc:  # noqa: BLE001 - a rehearsal that fails costs the rehearsals, not the serving
-            log.warning("rehearsal_failed", error=f"{type(exc).__name__}: {exc}")
-            self.rehearsal = None
-            return
-        self.rehearsals += 1
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
         """Answer one request, inside a profiling session when one is open."""
@@ -209,7 +189,6 @@ class WorkerLoop:
             model_started = time.perf_counter()
             outputs = self.runner.forward(prepared.inputs)
             model_ms = timed_ms(model_started)
-            self.rehearse_due = model_ms >= REHEARSE_AFTER_MS
         except ProtocolError as exc:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
@@ -270,7 +249,7 @@ class WorkerLoop:
                 torch.get_num_interop_threads(),
                 sorted(os.sched_getaffinity(0)),
                 self.process.memory_info().rss,
-                self.rehearsals,
+                0,  # STATS.rehearsals: the field goes together with the supervisor code that reads it
             )
         )
 
