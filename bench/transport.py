@@ -2,7 +2,7 @@
 
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
-                              [--float-supervisor] [--cpu-latency-us 0] [--keep-warm-ms 1]
+                              [--float-supervisor] [--cpu-latency-us 0]
                               [--config configs/default.json] [--kinds raw,shm,client]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
@@ -15,9 +15,6 @@ workers to keep one busy while the other answers (with one it does 5,000-6,500 r
 `--cpu-latency-us N` sets the daemon's `cpu_latency_us` (idle CPUs wake within N µs), and holds the
 same request while the in-process and bare-broker rows run, so every row sees the same idle CPUs.
 It needs write access to /dev/cpu_dma_latency (root).
-
-`--keep-warm-ms N` runs the daemon twice, without and then with `keep_warm_ms` N (the broker
-rehearses its path while a worker holds a request), and adds the second daemon's raw-socket rows.
 
 `--config FILE` serves that file's models as it configures them (profiles, pick, workers, prefetch,
 cache_dir and its other keys), instead of eager built-ins in the bench's layout, and runs only the
@@ -238,7 +235,6 @@ def measure(
     layout: tuple[int, int, int],
     pin: bool,
     cpu_latency_us: int | None,
-    keep_warm_ms: int | None,
     tmp: Path,
     kinds: list[str],
     served: dict[str, Any] | None = None,
@@ -250,27 +246,25 @@ def measure(
     """
     workers, prefetch, bare_workers = layout
     rows = [] if served is not None else baselines(model, clients, seconds, bare_workers, cpu_latency_us, tmp)
-    for warm in [None] if keep_warm_ms is None else [None, keep_warm_ms]:
-        daemon_dir = tmp / f"daemon-{model}-{warm}"
-        config = served or {
-            "oversubscribe": True,
-            "pin_supervisor": pin,
-            "cpu_latency_us": cpu_latency_us,
-            "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
-        }
-        config = {**config, "log_level": "warning"} | ({} if warm is None else {"keep_warm_ms": warm})
-        daemon = start_daemon(config, daemon_dir)
-        try:
-            endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
-            for kind in kinds if warm is None else ("raw", "shm"):
-                for n in (1, clients):
-                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
-                    name = "daemon" if warm is None else f"daemon keep_warm {warm}"
-                    label = f"{name}, {n} client(s), {CLIENT_KINDS[kind]}"
-                    rows.append(row(model, label, latencies, seconds, errors, overheads))
-        finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(60)
+    daemon_dir = tmp / f"daemon-{model}"
+    config = served or {
+        "oversubscribe": True,
+        "pin_supervisor": pin,
+        "cpu_latency_us": cpu_latency_us,
+        "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
+    }
+    daemon = start_daemon({**config, "log_level": "warning"}, daemon_dir)
+    try:
+        endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
+        for kind in kinds:
+            for n in (1, clients):
+                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
+                rows.append(
+                    row(model, f"daemon, {n} client(s), {CLIENT_KINDS[kind]}", latencies, seconds, errors, overheads)
+                )
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
     return rows
 
 
@@ -321,9 +315,6 @@ def main() -> int:
     parser.add_argument(
         "--cpu-latency-us", type=int, help="config cpu_latency_us for the daemon, held for the baselines too (root)"
     )
-    parser.add_argument(
-        "--keep-warm-ms", type=int, help="also run the daemon with config keep_warm_ms N, and compare the two"
-    )
     parser.add_argument("--config", help="serve this config.json's models as configured; daemon rows only")
     parser.add_argument("--kinds", default=",".join(CLIENT_KINDS), help="client kinds against the daemon")
     parser.add_argument("--seconds", type=float, default=5.0)
@@ -347,11 +338,7 @@ def main() -> int:
         pin = not args.float_supervisor
         layout = (workers[model], prefetch[model], args.bare_workers)
         one = None if served is None else {**served, "models": {model: served["models"][model]}}
-        rows.extend(
-            measure(
-                model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp, kinds, one
-            )
-        )
+        rows.extend(measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, tmp, kinds, one))
     for model in models:
         if served is not None:
             print(f"{model}: daemon as configured in {args.config}; {args.clients} client processes")
@@ -374,14 +361,14 @@ def main() -> int:
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
     if served is None:
-        print_ratios(rows, models, args.clients, args.keep_warm_ms)
+        print_ratios(rows, models, args.clients)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
 
-def print_ratios(rows: list[dict[str, Any]], models: list[str], clients: int, keep_warm_ms: int | None) -> None:
-    """The daemon against the baselines of the same run, and the variants against the plain daemon."""
+def print_ratios(rows: list[dict[str, Any]], models: list[str], clients: int) -> None:
+    """The daemon against the baselines of the same run, and shared-memory inputs against frames."""
     print("\nratios (daemon raw socket / bare pyzmq, same run):")
     for model in models:
         by = {r["path"]: r for r in rows if r["model"] == model}
@@ -402,15 +389,6 @@ def print_ratios(rows: list[dict[str, Any]], models: list[str], clients: int, ke
                 f"    input in shared memory: p50 x{shared['p50_ms'] / ours['p50_ms']:.2f}, "
                 f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {shared['overhead_p50_ms']:.3f} ms"
             )
-            warm = by.get(f"daemon keep_warm {keep_warm_ms}, {n} client(s), raw socket")
-            if warm is not None:
-                print(
-                    f"    keep_warm {keep_warm_ms}: p50 x{warm['p50_ms'] / ours['p50_ms']:.2f} of the daemon "
-                    "without it, "
-                    f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {warm['overhead_p50_ms']:.3f} ms"
-                )
-                warm_shared = by[f"daemon keep_warm {keep_warm_ms}, {n} client(s), {CLIENT_KINDS['shm']}"]
-                print(f"      and the input in shared memory: overhead p50 {warm_shared['overhead_p50_ms']:.3f} ms")
 
 
 if __name__ == "__main__":
