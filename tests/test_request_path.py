@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocol import worker_messages as wm
-from protocol.client_messages import InferRequest, decode_reply, encode_infer
+from protocol.client_messages import InferRequest, encode_infer
 from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec, ModelSource
@@ -29,23 +28,16 @@ def _runner(model: str, specs: tuple[TensorSpec, ...]) -> ModelRunner:
     return ModelRunner(build_builtin(model).eval(), specs, None)
 
 
-def test_prepare_encodes_the_reply_parts_a_client_can_read() -> None:
-    """The REPLY message and result header made before the model are the ones for this request."""
+def test_prepare_views_the_frames_and_keeps_the_clients_header() -> None:
+    """The inputs are the frames' tensors; the id and model the result header echoes are the client's."""
     specs = (TensorSpec("x", "float32", (None, 16)),)
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
-    header = encode_infer(InferRequest("req-7", "tiny", (TensorDesc("x", "float32", (3, 16)),)))
+    request = InferRequest("req-7", "tiny", (TensorDesc("x", "float32", (3, 16)),))
     prepared = prepare(
-        _launch("tiny", specs),
-        _runner("tiny", specs),
-        SharedInputs(),
-        wm.Request(41, None, 0.0, 0.0),
-        [header, x.tobytes()],
+        _launch("tiny", specs), _runner("tiny", specs), SharedInputs(), [encode_infer(request), x.tobytes()]
     )
     assert torch.equal(prepared.inputs["x"], torch.from_numpy(x))
-    assert wm.decode(prepared.success[0]) == wm.Reply(41, None, "")
-    reply = decode_reply(prepared.result_header.encode(b"\x90", b"\x80"), [])
-    assert not isinstance(reply, ProtocolError)
-    assert (reply.request_id, reply.model, reply.outputs, reply.timing) == ("req-7", "tiny", (), {})
+    assert prepared.infer == request
 
 
 @pytest.mark.parametrize(
@@ -62,6 +54,6 @@ def test_prepare_refuses_what_the_model_must_not_see(model: str, inputs: dict[st
     descs = tuple(TensorDesc(name, "float32", a.shape) for name, a in inputs.items())
     frames = [encode_infer(InferRequest(1, model, descs)), *[a.tobytes() for a in inputs.values()]]
     with pytest.raises(ProtocolError) as caught:
-        prepare(_launch("tiny", specs), _runner("tiny", specs), SharedInputs(), wm.Request(1, None, 0.0, 0.0), frames)
+        prepare(_launch("tiny", specs), _runner("tiny", specs), SharedInputs(), frames)
     assert caught.value.code in (ErrorCode.INTERNAL, ErrorCode.INVALID_INPUT)
     assert needle in caught.value.message

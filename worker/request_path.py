@@ -1,4 +1,4 @@
-"""A request's path up to the model: decode, check and view the client's tensors, and encode what the reply needs."""
+"""A request's path up to the model: decode and check the client's header and tensors, then view them."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from protocol import worker_messages as wm
-from protocol.client_messages import ResultHeader, decode_infer
+from protocol.client_messages import InferRequest, decode_infer
 from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
@@ -19,18 +18,15 @@ from worker.shared_inputs import SharedInputs
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A checked request, ready for the model, with the reply's parts that do not depend on the outputs."""
+    """A checked request, ready for the model."""
 
+    #: The client's header: its id and model go back in the result header.
+    infer: InferRequest
     inputs: dict[str, torch.Tensor]
-    result_header: ResultHeader
-    #: The REPLY message of a success, encoded (its frames go before the result header).
-    success: list[Any]
 
 
-def prepare(
-    launch: LaunchSpec, runner: ModelRunner, shared: SharedInputs, request: wm.Request, frames: list[Any]
-) -> Prepared:
-    """Decode and check the client's header and tensors, view them, and encode the reply's fixed parts.
+def prepare(launch: LaunchSpec, runner: ModelRunner, shared: SharedInputs, frames: list[Any]) -> Prepared:
+    """Decode and check the client's header and tensors, and view them as the model's inputs.
 
     ProtocolError for anything the model must not see. The broker checked this header already; the
     worker checks again because it is about to point tensors at these frames, and must not trust any
@@ -45,8 +41,4 @@ def prepare(
     check_against_spec(infer.inputs, runner.specs)
     # The NaN/Inf scan (inputs_from_frames) is here, not in the broker: it reads frames just
     # received into this core's cache, and stays out of the one loop every request waits on.
-    inputs = runner.inputs_from_frames(infer.inputs, shared.buffers_in_order(infer.inputs, buffers))
-    # Encoded now, while caches are warm: after the forward pass each line costs several times more.
-    return Prepared(
-        inputs, ResultHeader(infer.request_id, infer.model), wm.encode(wm.Reply(request.request_id, None, ""))
-    )
+    return Prepared(infer, runner.inputs_from_frames(infer.inputs, shared.buffers_in_order(infer.inputs, buffers)))

@@ -19,7 +19,7 @@ from common.json_logs import adopt_library_handlers
 from common.profiles import PROFILES
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
-from protocol.client_messages import encode_outputs, encode_timing
+from protocol.client_messages import encode_result
 from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
@@ -39,8 +39,6 @@ log = structlog.get_logger("worker")
 
 #: Operators reported by a profiling session.
 _PROFILE_TOP = 15
-#: Distinct output layouts whose packed descriptors are kept (a model with dynamic shapes has many).
-_OUTPUTS_HEADERS_KEPT = 64
 
 
 class WorkerLoop:
@@ -63,16 +61,10 @@ class WorkerLoop:
         self.profile_left = 0
         #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
         self.shared_inputs = SharedInputs()
-        #: Packed output descriptors by (name, dtype, shape) of each output: the same on most requests.
-        self.outputs_headers: dict[tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...], bytes] = {}
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
         """Send one message (any send counts as a heartbeat); LinkClosed if the supervisor stopped reading."""
-        self.send_encoded(wm.encode(message, frames or []))
-
-    def send_encoded(self, frames: list[Any]) -> None:
-        """Send a message already encoded as its frames."""
-        self.link.send(frames)
+        self.link.send(wm.encode(message, frames or []))
         if self.link.wants_write:
             self.link.flush_blocking(self.silence_limit)
         self.last_sent = time.monotonic()
@@ -184,7 +176,7 @@ class WorkerLoop:
         started = time.perf_counter()
         self.requests += 1
         try:
-            prepared = prepare(self.launch, self.runner, self.shared_inputs, request, frames)
+            prepared = prepare(self.launch, self.runner, self.shared_inputs, frames)
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(prepared.inputs)
@@ -198,42 +190,33 @@ class WorkerLoop:
             return
         encode_started = time.perf_counter()
         try:
-            outputs_header = self.encoded_outputs(outputs)
+            descs = self.output_descs(outputs)
         except ProtocolError as exc:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
         queue_ms = request.queue_ms
-        timing = encode_timing(
-            queue_ms=queue_ms,
+        timing = {
+            "queue_ms": queue_ms,
             # Broker dispatch to this worker's receive, including any wait behind earlier requests in its pipeline.
-            dispatch_ms=(received - request.accepted_at) * 1000.0 - queue_ms,
-            decode_ms=decode_ms,
-            model_ms=model_ms,
-            encode_ms=timed_ms(encode_started),
-            total_ms=(time.monotonic() - request.accepted_at) * 1000.0,
+            "dispatch_ms": (received - request.accepted_at) * 1000.0 - queue_ms,
+            "decode_ms": decode_ms,
+            "model_ms": model_ms,
+            "encode_ms": timed_ms(encode_started),
+            "total_ms": (time.monotonic() - request.accepted_at) * 1000.0,
             # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
-            accepted_clock_ms=request.accepted_at * 1000.0,
-        )
-        header = prepared.result_header.encode(outputs_header, timing)
-        self.send_encoded([*prepared.success, header, *[array for _, array in outputs]])
+            "accepted_clock_ms": request.accepted_at * 1000.0,
+        }
+        header = encode_result(prepared.infer.request_id, prepared.infer.model, descs, timing)
+        self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
 
-    def encoded_outputs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> bytes:
-        """The outputs' descriptors, packed once per names, dtypes and shapes; ProtocolError for a frame too long."""
-        key = tuple((name, array.dtype, array.shape) for name, array in outputs)
-        encoded = self.outputs_headers.get(key)
-        if encoded is not None:
-            return encoded
+    def output_descs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> list[TensorDesc]:
+        """The outputs' descriptors; ProtocolError for an output longer than a link frame may be."""
         limit = self.launch.max_frame_bytes
         for name, array in outputs:
             if array.nbytes > limit:
                 # The supervisor reads a longer frame as a garbled link; the request gets a clear error instead.
                 raise ProtocolError(ErrorCode.INTERNAL, f"output {name!r} is {array.nbytes} bytes, limit {limit}")
-        if len(self.outputs_headers) >= _OUTPUTS_HEADERS_KEPT:  # dynamic shapes: keep the cache bounded
-            self.outputs_headers.clear()
-        encoded = self.outputs_headers[key] = encode_outputs(
-            [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
-        )
-        return encoded
+        return [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
         """Answer a request with an error code."""
