@@ -78,8 +78,6 @@ class Stats:
     interop_threads: int
     cpus: list[int]
     rss: int
-    #: Times the worker ran its request path on a canned request while idle (worker/request_path.py).
-    rehearsals: int
 
 
 @dataclass(frozen=True, slots=True)

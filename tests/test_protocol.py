@@ -146,7 +146,7 @@ READY: Final = wm.Ready(
 )
 REQUEST: Final = wm.Request(request_id=1, deadline=5.0, accepted_at=4.0, queue_ms=0.5)
 REPLY: Final = wm.Reply(request_id=1, error_code=None, message="")
-STATS: Final = wm.Stats(requests=1, threads=1, interop_threads=1, cpus=[0], rss=2, rehearsals=3)
+STATS: Final = wm.Stats(requests=1, threads=1, interop_threads=1, cpus=[0], rss=2)
 
 
 def _header_with(message: wm.WorkerMessage, /, **changes: object) -> list[Any]:
@@ -365,7 +365,6 @@ worker_messages: st.SearchStrategy[wm.WorkerMessage] = st.one_of(
         interop_threads=st.integers(1, 256),
         cpus=st.lists(st.integers(0, 1023), max_size=8),
         rss=st.integers(0, 2**63 - 1),
-        rehearsals=st.integers(0, 2**63 - 1),
     ),
     st.just(wm.Drain()),
     st.just(wm.Stop()),
@@ -577,7 +576,7 @@ WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
     wm.Request(request_id=0, deadline=None, accepted_at=0.0, queue_ms=0.0),
     wm.Reply(3, None, ""),
     wm.Reply(4, ErrorCode.INVALID_INPUT.value, "input 'x' has NaN"),
-    wm.Stats(100, 4, 1, [4, 5, 6, 7], 512 * 1024 * 1024, 7),
+    wm.Stats(100, 4, 1, [4, 5, 6, 7], 512 * 1024 * 1024),
     wm.Drain(),
     wm.Stop(),
 ]

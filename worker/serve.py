@@ -232,7 +232,6 @@ class WorkerLoop:
                 torch.get_num_interop_threads(),
                 sorted(os.sched_getaffinity(0)),
                 self.process.memory_info().rss,
-                0,  # STATS.rehearsals: the field goes together with the supervisor code that reads it
             )
         )
 
