@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from supervisor.config import MODEL_KEYS, TOP_KEYS, Config, ModelConfig
 from supervisor.config_keys import Applied, Key
@@ -73,6 +73,25 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
         if before.workers != after.workers:
             diff.scaled[name] = (before.workers, after.workers)
     return diff
+
+
+def held_back(old: ModelConfig, new: ModelConfig) -> ModelConfig:
+    """`new` with the build keys of `old`: what a model serves with until its workers are rebuilt for `new`.
+
+    Live keys (queue size, retries, monitor limits) apply at once; the keys a worker is built from
+    (source, inputs, profiles, ...) change only when the model's rollout has finished.
+    """
+    return replace(new, **{name: getattr(old, name) for name in _MODEL_ROLLING})
+
+
+def builds_differ(old: ModelConfig, new: ModelConfig) -> bool:
+    """True when a worker built from `old` is not what `new` asks for (some key it is built from differs)."""
+    return any(getattr(old, name) != getattr(new, name) for name in _MODEL_ROLLING)
+
+
+def worker_keys_changed(diff: ConfigDiff, model: str) -> bool:
+    """True when the reload changed a top-level key every worker was launched with (heartbeats, cache_dir)."""
+    return any(key not in _MODEL_ROLLING for key in diff.rolling.get(model, ()))
 
 
 def unclassified_keys() -> set[str]:

@@ -39,12 +39,16 @@ class ConfigChoice:
 def resolve_config_path(
     explicit: str | None, etc_config: Path = ETC_CONFIG, shipped: Path = SHIPPED_CONFIG
 ) -> ConfigChoice:
-    """The config a command should load; an explicit or environment path is used as given, even if missing."""
+    """The config a command should load; an explicit or environment path is used as given, even if missing.
+
+    Made absolute but not resolved: a ConfigMap's config.json is a symlink into a folder the kubelet
+    deletes on the next update, so the daemon must keep re-reading the path it was given.
+    """
     if explicit:
-        return ConfigChoice(Path(explicit).resolve(), "--config")
+        return ConfigChoice(Path(explicit).absolute(), "--config")
     from_env = os.environ.get(CONFIG_ENV)
     if from_env:
-        return ConfigChoice(Path(from_env).resolve(), f"${CONFIG_ENV}")
+        return ConfigChoice(Path(from_env).absolute(), f"${CONFIG_ENV}")
     if etc_config.is_file():
         return ConfigChoice(etc_config, str(etc_config))
     if shipped.is_file():

@@ -7,22 +7,26 @@ from typing import Any
 
 import zmq
 
-from protocol.constants import CLIENT_SOCKET_NAME
+from protocol.constants import CLIENT_SOCKET_NAME, MAX_HEADER_BYTES
+from supervisor.client_ledger import PEER_SNDHWM
 from supervisor.config import Config
 from supervisor.curve import ThreadAuthenticator, enable_curve_server
+from supervisor.socket_group import bind_ipc
 
-#: Per-peer queue limits inside ZeroMQ; the broker's own bounded queues do the real admission control.
-_HWM = 10_000
+#: Requests ZeroMQ may queue per connection before reading; the broker's bounded queues do admission control.
+_RCVHWM = 10_000
 
 
-def _router(context: zmq.Context[Any], max_message: int) -> zmq.Socket[Any]:
+def _router(context: zmq.Context[Any], max_frame_bytes: int) -> zmq.Socket[Any]:
     socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    socket.setsockopt(zmq.SNDHWM, _HWM)
-    socket.setsockopt(zmq.RCVHWM, _HWM)
+    # Few replies wait inside ZeroMQ per connection: the rest wait in the broker's outbox, counted per client.
+    socket.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
+    socket.setsockopt(zmq.RCVHWM, _RCVHWM)
     socket.setsockopt(zmq.LINGER, 0)
-    if max_message > 0:
-        socket.setsockopt(zmq.MAXMSGSIZE, max_message)
+    # The broker answers a frame over max_frame_bytes with an error and keeps the connection; ZeroMQ itself
+    # closes a connection only past twice that, so absurd frames still cannot be buffered.
+    socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + MAX_HEADER_BYTES)
     return socket
 
 
@@ -32,8 +36,8 @@ class ClientEndpoints:
     def __init__(self, context: zmq.Context[Any], config: Config, runtime_dir: Path) -> None:
         self.ipc_endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
         self.ipc = _router(context, config.max_frame_bytes)
-        self.ipc.bind(self.ipc_endpoint)
-        (runtime_dir / CLIENT_SOCKET_NAME).chmod(0o600)
+        # 0600, or 0660 in config `socket_group`: the kernel checks who connects (docs/protocol.md section 1).
+        bind_ipc(self.ipc, runtime_dir / CLIENT_SOCKET_NAME, config.socket_group)
         # TCP gets its own socket so CURVE (when configured) guards it without touching the ipc endpoint.
         self.tcp: zmq.Socket[Any] | None = None
         self.authenticator: ThreadAuthenticator | None = None

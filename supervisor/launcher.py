@@ -7,10 +7,10 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from protocol.constants import MAX_HEADER_BYTES
 from protocol.launch import LaunchSpec
@@ -50,8 +50,11 @@ class Launched:
     worker_id: str
 
 
+#: How one worker ended, as the next worker of its model is told (LaunchSpec.recent_exits).
+ExitRecord = dict[str, Any]
+
 #: Starts one worker of a model on an assignment under a config (replaced in tests that need no processes).
-Launcher = Callable[[ModelConfig, Assignment, Config], Launched]
+Launcher = Callable[[ModelConfig, Assignment, Config, Sequence[ExitRecord]], Launched]
 
 
 def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
@@ -64,7 +67,21 @@ def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
     return env
 
 
-def launch_spec(model: ModelConfig, assignment: Assignment, config: Config, worker_id: str, link_fd: int) -> LaunchSpec:
+def served_batches(model: ModelConfig) -> list[int]:
+    """The batch sizes the broker may join this model's requests into: its preferred ones and its maximum."""
+    if model.batching is None:
+        return []
+    return sorted({*model.batching.preferred_batch_sizes, model.batching.max_batch_size})
+
+
+def launch_spec(
+    model: ModelConfig,
+    assignment: Assignment,
+    config: Config,
+    worker_id: str,
+    link_fd: int,
+    recent_exits: Sequence[ExitRecord] = (),
+) -> LaunchSpec:
     """Everything the worker needs before it imports torch, from the model's config and its cores."""
     return LaunchSpec(
         worker_id=worker_id,
@@ -87,11 +104,16 @@ def launch_spec(model: ModelConfig, assignment: Assignment, config: Config, work
         cache_dir=str(resolve_cache_dir(config.cache_dir)),
         calibration=model.calibration,
         validation=model.validation,
+        recent_exits=list(recent_exits),
+        served_batches=served_batches(model),
         supervisor_pid=os.getpid(),
+        client_gid=config.socket_group.gid if config.socket_group is not None else None,
     )
 
 
-def launch_worker(model: ModelConfig, assignment: Assignment, config: Config) -> Launched:
+def launch_worker(
+    model: ModelConfig, assignment: Assignment, config: Config, recent_exits: Sequence[ExitRecord] = ()
+) -> Launched:
     """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now."""
     worker_id = f"{model.name}.{assignment.slot}.{next(_generations)}"
     cache_dir = resolve_cache_dir(config.cache_dir)
@@ -101,7 +123,7 @@ def launch_worker(model: ModelConfig, assignment: Assignment, config: Config) ->
             # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
             # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
-        spec = launch_spec(model, assignment, config, worker_id, theirs.fileno())
+        spec = launch_spec(model, assignment, config, worker_id, theirs.fileno(), recent_exits)
         process = subprocess.Popen(
             [sys.executable, "-m", "worker", spec.to_json()],
             stdin=subprocess.DEVNULL,

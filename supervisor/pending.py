@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.client_messages import RequestId
+from protocol.tensors import TensorSpec
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]
@@ -25,3 +26,15 @@ class PendingRequest:
     deadline: float | None
     losses: int = 0
     dispatched_at: float = 0.0
+    #: Bytes this request holds of its client's budget (its frames and the shared-memory bytes it names).
+    cost: int = 0
+    #: Rows along dim 0 of its first input: how much work it is against the warm-up's batch of one.
+    rows: int = 1
+    #: While a rollout changes the model's inputs: the spec that admitted it (only its workers may take it).
+    spec: tuple[TensorSpec, ...] | None = None
+    #: With batching: what must match for two requests to be joined (input names, dtypes, dims after the first).
+    shape_key: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    #: The dispatch it went out in: requests sent to a worker together share it.
+    batch_id: int = 0
+    #: After its batch killed a worker, the most requests it may be sent with (the batch was split in two).
+    batch_limit: int | None = None

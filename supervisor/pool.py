@@ -8,6 +8,7 @@ everything in order. The broker tells it what it saw of a worker; the monitors t
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator, Sequence
 
@@ -17,12 +18,13 @@ from protocol import worker_messages as wm
 from protocol.constants import ErrorCode, WorkerExitCode
 from supervisor.broker import Broker
 from supervisor.config import Config, ModelConfig
-from supervisor.config_diff import ConfigDiff
-from supervisor.launcher import Launcher, launch_worker
+from supervisor.config_diff import ConfigDiff, builds_differ, worker_keys_changed
+from supervisor.health import ModelReport, model_report
+from supervisor.launcher import ExitRecord, Launcher, launch_worker
 from supervisor.planner import Assignment
 from supervisor.rollout import Replacement, Rollout
 from supervisor.serving_config import ServingConfig
-from supervisor.slot import LIVE_STATES, SlotState, WorkerSlot, describe_exit
+from supervisor.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
 from supervisor.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
@@ -31,6 +33,8 @@ log = structlog.get_logger("supervisor")
 STOP_KILL_AFTER_S = 5.0
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 30.0
+#: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
+_EXITS_KEPT = 64
 
 
 class WorkerPool:
@@ -55,7 +59,15 @@ class WorkerPool:
         }
         #: Successors still warming up and old workers draining away: alive, but not routed to.
         self.extra: list[WorkerSlot] = []
-        self.rollout = Rollout()
+        #: Worker processes replaced, per model and why: exits not asked for (here) and rollout steps (the rollout).
+        self.restarts: collections.Counter[tuple[str, RestartReason]] = collections.Counter()
+        self.rollout = Rollout(self.restarts)
+        #: Models that have had a serving worker since they joined the config (STARTING vs UNAVAILABLE).
+        self.has_served: set[str] = set()
+        #: Per model, why its last rollout toward a new config failed (cleared by the next one).
+        self.rollout_errors: dict[str, str] = {}
+        #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
+        self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
         self.stopping = False
         self.stop_deadline = 0.0
         self.kill_deadline: float | None = None
@@ -84,9 +96,9 @@ class WorkerPool:
         """The pid of every live worker process."""
         return frozenset(pid for s in self.all_slots() if (pid := s.pid) is not None)
 
-    def every_model_serving(self) -> bool:
-        """True once each model has at least one serving member."""
-        return all(any(s.state is SlotState.SERVING for s in slots) for slots in self.members.values())
+    def reports(self) -> dict[str, ModelReport]:
+        """Each model's health, from its members."""
+        return {name: model_report(slots, name in self.has_served) for name, slots in self.members.items()}
 
     def all_failed(self) -> bool:
         """True when every slot of every model has FAILED: nothing will ever serve again."""
@@ -109,6 +121,7 @@ class WorkerPool:
             self.advance_stop(now)
             return
         self.rollout.advance(self)
+        self.settle_targets()
         self.manage(now)
 
     def spawn(self, slot: WorkerSlot) -> None:
@@ -116,7 +129,7 @@ class WorkerPool:
         self.links.detach(slot)
         config = self.serving.current
         try:
-            launched = self.launcher(slot.model, slot.assignment, config)
+            launched = self.launcher(slot.model, slot.assignment, config, self.recent_exits.get(slot.model.name, ()))
         except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
             log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
             if slot.state is not SlotState.BACKOFF:
@@ -140,6 +153,10 @@ class WorkerPool:
         """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
         how = describe_exit(code)
         slot.last_exit = how
+        exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
+        pid = slot.process.pid if slot.process is not None else None
+        signal_number = -code if code < 0 else None
+        exits.append({"pid": pid, "how": how, "signal": signal_number, "killed_by_supervisor": slot.killed})
         self.links.drain(slot)
         self.links.detach(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
@@ -156,12 +173,27 @@ class WorkerPool:
             slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
             return
         config = self.serving.current
+        cause = (slot.kill_cause if slot.killed else None) or RestartReason.CRASH
+        if slot.hung_request:
+            # Killed over one over-long request, which is charged a retry: that says nothing about the model.
+            self.restarts[(slot.model.name, cause)] += 1
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
+            return
+        if len(self.broker.running(slot)) > 1:
+            # A batch was running: the broker splits it to find the request that kills (each split costs one
+            # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
+            self.restarts[(slot.model.name, cause)] += 1
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} while running a batch; it is split, respawn now")
+            return
         failures = slot.record_failure(now, config.restart_window_s)
         if failures >= config.max_restarts:
             why = f"{failures} failures within {config.restart_window_s:.0f} s; last: {how}"
             slot.transition(SlotState.FAILED, why)
             log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
             return
+        self.restarts[(slot.model.name, cause)] += 1  # a FAILED slot is not restarted: the workers gauge shows it
         # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
         never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
         delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
@@ -177,14 +209,17 @@ class WorkerPool:
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill("did not exit after STOP")
             elif slot.state is SlotState.STARTING and now - slot.spawned_at > config.worker_start_timeout_s:
-                slot.kill(f"not ready after {config.worker_start_timeout_s:.0f} s")
+                slot.kill(f"not ready after {config.worker_start_timeout_s:.0f} s", RestartReason.START_TIMEOUT)
             elif slot.inflight:
-                # Only the head of the pipeline is running, so progress is measured from its start.
-                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms / 1000.0)
-                if now - slot.progress_at > budget:
-                    slot.kill(f"no reply within {budget:.1f} s (hung)")
+                # Only the head of the pipeline is running (one request, or one batch), so progress is measured
+                # from its start; its budget grows with its rows, since warm-up timed a batch of one.
+                rows = sum(r.rows for r in self.broker.running(slot))
+                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * rows / 1000.0)
+                hung = f"no reply within {budget:.1f} s (hung)"
+                if now - slot.progress_at > budget and slot.kill(hung, RestartReason.HANG):
+                    slot.hung_request = True
             elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
-                slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
+                slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s", RestartReason.HEARTBEAT)
 
     def heartbeat(self, now: float) -> None:
         """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
@@ -201,6 +236,17 @@ class WorkerPool:
         successor = self.rollout.successor
         self.extra = [s for s in self.extra if s.state is not SlotState.STOPPED or s is successor]
 
+    def settle_targets(self) -> None:
+        """A model whose every member is built from its rollout target serves with that config from now on."""
+        for name, target in list(self.serving.targets.items()):
+            members = self.members.get(name)
+            if members is None:
+                del self.serving.targets[name]
+            elif not self.rollout.has_work_for(name) and not any(builds_differ(s.model, target) for s in members):
+                del self.serving.targets[name]
+                self.serving.set_model(target)
+                log.info("model_config_applied", model=name)
+
     # ---- what the broker saw -----------------------------------------------------------------
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
@@ -213,6 +259,7 @@ class WorkerPool:
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
         slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
+        self.has_served.add(slot.model.name)
         slot.transition(
             SlotState.SERVING,
             f"ready in {slot.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "
@@ -221,7 +268,7 @@ class WorkerPool:
 
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""
-        slot.kill(reason)
+        slot.kill(reason, RestartReason.LINK_BROKEN)
 
     def worker_drained(self, slot: WorkerSlot) -> None:
         """A draining worker holds nothing any more: it may go."""
@@ -244,21 +291,21 @@ class WorkerPool:
         elif slot.state in (SlotState.BACKOFF, SlotState.FAILED):
             slot.transition(SlotState.STOPPED, reason)
 
-    def restart(self, model: str | None, reason: str) -> int:
+    def restart(self, model: str | None, reason: str, cause: RestartReason = RestartReason.OPERATOR) -> int:
         """Queue a rolling restart of one model's workers (or all); returns how many were queued."""
         queued = 0
         for name, slots in self.members.items():
             if model is None or name == model:
                 for slot in slots:
-                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, cause))
                     queued += 1
         log.info("restart_requested", model=model or "*", workers=queued, reason=reason)
         return queued
 
     def recycle(self, slot: WorkerSlot, reason: str) -> None:
-        """Replace one worker, rolling, unless it is already being replaced."""
+        """Replace one worker for a monitor, rolling, unless it is already being replaced."""
         if not self.rollout.involves(slot):
-            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, RestartReason.MONITOR_RECYCLE))
 
     def adopt(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
         """Reshape the pools for a config the arbiter now serves: new, removed and scaled models at once,
@@ -270,7 +317,9 @@ class WorkerPool:
                 self.retire(slot, "model removed from config")
             self.broker.remove_model(name)
         for name, wanted in plan.items():
-            model = new.models[name]
+            model = self.serving.desired(name) or new.models[name]
+            if name in self.serving.targets:
+                self.rollout_errors.pop(name, None)
             pool = self.members.setdefault(name, [])
             for slot in pool[len(wanted) :]:
                 self.retire(slot, f"scaled down to {len(wanted)} workers")
@@ -283,9 +332,12 @@ class WorkerPool:
                     continue
                 slot = pool[index]
                 moved = slot.assignment.cpus != assignment.cpus or slot.assignment.threads != assignment.threads
-                if name in diff.rolling or moved:
+                # A worker already built from this config (an earlier step of the same rollout) stays.
+                stale = worker_keys_changed(diff, name) or builds_differ(slot.model, model)
+                # One already queued or being replaced gets the newest config anyway: a step reads it when it starts.
+                if (moved or (name in diff.rolling and stale)) and not self.rollout.involves(slot):
                     why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
-                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}"))
+                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}", RestartReason.CONFIG))
         self.broker.sync_queues()
         for name in self.members:
             self.broker.dispatch(name)
@@ -297,8 +349,25 @@ class WorkerPool:
         return self.members.get(model)
 
     def model_config(self, model: str) -> ModelConfig | None:
-        """The model as configured now."""
-        return self.serving.model(model)
+        """What the model's workers are to be built from now: its rollout target, else its serving config."""
+        return self.serving.desired(model)
+
+    def rollout_failed(self, model: str, error: str) -> None:
+        """A replacement toward the model's target failed: drop the target and rebuild what was built from it.
+
+        The model keeps serving with the config it had; members already replaced (earlier surge steps,
+        or the drain-first slot) go back to that config, rolling.
+        """
+        target = self.serving.targets.pop(model, None)
+        serving = self.serving.model(model)
+        if target is None or serving is None:
+            return
+        self.rollout_errors[model] = error
+        back = [s for s in self.members.get(model, []) if not builds_differ(s.model, target)]
+        for slot in back:
+            why = "roll back: the new config failed"
+            self.rollout.enqueue(Replacement(slot, serving, slot.assignment, why, RestartReason.ROLLBACK))
+        log.error("model_config_rolled_back", model=model, error=error, workers_rebuilt=len(back))
 
     def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:
         """Spawn a new slot beside the pool (surge): alive, but not routed to until promoted."""

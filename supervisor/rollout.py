@@ -16,7 +16,7 @@ import structlog
 
 from supervisor.config import ModelConfig
 from supervisor.planner import Assignment
-from supervisor.slot import SlotState, WorkerSlot
+from supervisor.slot import RestartReason, SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
 
@@ -29,6 +29,8 @@ class Replacement:
     model: ModelConfig
     assignment: Assignment
     reason: str
+    #: What the replacement is counted as in `infervisor_worker_restarts_total`.
+    cause: RestartReason
     successor: WorkerSlot | None = None
     started_at: float = 0.0
     #: Drain-first only: where in the pool the replacement goes, and that it went straight there.
@@ -60,15 +62,22 @@ class RolloutHost(Protocol):
     def abandon(self, successor: WorkerSlot, reason: str) -> None:
         """Give up on a successor that is not in the pool."""
 
+    def rollout_failed(self, model: str, error: str) -> None:
+        """A replacement of this model failed: keep serving with the config it has."""
+
 
 class Rollout:
     """The queue of replacements, worked one at a time so capacity never drops below N-1."""
 
-    def __init__(self) -> None:
+    def __init__(self, restarts: collections.Counter[tuple[str, RestartReason]] | None = None) -> None:
         self.queue: collections.deque[Replacement] = collections.deque()
         self.current: Replacement | None = None
         self.completed = 0
         self.last_error: str | None = None
+        #: Replacements started, per model and cause (the pool's restart counts, shared with its exits).
+        self.restarts: collections.Counter[tuple[str, RestartReason]] = (
+            collections.Counter() if restarts is None else restarts
+        )
 
     def enqueue(self, replacement: Replacement) -> None:
         """Add a replacement unless that worker is already queued for one (the newest request wins)."""
@@ -83,6 +92,11 @@ class Rollout:
         if dropped:
             log.warning("rollout_dropped", model=model, replacements=dropped, reason=reason)
         return dropped
+
+    def has_work_for(self, model: str) -> bool:
+        """True while a replacement of this model is queued or running."""
+        current = self.current is not None and self.current.model.name == model
+        return current or any(r.model.name == model for r in self.queue)
 
     def involves(self, slot: WorkerSlot) -> bool:
         """True when this worker is already queued or being replaced."""
@@ -135,6 +149,7 @@ class Rollout:
         # The model as configured now: a restart queued before a live change must not bring old values back.
         replacement.model = model
         replacement.started_at = time.monotonic()
+        self.restarts[(name, replacement.cause)] += 1
         strategy = replacement.model.rollout
         log.info(
             "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy=strategy,
@@ -175,18 +190,19 @@ class Rollout:
         )
 
     def fail(self, host: RolloutHost, replacement: Replacement, successor: WorkerSlot) -> None:
-        """The replacement died before READY: stop this model's rollout and say so.
+        """The replacement died before READY: stop this model's rollout, keep its serving config, say so.
 
-        Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot stays in
-        the pool and backs off like any crashing worker.
+        Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot is rebuilt
+        from the config the model serves with (a plain restart of an unchanged config backs off and retries).
         """
-        keeps = "the old worker keeps serving" if not replacement.in_pool else "the slot backs off and retries"
+        keeps = "the old worker keeps serving" if not replacement.in_pool else "its slot is rebuilt"
         self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); {keeps}"
         log.error("rollout_failed", slot=successor.name, how=successor.last_exit, reason=replacement.reason)
         if not replacement.in_pool:
             host.abandon(successor, "replacement abandoned")
         self.current = None
         self.drop_model(replacement.model.name, "an earlier replacement of this model failed")
+        host.rollout_failed(replacement.model.name, self.last_error)
 
     def clear(self) -> None:
         """Forget queued replacements (the daemon is stopping); the running step, if any, is left to the stop."""

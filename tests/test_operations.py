@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import pytest
 
 from protocol import InferenceError
 from supervisor.config_diff import unclassified_keys
-from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import ECHO, FAULT_INPUTS, command
 
 FAULTY = {"python": "tests.fault_models:faulty"}
@@ -187,28 +187,6 @@ def test_failed_replacement_leaves_the_old_worker_serving(start_daemon: Callable
             client.infer("faulty", {"x": long_frame}, timeout=30)
 
 
-@pytest.fixture
-def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
-    """A datagram socket standing in for systemd's NOTIFY_SOCKET."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(tmp_path / "notify.sock"))
-    sock.settimeout(0.2)
-    yield sock
-    sock.close()
-
-
-def _messages(sock: socket.socket, until: Callable[[list[str]], bool], timeout: float, seen: list[str]) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while not until(seen):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"notify sequence incomplete: {seen}")
-        try:
-            seen.append(sock.recv(4096).decode())
-        except TimeoutError:
-            pass
-    return seen
-
-
 def test_systemd_notify_sequence(
     start_daemon: Callable[..., Daemon], notify_socket: socket.socket, tmp_path: Path
 ) -> None:
@@ -216,18 +194,18 @@ def test_systemd_notify_sequence(
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"}
     daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}, env=env)
     seen: list[str] = []
-    _messages(notify_socket, lambda s: any("READY=1" in m for m in s), 120, seen)
+    notify_messages(notify_socket, lambda s: any("READY=1" in m for m in s), 120, seen)
     assert daemon.status()["models"]["tiny"]["workers"][0]["state"] == "serving"
-    _messages(notify_socket, lambda s: sum("WATCHDOG=1" in m for m in s) >= 3, 30, seen)
+    notify_messages(notify_socket, lambda s: sum("WATCHDOG=1" in m for m in s) >= 3, 30, seen)
     daemon.process.send_signal(signal.SIGHUP)
-    _messages(notify_socket, lambda s: any("RELOADING=1" in m for m in s), 30, seen)
+    notify_messages(notify_socket, lambda s: any("RELOADING=1" in m for m in s), 30, seen)
     reloading = next(m for m in seen if "RELOADING=1" in m)
     usec = int(reloading.split("MONOTONIC_USEC=")[1].split()[0])
     assert abs(usec / 1e6 - time.clock_gettime(time.CLOCK_MONOTONIC)) < 30
     after = seen.index(reloading)
-    _messages(notify_socket, lambda s: any("READY=1" in m for m in s[after:]), 30, seen)
+    notify_messages(notify_socket, lambda s: any("READY=1" in m for m in s[after:]), 30, seen)
     daemon.process.send_signal(signal.SIGTERM)
-    _messages(notify_socket, lambda s: any("STOPPING=1" in m for m in s), 30, seen)
+    notify_messages(notify_socket, lambda s: any("STOPPING=1" in m for m in s), 30, seen)
     assert daemon.process.wait(60) == 0
 
 

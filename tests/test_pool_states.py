@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from supervisor.config import Config, ModelConfig, parse_config
 from supervisor.config_diff import diff_configs
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import EventLoop
-from supervisor.launcher import Launched
+from supervisor.launcher import ExitRecord, Launched
 from supervisor.planner import Assignment
 from supervisor.pool import WorkerPool
 from supervisor.serving_config import ServingConfig
@@ -58,7 +58,9 @@ class Launches:
     processes: list[Process] = field(default_factory=list)
     refuse: bool = False
 
-    def __call__(self, model: ModelConfig, assignment: Assignment, config: Config) -> Launched:
+    def __call__(
+        self, model: ModelConfig, assignment: Assignment, config: Config, recent_exits: Sequence[ExitRecord]
+    ) -> Launched:
         if self.refuse:
             raise OSError(11, "Resource temporarily unavailable")
         process = Process(1000 + len(self.processes))

@@ -98,3 +98,11 @@ def test_the_supervisor_reads_the_registry_without_loading_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_builtin_names_the_supervisor_checks_are_the_models_the_worker_builds() -> None:
+    """A config naming a built-in is refused by the supervisor exactly when no worker could build it."""
+    from common.builtin_models import BUILTIN_MODELS
+    from worker.models import BUILTIN_OUTPUTS, BUILTINS
+
+    assert set(BUILTIN_MODELS) == set(BUILTINS) == set(BUILTIN_OUTPUTS)

@@ -16,7 +16,7 @@ import torch
 
 from common.cpuinfo import read_caps
 from common.json_logs import adopt_library_handlers
-from common.profiles import PROFILES
+from common.profiles import REFERENCE_PROFILE
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
 from protocol.client_messages import encode_result
@@ -25,13 +25,15 @@ from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
+from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext
-from worker.profiles.cache import ArtifactCache, model_digest
+from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
-from worker.request_path import prepare
+from worker.request_path import Prepared, prepare
 from worker.runner import ModelRunner, timed_ms
 from worker.shared_inputs import SharedInputs
 
@@ -60,7 +62,7 @@ class WorkerLoop:
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
         #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
-        self.shared_inputs = SharedInputs()
+        self.shared_inputs = SharedInputs(client_group=launch.client_gid)
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
         """Send one message (any send counts as a heartbeat); LinkClosed if the supervisor stopped reading."""
@@ -114,6 +116,8 @@ class WorkerLoop:
             return None
         if isinstance(message, wm.Request):
             self.serve_request(message, frames[1:])
+        elif isinstance(message, wm.Batch):
+            self.answer_batch(message, frames[1:])
         elif isinstance(message, wm.Canary):
             started = time.perf_counter()
             try:
@@ -188,6 +192,18 @@ class WorkerLoop:
             log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
+        self.send_result(request, prepared, outputs, received, decode_ms, model_ms)
+
+    def send_result(
+        self,
+        request: wm.Request,
+        prepared: Prepared,
+        outputs: list[tuple[str, np.ndarray[Any, Any]]],
+        received: float,
+        decode_ms: float,
+        model_ms: float,
+    ) -> None:
+        """Answer a request with its outputs and timing (an output over the frame limit is an error instead)."""
         encode_started = time.perf_counter()
         try:
             descs = self.output_descs(outputs)
@@ -208,6 +224,57 @@ class WorkerLoop:
         }
         header = encode_result(prepared.infer.request_id, prepared.infer.model, descs, timing)
         self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
+
+    def answer_batch(self, batch: wm.Batch, frames: list[Any]) -> None:
+        """Check each member alone, run the good ones as one forward pass, answer each with its own rows.
+
+        A member past its deadline or with a bad input gets its own error reply and leaves the batch;
+        a failing forward pass is every remaining member's error.
+        """
+        received = time.monotonic()
+        started = time.perf_counter()
+        members: list[tuple[wm.Request, Prepared]] = []
+        offset = 0
+        for count in batch.frame_counts:
+            header, member_frames = frames[offset], frames[offset + 1 : offset + count]
+            offset += count
+            try:
+                request = wm.decode(header)
+            except ProtocolError as exc:
+                log.error("bad_batch_member", error=exc.message)
+                continue
+            if not isinstance(request, wm.Request):
+                log.error("bad_batch_member", error=f"a {type(request).__name__} inside a batch")
+                continue
+            if request.deadline is not None and received >= request.deadline:
+                why = "deadline passed before the model ran"
+                self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, why)
+                continue
+            try:
+                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, member_frames)))
+            except ProtocolError as exc:
+                self.reply_error(request.request_id, exc.code, exc.message)
+        if not members:
+            return
+        self.requests += len(members)
+        decode_ms = timed_ms(started)
+        rows = [next(iter(prepared.inputs.values())).shape[0] for _, prepared in members]
+        try:
+            model_started = time.perf_counter()
+            outputs = self.runner.forward(batching.join([prepared.inputs for _, prepared in members]))
+            model_ms = timed_ms(model_started)
+            parts = batching.split(outputs, rows)
+        except ProtocolError as exc:
+            for request, _ in members:
+                self.reply_error(request.request_id, exc.code, exc.message)
+            return
+        except Exception as exc:  # noqa: BLE001 - the model itself failed: every member is answered, the worker serves on
+            log.warning("model_error", batch=len(members), error=f"{type(exc).__name__}: {exc}")
+            for request, _ in members:
+                self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
+            return
+        for (request, prepared), own in zip(members, parts, strict=True):
+            self.send_result(request, prepared, own, received, decode_ms, model_ms)
 
     def output_descs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> list[TensorDesc]:
         """The outputs' descriptors; ProtocolError for an output longer than a link frame may be."""
@@ -241,8 +308,9 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
     example = tuple(runner.example_inputs()[s.name] for s in runner.specs)
     if launch.channels_last:
         example = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in example)
-    # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is cached under the digest.
-    cached = launch.pick == "fastest" or any(PROFILES[p].packaged for p in launch.profiles if p in PROFILES)
+    # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is kept under the digest (a
+    # package, a fastest pick, or the crash markers of any profile but the eager reference).
+    cached = launch.pick == "fastest" or any(p != REFERENCE_PROFILE for p in launch.profiles)
     return BuildContext(
         module=runner.module,
         example=example,
@@ -252,7 +320,24 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
         cache=ArtifactCache(Path(launch.cache_dir)) if launch.cache_dir else None,
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
+        served_batches=tuple(launch.served_batches),
     )
+
+
+def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
+    """The crash markers of this model's profiles, keyed like their packages (model, spec, options, torch, CPU)."""
+    options = {
+        "channels_last": launch.channels_last,
+        "calibration": launch.calibration or "",
+        "validation": launch.validation or "",
+    }
+    stems = {
+        name: ArtifactCache.stem_for(name, artifact_key(context.digest, name, context.specs, options))
+        for name in launch.profiles
+        if name != REFERENCE_PROFILE
+    }
+    root = context.cache.root if context.cache is not None else None
+    return AttemptLog(root, stems, launch.recent_exits)
 
 
 def serve(launch: LaunchSpec) -> int:
@@ -261,21 +346,25 @@ def serve(launch: LaunchSpec) -> int:
     torch.set_num_threads(launch.threads)
     started = time.perf_counter()
     try:
-        module = load_model(launch.source)
+        module = load_model(launch.source, launch.inputs)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
+        context = build_context(launch, runner)
+        attempts = attempt_log(launch, context)
         selection = select_profile(
             runner,
             launch.profiles,
             Tolerance(**launch.tolerance),
             read_caps(),
-            build_context(launch, runner),
+            context,
             launch.pick,
             load_calibration(Path(launch.validation), runner.specs) if launch.validation else None,
+            attempts,
         )
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
-        runner.warm_up(max(1, launch.warmup_iterations))
+        with attempts.attempting(selection.profile, "warming up"):
+            runner.warm_up(max(1, launch.warmup_iterations))
         warmup_ms = timed_ms(warm_started)
         adopt_library_handlers()  # a model's libraries (transformers, ...) may have installed handlers while loading
     except ModelLoadError as exc:

@@ -96,6 +96,24 @@ def format_report(rows: list[dict[str, Any]], budget: Accuracy, verdict: Verdict
     return "\n".join(lines)
 
 
+def synthetic_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """A WARNING line when a measured profile that changes numerics (int8, bf16) was judged on synthetic inputs."""
+    judged = [
+        row["profile"]
+        for row in rows
+        if "cosine" in row
+        and row.get("checked_on") != "validation set"
+        and (declared := PROFILES.get(row["profile"])) is not None
+        and declared.changes_numerics
+    ]
+    if not judged:
+        return []
+    return [
+        f"WARNING: {', '.join(judged)} change numerics and were judged on synthetic inputs only (no validation set); "
+        "their cosine says little about real inputs: pass --validation FILE.npz or configure `validation`"
+    ]
+
+
 def run_optimize(args: argparse.Namespace) -> int:
     """Measure, rank, judge, write (or show) the chain; exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
     try:
@@ -122,6 +140,8 @@ def run_optimize(args: argparse.Namespace) -> int:
     ranked = rank(rows, budget)
     verdict = judge(ranked, sla, model.workers)
     print(format_report(rows, budget, verdict, model.workers))
+    for line in synthetic_warnings(rows):
+        print(line)
     chain = chain_of(ranked)
     changes: dict[str, Any] = {
         "profiles": chain,

@@ -25,11 +25,25 @@ def _cpus(cpus: Any) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     """Human table of a status document."""
+    config = status["config"]
     lines = [
         f"infervisor pid {status['pid']}  state {status['state']}  up {status['uptime_s']:.0f} s  "
-        f"rss {_mb(status['rss'])} MB  cpus {_cpus(status.get('cpus'))}  config {status['config']['digest']}",
+        f"rss {_mb(status['rss'])} MB  cpus {_cpus(status.get('cpus'))}  config {config['digest']}",
         f"endpoint {status['endpoints']['client']}",
     ]
+    # What is wrong comes first: models that do not serve fully, a refused config, a failed rollout.
+    for name, model in status["models"].items():
+        if model.get("health", "serving") != "serving":
+            lines.append(f"model {name} {model['health']}: {model.get('reason') or 'no reason given'}")
+    if config.get("last_error"):
+        lines.append("config rejected (still serving the last good one): " + "; ".join(config["last_error"]))
+    for name, state in (config.get("models") or {}).items():
+        if state.get("state") == "failed":
+            lines.append(f"config for {name} rolled back: {state.get('error')}")
+        elif state.get("state") == "rolling":
+            lines.append(f"config for {name} rolling out")
+    if status.get("rollout", {}).get("last_error"):
+        lines.append(f"last rollout error: {status['rollout']['last_error']}")
     latency = status.get("cpu_latency") or {}
     if latency.get("wanted_us") is not None:
         held = latency.get("held_us")
@@ -61,15 +75,25 @@ def format_status(status: dict[str, Any]) -> str:
             for label, notes in (("built", w.get("profile_build")), ("skipped", w.get("profile_skipped"))):
                 if notes:
                     lines.append(f"  {'':>4} {label}: " + "; ".join(notes))
+            if w.get("accuracy_warning"):
+                lines.append(f"  {'':>4} WARNING: {w['accuracy_warning']}")
     return "\n".join(lines)
 
 
+#: `status --check` exit statuses, for readiness and liveness probes.
+CHECK_EXIT = {"ready": 0, "degraded": 1}
+CHECK_NOT_SERVING = 2
+
+
 def run_status(args: argparse.Namespace) -> int:
-    """Print the status of the daemon behind --runtime-dir."""
+    """Print the status of the daemon behind --runtime-dir (with --check: its state line and a probe's exit code)."""
     try:
         status = control_request(resolve_runtime_dir(args.runtime_dir, None), {"cmd": "status"})
     except ControlError as exc:
         print(f"infervisor status: {exc}", file=sys.stderr)
-        return 2
+        return CHECK_NOT_SERVING if args.check else 2
+    if args.check:
+        print(status.get("status") or status["state"])
+        return CHECK_EXIT.get(status["state"], CHECK_NOT_SERVING)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0

@@ -9,6 +9,7 @@ AOTInductor package) and bf16 (autocast). Packages are cached on disk; see cache
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from common.profiles import PROFILE_NAMES, PROFILES
 from protocol.tensors import TensorSpec
 from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
-from worker.profiles.calibration import Inputs, load_calibration, random_calibration
+from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
 from worker.profiles.export import ExportError, ShapeDispatch, compile_package, export, load_package, quantize
 from worker.profiles.flags import apply_global_flags
 
@@ -44,6 +45,8 @@ class BuildContext:
     calibration: Path | None = None
     #: Only part of the fastest-pick decision's key: the profiles were checked on it.
     validation: Path | None = None
+    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
+    served_batches: tuple[int, ...] = ()
 
 
 @dataclass
@@ -112,7 +115,7 @@ def _autocast_bf16(module: Any) -> Callable[..., Any]:
 def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
     if context.calibration is None:
         notes.append("calibrated on seeded random inputs (no calibration set configured)")
-        return random_calibration(context.example), "random"
+        return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
     return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
 
 
@@ -132,7 +135,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
         raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
     cache = context.cache
     static_specs = tuple(
-        TensorSpec(s.name, s.dtype, tuple(t.shape), s.allow_non_finite)
+        dataclasses.replace(s, shape=tuple(t.shape), bounds=())
         for s, t in zip(context.specs, context.example, strict=True)
     )
 

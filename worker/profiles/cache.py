@@ -118,8 +118,12 @@ class ArtifactCache:
 
     def path_for(self, profile: str, key: dict[str, Any]) -> Path:
         """Where the artifact of this key lives."""
-        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-        return self.root / f"{profile}-{name}.pt2"
+        return self.root / f"{self.stem_for(profile, key)}.pt2"
+
+    @staticmethod
+    def stem_for(profile: str, key: dict[str, Any]) -> str:
+        """`<profile>-<sha256 of the key>`: the name of everything kept for this key."""
+        return f"{profile}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}"
 
     @contextmanager
     def locked(self, path: Path) -> Iterator[None]:
