@@ -91,11 +91,6 @@ class Link:
         return self.sock.fileno()
 
     @property
-    def mid_message(self) -> bool:
-        """Part of a message is read and the rest is still to come."""
-        return self._large is not None or self._end > self._start
-
-    @property
     def wants_write(self) -> bool:
         """Bytes wait in the outbox for the socket to take them."""
         return bool(self._outbox)

@@ -571,7 +571,7 @@ class Broker:
             self.events.worker_ready(slot, message)
             self.dispatch(slot.model.name)
         elif isinstance(message, wm.Stats):
-            slot.threads_seen, slot.rehearsals_seen = message.threads, message.rehearsals
+            slot.threads_seen = message.threads
         elif isinstance(message, wm.CanaryResult):
             self.events.canary_result(slot, message)
         elif isinstance(message, wm.ProfileResult):

@@ -152,8 +152,6 @@ class Config:
     pin_supervisor: bool
     #: A CPU latency QoS request in µs held while serving (supervisor/cpu_latency.py); None holds none.
     cpu_latency_us: int | None
-    #: While a worker holds a request, the broker rehearses its path this often when idle (supervisor/rehearsal.py).
-    keep_warm_ms: int | None
     heartbeat_interval_ms: int
     heartbeat_liveness: int
     hang_factor: float
@@ -643,10 +641,6 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("cpu_latency_us", Integer(None, 0, 2_000_000_000), Applied.LIVE,
         "a CPU latency QoS request (`/dev/cpu_dma_latency`) held while the daemon runs: idle CPUs use no sleep "
         "state that takes longer than this to leave; `0`: they poll ([more](#cpu_latency_us))."),
-    # At most the loop's housekeeping interval (20 ms): a longer idle wait would delay heartbeats and deadlines.
-    Key("keep_warm_ms", Integer(None, 1, 10), Applied.LIVE,
-        "while a worker holds a request and the broker has had nothing to do for this many ms, the broker runs its "
-        "own request path on canned messages, so the real reply finds that code in cache ([more](#keep_warm_ms))."),
     Key("heartbeat_interval_ms", Integer(500, 10, 60_000), Applied.ROLLING,
         "in-band heartbeat period, both ways."),
     Key("heartbeat_liveness", Integer(10, 2, 1000), Applied.ROLLING,
@@ -689,6 +683,12 @@ TOP_KEYS: tuple[Key, ...] = (
 # fmt: on
 
 
+#: Keys earlier versions read, with what to tell a config that still has one (refused like any bad key).
+RETIRED_TOP_KEYS = {
+    "keep_warm_ms": "removed: the broker no longer rehearses its request path (no measured gain); delete the key",
+}
+
+
 def parse_config(text: str, base: Path) -> Config:
     """Validate config text; relative model paths resolve against `base`."""
     try:
@@ -700,7 +700,9 @@ def parse_config(text: str, base: Path) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(["(file): must be a JSON object"])
     r = FieldReader()
-    values = read_object(r, TOP_KEYS, raw, "", base)
+    for key in sorted(RETIRED_TOP_KEYS.keys() & raw.keys()):
+        r.fail(key, RETIRED_TOP_KEYS[key])
+    values = read_object(r, TOP_KEYS, {k: v for k, v in raw.items() if k not in RETIRED_TOP_KEYS}, "", base)
     if r.problems:
         raise ConfigError(r.problems)
     return Config(**values, digest=hashlib.sha256(text.encode()).hexdigest()[:16])

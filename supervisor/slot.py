@@ -128,8 +128,6 @@ class WorkerSlot:
     restarts: int = 0
     requests: int = 0
     threads_seen: int | None = None
-    #: The process's rehearsals of its request path, from its last STATS.
-    rehearsals_seen: int = 0
     last_exit: str | None = None
     #: Why the slot is in its state now (the reason of its last transition), for status.
     reason: str = ""
@@ -200,7 +198,6 @@ class WorkerSlot:
         self.kill_cause = None
         self.hung_request = False
         self.threads_seen = None
-        self.rehearsals_seen = 0
         self.latencies_ms.clear()
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.ready_at = 0.0

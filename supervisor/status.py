@@ -51,7 +51,6 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "threads": slot.threads_seen if slot.threads_seen is not None else slot.assignment.threads,
         "rss": rss_of(pid),
         "requests": slot.requests,
-        "rehearsals": slot.rehearsals_seen,
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),
         "ready_ms": round(slot.ready_ms, 1),

@@ -800,3 +800,12 @@ def test_models_added_and_removed_are_reported_by_name() -> None:
     assert diff_configs(one, two).summary() == {"added": ["n"]}
     assert diff_configs(two, one).summary() == {"removed": ["n"]}
     assert diff_configs(one, one).empty
+
+
+def test_a_retired_key_is_refused_with_what_to_do() -> None:
+    """keep_warm_ms, which earlier versions read, is refused with a sentence saying it was removed, not as unknown."""
+    with pytest.raises(ConfigError) as caught:
+        _parse(_text(keep_warm_ms=1))
+    assert caught.value.problems == [
+        "keep_warm_ms: removed: the broker no longer rehearses its request path (no measured gain); delete the key"
+    ]

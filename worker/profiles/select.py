@@ -105,9 +105,7 @@ def _batch_range(runner: ModelRunner) -> tuple[int, int | None] | None:
     return max(low for low, _ in ranges), min(highs) if highs else None
 
 
-def _batched_sizes(
-    count: int, batch: tuple[int, int | None], bounded: bool, served: Sequence[int] = ()
-) -> list[int]:
+def _batched_sizes(count: int, batch: tuple[int, int | None], bounded: bool, served: Sequence[int] = ()) -> list[int]:
     """The batch sizes all `count` samples are checked at together: the whole set (in chunks when it is larger
     than the model takes or than _MAX_GOLDEN_BATCH), at least _MIN_BATCHED_ROWS rows, a bounded batch at its
     bounds, and each batch size the broker joins requests into (`served`, samples cycled to fill it)."""
@@ -121,9 +119,7 @@ def _batched_sizes(
     return sizes
 
 
-def golden_set(
-    runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()
-) -> GoldenSet:
+def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()) -> GoldenSet:
     """The inputs every profile is checked on against eager: each sample alone (batch 1), and all of them batched.
 
     The samples are the model's validation set when one is configured (synthetic inputs say little about
