@@ -121,11 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-timeout", type=_positive_float, default=600.0,
         help="seconds to wait for every worker to serve (a first start compiles the int8 packages)",
     )  # fmt: skip
-    bench = command("bench", "every optimisation profile of a built-in, in process and via the daemon")
-    bench.add_argument("--models", default="resnet50,encoder", help="built-ins, comma-separated")
+    bench = command("bench", "every optimisation profile of a model, in process and via the daemon")
+    bench.add_argument(
+        "--models", default="resnet50,encoder", help="comma-separated: built-ins, or models of the config file"
+    )
+    bench.add_argument("--config", help=CONFIG_HELP + "; its models can be named in --models (and win over built-ins)")
     bench.add_argument("--profiles", default=",".join(PROFILE_NAMES), help="profiles to measure, comma-separated")
     bench.add_argument("--threads", default="1,2", help="thread counts, comma-separated (one pinned core each)")
-    bench.add_argument("--batch", type=int, default=8, help="the second batch size measured")
+    bench.add_argument("--batch", type=int, default=8, help="the second batch size measured (the batch column)")
     bench.add_argument("--seconds", type=float, default=3.0, help="timing per measurement")
     bench.add_argument("--channels-last", action="store_true", help="feed 4-D inputs in channels_last (NHWC)")
     bench.add_argument("--no-daemon", dest="daemon", action="store_false", help="in-process figures only")

@@ -42,13 +42,31 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
     return {"p50_ms": at(50), "p95_ms": at(95), "p99_ms": at(99)}
 
 
-def _timed(run: Any, seconds: float) -> list[float]:
+def _timed(run: Any, seconds: float, at_least: int = 5) -> list[float]:
     latencies: list[float] = []
     stop = time.perf_counter() + seconds
-    while (time.perf_counter() < stop or len(latencies) < 5) and len(latencies) < 100_000:
+    while (time.perf_counter() < stop or len(latencies) < at_least) and len(latencies) < 100_000:
         started = time.perf_counter()
         run()
         latencies.append((time.perf_counter() - started) * 1000.0)
+    return latencies
+
+
+#: How long each turn of the alternating timing runs one batch size before switching to the other.
+_TURN_S = 0.25
+
+
+def alternating(runs: dict[int, Any], seconds: float) -> dict[int, list[float]]:
+    """Latencies of each batch size, timed in alternating turns for about `seconds` each (at least 5 runs each).
+
+    On a shared box a burst of load then hits both sizes alike, so their per-sample ratio (the batch
+    column) is not decided by which of them happened to run during the burst.
+    """
+    latencies: dict[int, list[float]] = {size: [] for size in runs}
+    stop = time.perf_counter() + seconds * len(runs)
+    while time.perf_counter() < stop or any(len(times) < 5 for times in latencies.values()):
+        for size, run in runs.items():
+            latencies[size] += _timed(run, _TURN_S, at_least=1)
     return latencies
 
 
@@ -100,10 +118,11 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
     agreements = [
         compare(ref, [a for _, a in runner.forward(case)]) for case, ref in zip(cases, references, strict=True)
     ]
-    single = _timed(lambda: runner.forward(one), args.seconds)
     runner.forward(many)  # a dynamic-shape graph may specialise on its first batch of this size
-    batched = _timed(lambda: runner.forward(many), args.seconds)
+    timed = alternating({1: lambda: runner.forward(one), args.batch: lambda: runner.forward(many)}, args.seconds)
+    single, batched = timed[1], timed[args.batch]
     reset_global_flags()
+    per_sample = {"1": _percentiles(single)["p50_ms"], str(args.batch): _percentiles(batched)["p50_ms"] / args.batch}
     return {
         "profile": profile,
         "build_s": round(build_s, 2),
@@ -118,6 +137,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
         "batch": args.batch,
         "batch_p50_ms": _percentiles(batched)["p50_ms"],
         "batch_qps": round(1000.0 * args.batch * len(batched) / sum(batched), 1),
+        #: Median milliseconds per sample at batch 1 and at --batch (the bench's batch column).
+        "per_sample_ms": {size: round(ms, 4) for size, ms in per_sample.items()},
         "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "rss_added_mb": round((psutil.Process().memory_info().rss - rss_before) / 2**20, 1),
     }

@@ -2,8 +2,10 @@
 
 pick "first": the first such profile of the chain serves (the chain is the operator's order of
 preference, and later entries are the fallbacks). pick "fastest": every profile of the chain is
-built, validated and timed, and the fastest serves; that decision is kept in the artifact cache so
-a restarted worker builds only the winner.
+built and validated, the ones that pass are timed in interleaved rounds at the batch sizes the
+model serves (timing.py), and a later profile serves instead of an earlier one only when it is
+faster by more than the measured noise; that decision is kept in the artifact cache so a restarted
+worker builds only the winner.
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
 
 from common.cpuinfo import CpuCaps
 from common.profiles import REFERENCE_PROFILE, cpu_refusal
+from protocol.tensors import TensorSpec
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
+from worker.profiles.export import BATCH_BUCKETS, batch_only
 from worker.profiles.flags import apply_global_flags, reset_global_flags
+from worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
 from worker.profiles.validate import Tolerance, compare
 from worker.runner import ModelRunner
 
@@ -34,9 +38,12 @@ log = structlog.get_logger("worker")
 
 #: Validation samples checked one by one when the batch dim is fixed.
 _MAX_CASES = 16
-#: Timing a candidate for pick "fastest": at least this many runs, and more until this long has passed.
-_TIMING_RUNS = 5
-_TIMING_S = 0.5
+#: Timing for pick "fastest": interleaved rounds until this long has passed, at least and at most so many.
+_TIMING_S = 5.0
+_MIN_ROUNDS = 6
+_MAX_ROUNDS = 60
+#: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
+_PICK_FORMAT = 2
 
 
 @dataclass
@@ -56,7 +63,6 @@ class _Candidate:
     built: Built
     cosine: float
     build_ms: float
-    median_ms: float = 0.0
 
 
 def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> list[dict[str, torch.Tensor]]:
@@ -77,16 +83,6 @@ def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> li
         return samples
     together = {name: torch.cat([sample[name] for sample in samples]) for name in names}
     return [samples[0], together] if len(samples) > 1 else [samples[0]]
-
-
-def _median_ms(run: Callable[[], Any]) -> float:
-    times: list[float] = []
-    stop = time.perf_counter() + _TIMING_S
-    while len(times) < _TIMING_RUNS or (time.perf_counter() < stop and len(times) < 200):
-        started = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - started) * 1000.0)
-    return sorted(times)[len(times) // 2]
 
 
 class _Trial:
@@ -137,13 +133,23 @@ class _Trial:
             return failure
         return _Candidate(name, built, cosine, (time.perf_counter() - started) * 1000.0)
 
-    def time(self, candidate: _Candidate) -> float:
-        """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
-        self.runner.module = candidate.built.callable
-        apply_global_flags(candidate.name)
-        golden = self.cases[0]
-        with self.attempts.attempting(candidate.name, "being timed"):
-            return _median_ms(lambda: self.runner.forward(golden))
+    def time(self, candidates: Sequence[_Candidate]) -> Decision:
+        """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""
+        batches = served_batches(self.runner.specs)
+        inputs = {b: self.runner.example_inputs(batch=b) for b in batches}
+
+        def contender(candidate: _Candidate) -> Contender:
+            runs = {b: (lambda case=inputs[b]: self.runner.forward(case)) for b in batches}
+            return Contender(candidate.name, lambda: self.install(candidate), runs)
+
+        rounds = run_rounds(
+            [contender(c) for c in candidates],
+            _TIMING_S,
+            _MIN_ROUNDS,
+            _MAX_ROUNDS,
+            guard=lambda name: self.attempts.attempting(name, "being timed"),
+        )
+        return decide([c.name for c in candidates], rounds)
 
     def reset(self) -> None:
         """Back to eager, with every process-wide flag a profile switches off."""
@@ -156,10 +162,19 @@ class _Trial:
         apply_global_flags(candidate.name)
 
 
-def _decision_path(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+def served_batches(specs: Sequence[TensorSpec]) -> tuple[int, ...]:
+    """The batch sizes a fastest pick times: 1, and the buckets when the batch is the only dynamic dim."""
+    return tuple(sorted({1, *BATCH_BUCKETS})) if batch_only(specs) else (1,)
+
+
+def _decision_path(
+    context: BuildContext, chain: Sequence[str], tolerance: Tolerance, batches: Sequence[int]
+) -> Path | None:
     if context.cache is None:
         return None
     key = {
+        "format": _PICK_FORMAT,
+        "batches": list(batches),
         "model": context.digest,
         "chain": list(chain),
         "tolerance": asdict(tolerance),
@@ -212,23 +227,19 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
-    path = _decision_path(context, chain, tolerance)
+    path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs))
     if path is None or not path.exists():
         return None
     try:
         decision = json.loads(path.read_text())
-        name, timings = str(decision["profile"]), dict(decision["timings_ms"])
+        name, summary = str(decision["profile"]), str(decision["summary"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     outcome = trial.attempt(name)
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
         return None
-    notes = [
-        *outcome.built.notes,
-        _built_in(outcome),
-        f"fastest of {_timing_text(timings)} (decided earlier, {path.name})",
-    ]
+    notes = [*outcome.built.notes, _built_in(outcome), f"{summary} (decided earlier, {path.name})"]
     log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
     return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
 
@@ -237,37 +248,54 @@ def _built_in(candidate: _Candidate) -> str:
     return f"built and checked against eager in {candidate.build_ms:.0f} ms (cosine {candidate.cosine:.5f})"
 
 
-def _timing_text(timings: dict[str, float]) -> str:
-    return ", ".join(f"{n} {ms:.3g} ms" for n, ms in sorted(timings.items(), key=lambda item: item[1]))
-
-
 def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection:
+    """Build and check every profile of the chain, time those that pass together, serve what the timing decides.
+
+    Every passing candidate stays alive until the decision (interleaving needs them all at once), so
+    the pick briefly holds each one's weights or packages; the losers are dropped before serving.
+    """
     skipped: list[str] = []
-    slower: list[str] = []
-    timings: dict[str, float] = {}
-    best: _Candidate | None = None
+    passed: list[_Candidate] = []
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
-            outcome.median_ms = trial.time(outcome)
-            timings[name] = round(outcome.median_ms, 4)
-            # Only the fastest so far stays alive: every candidate holds its own weights (or packages).
-            loser = outcome if best is not None and outcome.median_ms >= best.median_ms else best
-            best = outcome if loser is not outcome else best
-            if loser is not None:
-                slower.append(f"{loser.name}: passed (cosine {loser.cosine:.5f}), {loser.median_ms:.3g} ms (slower)")
+            passed.append(outcome)
         else:
             skipped.append(f"{name}: {outcome}")
         trial.reset()
-    if best is None:
+    if not passed:
         return _last_resort(trial, chain, skipped)
-    skipped += slower
+    batches = served_batches(trial.runner.specs)
+    record: dict[str, object] = {"threads": torch.get_num_threads(), "batches": list(batches)}
+    if len(passed) == 1:
+        (best,) = passed
+        summary = f"fastest pick: {best.name} is the only profile of the chain that passed (not timed)"
+    else:
+        decision = trial.time(passed)
+        best = next(c for c in passed if c.name == decision.profile)
+        summary = describe(decision, torch.get_num_threads())
+        served = decision.ratios[best.name]
+        skipped += [
+            f"{c.name}: passed (cosine {c.cosine:.5f}), not picked: x{decision.ratios[c.name] / served:.3f} the "
+            f"per-sample time of {best.name}{' (within the noise)' if decision.ratios[c.name] < served else ''}"
+            for c in passed
+            if c is not best
+        ]
+        record.update(
+            fastest=decision.fastest,
+            rounds=decision.rounds,
+            per_sample_ms={n: {str(b): round(ms, 5) for b, ms in v.items()} for n, v in decision.per_sample_ms.items()},
+            ratios={n: round(r, 4) for n, r in decision.ratios.items()},
+            noise={n: round(x, 4) for n, x in decision.noise.items()},
+            reason=decision.reason,
+        )
+    passed.clear()  # the losers' weights and packages go with their last reference
+    trial.reset()
     trial.install(best)
-    _remember(
-        _decision_path(context, chain, tolerance), {"profile": best.name, "timings_ms": timings, "skipped": skipped}
-    )
-    notes = [*best.built.notes, _built_in(best), f"fastest of {_timing_text(timings)}"]
-    log.info("profile_selected", profile=best.name, pick="fastest", timings_ms=timings, skipped=skipped)
+    record.update(profile=best.name, summary=summary, skipped=skipped)
+    _remember(_decision_path(context, chain, tolerance, batches), record)
+    notes = [*best.built.notes, _built_in(best), summary]
+    log.info("profile_selected", profile=best.name, pick="fastest", decision=record.get("reason"), skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)
 
 
