@@ -60,6 +60,7 @@ def launch_of(
         "measure", model.name, -1, model.source, model.inputs, model.outputs, (), threads,
         channels_last=model.channels_last, cache_dir=str(cache_dir),
         calibration=calibration or model.calibration, validation=validation or model.validation,
+        tolerance=dict(model.tolerance), profiles=model.profiles, pick=model.pick,
     )  # fmt: skip
 
 

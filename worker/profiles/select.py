@@ -167,6 +167,11 @@ def served_batches(specs: Sequence[TensorSpec]) -> tuple[int, ...]:
     return tuple(sorted({1, *BATCH_BUCKETS})) if batch_only(specs) else (1,)
 
 
+def remembered_pick(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+    """Where a fastest pick of this chain for this model, machine and thread count is remembered (None: no cache)."""
+    return _decision_path(context, chain, tolerance, served_batches(context.specs))
+
+
 def _decision_path(
     context: BuildContext, chain: Sequence[str], tolerance: Tolerance, batches: Sequence[int]
 ) -> Path | None:
