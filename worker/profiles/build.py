@@ -172,7 +172,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
         for size in BATCH_BUCKETS:
             example = at_batch(context.example, size)
             built[size], path = package(example, _static_specs(context.specs, example), f"batch {size}")
-        costs, remembered = _bucket_costs(path.with_suffix(".costs.json"), built, context.example)
+        costs, remembered = _bucket_costs(path.with_suffix(".buckets.json"), built, context.example)
         buckets = BatchBuckets(built, costs)
         notes.append(_buckets_note(buckets, remembered))
         return Built(buckets, notes)
@@ -193,21 +193,22 @@ def _static_specs(specs: tuple[TensorSpec, ...], example: Inputs) -> tuple[Tenso
 def _bucket_costs(path: Path, packages: dict[int, Any], example: Inputs) -> tuple[dict[int, float], bool]:
     """Each bucket's cost per call at this thread count: remembered beside its package, else measured and kept.
 
-    Measured once per package and thread count, so a restart neither pays the timing nor decides on
-    a noisier one; the minimum of a few runs, since load on the box only ever adds time.
+    Measured once per package and thread count, so a restart neither pays the timing nor decides
+    on a noisier one.
     """
     threads = str(torch.get_num_threads())
+    known: dict[str, Any] = {}
     try:
-        known = json.loads(path.read_text())
+        loaded = json.loads(path.read_text())
+        known = loaded if isinstance(loaded, dict) else {}
         costs = {int(size): float(ms) for size, ms in known[threads].items()}
         if sorted(costs) == sorted(packages):
             return costs, True
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        known = {}
+        pass
     costs = BatchBuckets.measure(packages, example)
+    known[threads] = {str(size): round(ms, 5) for size, ms in costs.items()}
     try:
-        known = known if isinstance(known, dict) else {}
-        known[threads] = {str(size): round(ms, 4) for size, ms in costs.items()}
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_text(json.dumps(known))
         os.replace(temporary, path)

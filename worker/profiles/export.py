@@ -6,7 +6,7 @@ instead of exporting, quantizing and compiling again.
 
 from __future__ import annotations
 
-import time
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from protocol.tensors import TensorSpec
+from worker.profiles.timing import MIN_MARGIN, Contender, noise_of, run_rounds
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -146,8 +147,8 @@ class ShapeDispatch:
 #: bucket is one compile (20-60 s on a core), so two keep the first start where one static and one
 #: dynamic package had it; sizes in between are split or padded, whichever the measured costs say.
 BATCH_BUCKETS = (1, 8)
-#: Timed runs per bucket when measuring its cost (the minimum counts: load only ever adds time).
-_COST_RUNS = 3
+#: Interleaved rounds when measuring what each bucket costs (once per package and thread count).
+_COST_ROUNDS = 6
 
 
 def batch_only(specs: Sequence[TensorSpec]) -> bool:
@@ -195,18 +196,28 @@ class BatchBuckets:
 
     @staticmethod
     def measure(packages: Mapping[int, Callable[..., Any]], example: Inputs) -> dict[int, float]:
-        """Milliseconds per call of each bucket on the example grown to its size (interleaved; the minimum)."""
+        """Milliseconds per call of each bucket, on the example grown to its size, as the plan should count them.
+
+        Timed in interleaved rounds (timing.py) and counted as batch 1's median time the median
+        per-round ratio, raised by its noise (at least MIN_MARGIN) for the bigger buckets: a batch
+        is only run as one when it is cheaper per row by more than the box's noise can explain.
+        """
         grown = {size: at_batch(example, size) for size in packages}
-        best = dict.fromkeys(packages, float("inf"))
+
+        def call(size: int) -> Callable[[], object]:
+            run, inputs = packages[size], grown[size]
+            return lambda: run(*inputs)
+
+        contenders = [Contender(str(size), lambda: None, {1: call(size)}) for size in packages]
         with torch.inference_mode():
-            for size, run in packages.items():
-                run(*grown[size])  # first calls allocate
-            for _ in range(_COST_RUNS):
-                for size, run in packages.items():
-                    started = time.perf_counter()
-                    run(*grown[size])
-                    best[size] = min(best[size], (time.perf_counter() - started) * 1000.0)
-        return best
+            rounds = run_rounds(contenders, budget_s=0.0, min_rounds=_COST_ROUNDS, max_rounds=_COST_ROUNDS)
+        single = rounds.per_sample_ms["1"][1]
+        costs: dict[int, float] = {}
+        for size in packages:
+            ratios = [mine / one for mine, one in zip(rounds.per_sample_ms[str(size)][1], single, strict=True)]
+            margin = 0.0 if size == 1 else max(MIN_MARGIN, noise_of(ratios))
+            costs[size] = statistics.median(single) * statistics.median(ratios) * (1.0 + margin)
+        return costs
 
     def plan(self, rows: int) -> tuple[int, ...]:
         """The buckets to run, in order, for a batch of `rows` (the last may be padded)."""
