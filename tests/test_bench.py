@@ -103,6 +103,7 @@ def test_bench_measures_a_model_of_a_config_file_with_its_batch_column(tmp_path:
     assert [(r["model"], r["profile"]) for r in rows] == [("voice", "eager"), ("voice", "jit")]
     for row in rows:
         assert set(row["per_sample_ms"]) == {"1", "8"} and all(ms > 0 for ms in row["per_sample_ms"].values())
+        assert row["batch_ratio"] > 0
         assert row["daemon_p50_ms"] > 0 and row["restart_ready_s"] > 0, row
 
 

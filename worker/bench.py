@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -60,18 +61,23 @@ def _timed(run: Any, seconds: float, at_least: int = 5) -> list[float]:
 _TURN_S = 0.25
 
 
-def alternating(runs: dict[int, Any], seconds: float) -> dict[int, list[float]]:
+def alternating(runs: dict[int, Any], seconds: float) -> list[dict[int, list[float]]]:
     """Latencies of each batch size, timed in alternating turns for about `seconds` each (at least 5 runs each).
 
-    On a shared box a burst of load then hits both sizes alike, so their per-sample ratio (the batch
-    column) is not decided by which of them happened to run during the burst.
+    One map per turn. On a shared box a burst of load then hits both sizes alike, and the per-turn
+    ratio of their per-sample times (the batch column) is not decided by which size ran during it.
     """
-    latencies: dict[int, list[float]] = {size: [] for size in runs}
+    turns: list[dict[int, list[float]]] = []
     stop = time.perf_counter() + seconds * len(runs)
-    while time.perf_counter() < stop or any(len(times) < 5 for times in latencies.values()):
-        for size, run in runs.items():
-            latencies[size] += _timed(run, _TURN_S, at_least=1)
-    return latencies
+    while time.perf_counter() < stop or sum(len(turn[min(runs)]) for turn in turns) < 5 or len(turns) < 3:
+        turns.append({size: _timed(run, _TURN_S, at_least=1) for size, run in runs.items()})
+    return turns
+
+
+def batch_ratio(turns: list[dict[int, list[float]]], one: int, many: int) -> float:
+    """The median over turns of (per-sample time at `many`) / (time at `one`), each turn's medians paired."""
+    ratios = [statistics.median(t[many]) / many / statistics.median(t[one]) * one for t in turns]
+    return statistics.median(ratios)
 
 
 def launch_of(args: argparse.Namespace) -> LaunchSpec:
@@ -132,8 +138,9 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
         compare(ref, [a for _, a in runner.forward(case)]) for case, ref in zip(cases, references, strict=True)
     ]
     runner.forward(many)  # a dynamic-shape graph may specialise on its first batch of this size
-    timed = alternating({1: serve_one, args.batch: lambda: runner.forward(many)}, args.seconds)
-    single, batched = timed[1], timed[args.batch]
+    turns = alternating({1: serve_one, args.batch: lambda: runner.forward(many)}, args.seconds)
+    single = [ms for turn in turns for ms in turn[1]]
+    batched = [ms for turn in turns for ms in turn[args.batch]]
     per_sample = {"1": _percentiles(single)["p50_ms"], str(args.batch): _percentiles(batched)["p50_ms"] / args.batch}
     return {
         "profile": profile,
@@ -151,6 +158,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
         "batch_qps": round(1000.0 * args.batch * len(batched) / sum(batched), 1),
         #: Median milliseconds per sample at batch 1 and at --batch (the bench's batch column).
         "per_sample_ms": {size: round(ms, 4) for size, ms in per_sample.items()},
+        #: The median over alternating turns of per-sample time at --batch over batch 1's (below 1: batching pays).
+        "batch_ratio": round(batch_ratio(turns, 1, args.batch), 3),
         "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "rss_added_mb": round((psutil.Process().memory_info().rss - rss_before) / 2**20, 1),
     }, serve_one
