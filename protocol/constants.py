@@ -12,6 +12,8 @@ PROTOCOL_VERSION: Final = 1
 #: Socket file names inside the runtime directory.
 CLIENT_SOCKET_NAME: Final = "infer.sock"
 CONTROL_SOCKET_NAME: Final = "control.sock"
+#: The read-only control socket (status, ping, metrics), made only for config `socket_group` and open to it.
+STATUS_SOCKET_NAME: Final = "status.sock"
 
 
 class ClientMessageType(enum.StrEnum):
@@ -64,6 +66,7 @@ class WorkerMessageType(enum.IntEnum):
     CANARY_RESULT = 9
     PROFILE = 10
     PROFILE_RESULT = 11
+    BATCH = 12
 
 
 class WorkerExitCode(enum.IntEnum):
@@ -87,6 +90,9 @@ DTYPE_ITEMSIZE: Final[dict[str, int]] = {
     "float32": 4,
     "float64": 8,
 }
+
+#: Most requests the broker joins into one batch (the worker link carries each one's headers and frames).
+MAX_BATCH_REQUESTS: Final = 64
 
 #: Hard ceilings of the header decoder; they bound memory whatever a peer sends.
 MAX_HEADER_BYTES: Final = 64 * 1024

@@ -59,6 +59,10 @@ class LaunchSpec:
     #: The supervisor's pid: a worker whose parent is another process by the time it asked to die with
     #: its parent (the supervisor died during its start-up) exits at once instead of living on orphaned.
     supervisor_pid: int | None = None
+    #: Config `socket_group`'s gid: the worker reads shared-memory inputs of that group that it may read.
+    client_gid: int | None = None
+    #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.
+    served_batches: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -70,10 +74,7 @@ class LaunchSpec:
         """Parse what to_json wrote; raises ValueError/TypeError/KeyError on anything else."""
         raw = json.loads(text)
         raw["source"] = ModelSource(**raw["source"])
-        raw["inputs"] = tuple(
-            TensorSpec(s["name"], s["dtype"], tuple(s["shape"]), bool(s.get("allow_non_finite", False)))
-            for s in raw["inputs"]
-        )
+        raw["inputs"] = tuple(TensorSpec.from_dict(s) for s in raw["inputs"])
         raw["output_names"] = tuple(raw["output_names"]) if raw.get("output_names") is not None else None
         raw["cpus"] = tuple(raw["cpus"])
         raw["profiles"] = tuple(raw.get("profiles", ("eager",)))

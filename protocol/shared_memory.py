@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import grp
 import math
 import mmap
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -36,27 +38,59 @@ class SharedTensor:
         return TensorDesc(name, wire, tuple(int(d) for d in self.array.shape), ShmRef(self.region, self.offset))
 
 
+def _gid(group: int | str) -> int:
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r}") from None
+
+
+def _give_to(fd: int, gid: int, group: int | str) -> None:
+    try:
+        os.fchown(fd, -1, gid)
+    except PermissionError as exc:
+        raise PermissionError(
+            exc.errno, f"cannot give the shared-memory object to group {group!r}: this process is not in it"
+        ) from exc
+
+
 class SharedRegion:
     """A POSIX shared-memory object (`/dev/shm/NAME`) that inputs are written into instead of sent as frames.
 
     The daemon's worker copies a tensor out of the region once, instead of it crossing two sockets:
     for a 600 KB image that removes two of the round trip's three copies of the input. The region
     is only read while a request that names it is in flight: do not write a tensor again until its
-    reply (or error) is back. The daemon's user must be able to read the object (`mode`). Closing
-    unlinks it; a process killed before then leaves it in /dev/shm, named after its pid.
+    reply (or error) is back. The daemon reads an object of its own user (`mode` 0600 will do), or
+    one of its config `socket_group` that the group may read: a client of another user passes
+    `group` (the group of the daemon's infer.sock) and gets 0640. Closing unlinks it; a process
+    killed before then leaves it in /dev/shm, named after its pid.
     """
 
-    def __init__(self, size: int, name: str | None = None, mode: int = 0o600) -> None:
-        """Create the object, `size` bytes; `name` defaults to a fresh `infervisor-PID-RANDOM`."""
+    def __init__(
+        self, size: int, name: str | None = None, mode: int | None = None, group: int | str | None = None
+    ) -> None:
+        """Create the object, `size` bytes; `name` defaults to a fresh `infervisor-PID-RANDOM`.
+
+        `group` (a gid or a group name this process is a member of) is given the object before
+        `mode` (default 0600, or 0640 with a group) applies: it is never open to another group.
+        """
         if not 0 < size <= MAX_SHM_OFFSET:
             raise ValueError(f"size must be 1..{MAX_SHM_OFFSET} bytes")
         self.name = name if name is not None else f"infervisor-{os.getpid()}-{secrets.token_hex(6)}"
         if SHM_NAME_PATTERN.fullmatch(self.name) is None:
             raise ValueError(f"shared-memory name {self.name!r} must match {SHM_NAME_PATTERN.pattern}")
+        gid = None if group is None else _gid(group)
+        mode = (0o600 if gid is None else 0o640) if mode is None else mode
+        if gid is not None and not mode & stat.S_IRGRP:
+            raise ValueError(f"mode {mode:04o} does not let group {group!r} read the object: the daemon reads it so")
         self.size = size
         self._path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            if group is not None and gid is not None:
+                _give_to(fd, gid, group)
             os.fchmod(fd, mode)  # the umask must not narrow what the caller chose for the daemon's user
             os.ftruncate(fd, size)
             self._map: mmap.mmap | None = mmap.mmap(fd, size)

@@ -134,13 +134,28 @@ class ProfileResult:
     operators: str
 
 
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Supervisor -> worker: run several requests as one forward pass.
+
+    Each member follows as a REQUEST header frame and then that request's own frames; `frame_counts`
+    says how many frames each member takes, its REQUEST header included. Every member is answered
+    by its own REPLY, in order.
+    """
+
+    TYPE: ClassVar = WorkerMessageType.BATCH
+    frame_counts: list[int]
+
+
 WorkerMessage = (
-    Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult
+    Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult | Batch
 )
 _CLASSES: dict[int, type[Any]] = {
     cls.TYPE: cls
-    for cls in (Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult)
-}
+    for cls in (
+        Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult, Batch
+    )
+}  # fmt: skip
 
 
 def _bad(message: str) -> ProtocolError:

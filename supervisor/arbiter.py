@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.config_diff import ConfigDiff, diff_configs, held_back
-from supervisor.control import ControlServer
+from supervisor.control import ControlServer, status_server
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CONTROL, EventLoop
@@ -34,6 +35,7 @@ from supervisor.file_watch import FileWatcher
 from supervisor.health import DaemonState, daemon_state, ready_to_announce, status_line
 from supervisor.launcher import Launcher, launch_worker
 from supervisor.logs import configure_logging
+from supervisor.metrics import Metrics, ReloadOutcome, ReloadStats, take_snapshot
 from supervisor.monitors.age import AgeWatch
 from supervisor.monitors.canary import CanaryWatch
 from supervisor.monitors.drift import DriftWatch
@@ -45,7 +47,7 @@ from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from supervisor.pool import WorkerPool
 from supervisor.sd_notify import Notifier
 from supervisor.serving_config import ServingConfig
-from supervisor.slot import SlotState, WorkerSlot
+from supervisor.slot import RestartReason, SlotState, WorkerSlot
 from supervisor.topology import TopologyError, read_topology
 from supervisor.worker_links import WorkerLinks
 
@@ -87,13 +89,18 @@ class Arbiter:
         self.control_context: zmq.Context[Any] = zmq.Context(1)
         self.control = ControlServer(self.control_context, runtime_dir, self.anomalies)
         self.loop.register(self.control.socket, CONTROL, lambda flags: self.control.handle(self.control_command))
+        # With a socket_group its members get the read-only commands on status.sock; control.sock stays ours.
+        self.status_server = status_server(self.control_context, runtime_dir, self.anomalies, config.socket_group)
+        if (reader := self.status_server) is not None:
+            self.loop.register(reader.socket, CONTROL, lambda flags: reader.handle(self.control_command))
         self.notifier = Notifier()
         self.cpu_latency = CpuLatencyHold()
         self.watcher = FileWatcher(self.loop.wake)
         self.thermal = ThermalWatch()
         self.canaries = CanaryWatch()
+        self.memory = MemoryWatch()
         #: Adding a monitor is one file and one entry here.
-        self.monitors: list[Monitor] = [MemoryWatch(), AgeWatch(), DriftWatch(), self.canaries, self.thermal]
+        self.monitors: list[Monitor] = [self.memory, AgeWatch(), DriftWatch(), self.canaries, self.thermal]
         self.signals: collections.deque[int] = collections.deque()
         self.reload_reason: str | None = None
         self.config_applied_at = time.time()
@@ -101,6 +108,9 @@ class Arbiter:
         #: How many configs have been applied since start (the first one is 0).
         self.generation = 0
         self.last_diff: dict[str, object] = {}
+        self.reloads = ReloadStats(last_success_at=self.started_at)
+        #: Published each monitor turn; served over HTTP only with metrics_listen, and by `infervisor metrics`.
+        self.metrics = Metrics()
         self.announced_ready = False
         self.state = DaemonState.STARTING
         #: The last STATUS= line sent to systemd (sent again only when it changes).
@@ -171,13 +181,18 @@ class Arbiter:
         )
         try:
             # Inside the try: whatever fails here, the workers already spawned are killed and reaped.
+            self.publish_metrics()
+            if self.config.metrics_listen is not None:
+                self.metrics.listen(self.config.metrics_listen)
             self.pool.start()
             self.watch_files()
             self.watcher.start()
             while not self.pool.finished():
-                self.loop.poll(_HOUSEKEEPING_MS)
+                self.loop.poll(self.wait_ms())
                 self.handle_signals()
                 now = time.monotonic()
+                if self.broker.batch_due:
+                    self.broker.dispatch_due(now)
                 if now >= self.next_housekeeping:
                     self.next_housekeeping = now + _HOUSEKEEPING_S
                     self.housekeeping(now)
@@ -187,6 +202,14 @@ class Arbiter:
             self.cpu_latency.release("exit")
         log.info("supervisor_exit", code=self.exit_code)
         return self.exit_code
+
+    def wait_ms(self) -> int:
+        """How long the poll may wait: the housekeeping interval, or less when a batch is due sooner."""
+        due = self.broker.next_batch_due
+        if due is None:
+            return _HOUSEKEEPING_MS
+        # The poll's resolution is 1 ms: a batch delay is met to within that.
+        return max(0, min(_HOUSEKEEPING_MS, math.ceil((due - time.monotonic()) * 1000)))
 
     def housekeeping(self, now: float) -> None:
         """The timer-driven steps, each named for what it does."""
@@ -273,6 +296,16 @@ class Arbiter:
         self.broker.shed = self.thermal.throttled and config.thermal_action == "shed"
         for finding in findings:
             self.act(finding)
+        self.publish_metrics()
+
+    def publish_metrics(self) -> None:
+        """Hand the metrics endpoint a fresh snapshot (it never reads the loop's state itself)."""
+        rss_mb = {pid: samples[-1][1] for pid, samples in self.memory.history.items() if samples}
+        self.metrics.publish(
+            take_snapshot(
+                self.pool, self.broker, rss_mb, self.thermal.reading, self.reloads, self.anomalies.counts, time.time()
+            )
+        )
 
     def act(self, finding: Finding) -> None:
         """Log a finding as data, show it in status, and probe, recycle or kill as it says."""
@@ -293,7 +326,7 @@ class Arbiter:
             return
         slot.last_event = {"monitor": finding.monitor, "action": finding.action.value, **finding.detail}
         if finding.action is Action.KILL:
-            slot.kill(f"monitor {finding.monitor}")
+            slot.kill(f"monitor {finding.monitor}", RestartReason.MONITOR_KILL)
         elif finding.action is Action.RECYCLE:
             self.pool.recycle(slot, f"monitor {finding.monitor}")
 
@@ -313,7 +346,7 @@ class Arbiter:
             if key == _CONFIG_KEY:
                 self.reload_reason = self.reload_reason or "config file changed"
             elif key in self.pool.members:
-                self.pool.restart(key, "model file changed on disk")
+                self.pool.restart(key, "model file changed on disk", RestartReason.MODEL_FILE)
         # A drain-first step has taken a worker out of its pool and not yet put the replacement in;
         # re-planning the pool now would see a hole and fill it twice. The reload waits for the step.
         if self.reload_reason is not None and not self.pool.rollout.mid_drain:
@@ -340,6 +373,7 @@ class Arbiter:
         except (PlanError, TopologyError) as exc:
             return self.reject_config(reason, [f"models: {exc}"])
         self.config_error = None
+        self.reloads.record(ReloadOutcome.SUCCESS, time.time())
         self.last_diff = diff.summary()
         if diff.empty and new.digest == self.config.digest:
             log.info("config_unchanged", reason=reason)
@@ -354,6 +388,7 @@ class Arbiter:
     def reject_config(self, reason: str, problems: list[str]) -> dict[str, Any]:
         """Keep serving with the last good config and say why the new one was refused."""
         self.config_error = problems
+        self.reloads.record(ReloadOutcome.FAILURE, time.time())
         log.error("config_rejected", reason=reason, problems=problems, serving_digest=self.config.digest)
         self.notifier.ready(self.status_line or f"config rejected; still serving {self.config.digest}")
         return {"ok": False, "error": "config rejected; nothing changed", "problems": problems}
@@ -389,9 +424,12 @@ class Arbiter:
 
     def shutdown(self) -> None:
         """Kill anything still alive, then close sockets so no file is left behind."""
+        self.metrics.close()
         self.pool.shutdown()
         self.broker.close()
         self.control.close()
+        if self.status_server is not None:
+            self.status_server.close()
         self.loop.close()
         self.context.term()
         self.control_context.term()
@@ -405,6 +443,9 @@ class Arbiter:
             return self.status()
         if name == "ping":
             return {"ok": True, "pid": os.getpid()}
+        if name == "metrics":
+            self.publish_metrics()  # the figures of this turn, which the HTTP endpoint then shows too
+            return {"ok": True, "text": self.metrics.render()}
         if name in ("reload", "restart") and self.pool.stopping:
             return {"ok": False, "error": "the daemon is stopping"}
         if name == "restart":
@@ -422,7 +463,7 @@ class Arbiter:
                 self.reload_reason = "operator command"
                 return {"ok": True, "queued": True, "generation": self.generation}
             return self.reload_config("operator command")
-        known = "status, ping, restart, reload, profile"
+        known = "status, ping, metrics, restart, reload, profile"
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}
 
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
@@ -460,7 +501,12 @@ class Arbiter:
             },
             "limits": status.limits(config),
             "rollout": status.rollout_status(self.pool),
-            "endpoints": {"client": self.endpoints.ipc_endpoint, "tcp": config.tcp_endpoint},
+            "endpoints": {
+                "client": self.endpoints.ipc_endpoint,
+                "tcp": config.tcp_endpoint,
+                "metrics": self.metrics.url,
+                "metrics_error": self.metrics.error,
+            },
             "counters": dict(self.anomalies.counts),
             "thermal": {**self.thermal.reading, "shedding": self.broker.shed},
             "models": status.models_status(self.pool, self.broker, reports),

@@ -1,4 +1,4 @@
-"""`infervisor` command line: serve, status, infer, restart, reload, demo, bench and the toolkit commands.
+"""`infervisor` command line: serve, status, metrics, infer, restart, reload, demo, bench and the toolkit commands.
 
 Each command's module is imported only when it runs, so `serve` starts without the toolkit's imports.
 """
@@ -6,6 +6,7 @@ Each command's module is imported only when it runs, so `serve` starts without t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,11 @@ RUNTIME_DIR_HELP = (
     "the daemon's socket directory (default: $RUNTIME_DIRECTORY, /run/infervisor, $XDG_RUNTIME_DIR/infervisor "
     "or /tmp/infervisor-UID, the first that applies; serve also honours the config's runtime_dir)"
 )
+#: The import names of the `server` extra (pyproject.toml): a client-only install (`pip install infervisor`)
+#: has none of them, and every subcommand needs some (tests/test_client_install.py keeps the two in step).
+SERVER_MODULES = frozenset({"torch", "psutil", "structlog", "watchdog", "prometheus_client"})
+SERVER_HINT = "this command needs the daemon's dependencies: pip install 'infervisor[server]'"
+
 CONFIG_HELP = (
     "config.json to use (default: $INFERVISOR_CONFIG, else /etc/infervisor/config.json when it exists, "
     "else the shipped configs/default.json)"
@@ -36,6 +42,11 @@ class _HelpFormatter(argparse.HelpFormatter):
         ):
             text += " (default: %(default)s)"
         return text
+
+
+def missing_server_modules() -> list[str]:
+    """The modules of the `server` extra this interpreter cannot import (found without importing them)."""
+    return sorted(name for name in SERVER_MODULES if importlib.util.find_spec(name) is None)
 
 
 def _version() -> str:
@@ -86,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="for probes: print the state line only and exit 0 ready, 1 degraded, 2 starting/down/stopping/not running",
     )
+
+    metrics = command("metrics", "print the daemon's Prometheus metrics (what a scrape of metrics_listen returns)")
+    metrics.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
 
     infer = command("infer", "send one request from the shell")
     infer.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
@@ -209,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
             return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
         who = f"infervisor {args.command}"
+        missing = missing_server_modules()
+        if missing:
+            # A client-only install: one line, not a traceback from the command's imports (or, for
+            # optimize and bench, from the measuring processes they start).
+            print(f"{who}: {SERVER_HINT} (missing: {', '.join(missing)})", file=sys.stderr)
+            return 2
         code = _run(args)
         # Flushed here, inside the try: a reader that went away (`| head`) shows up now, not in the exit flush.
         sys.stdout.flush()
@@ -233,6 +253,10 @@ def _run(args: argparse.Namespace) -> int:
         from supervisor.commands.status import run_status
 
         return run_status(args)
+    if args.command == "metrics":
+        from supervisor.commands.metrics import run_metrics
+
+        return run_metrics(args)
     if args.command == "infer":
         from supervisor.commands.infer import run_infer
 

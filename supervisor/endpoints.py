@@ -11,6 +11,7 @@ from protocol.constants import CLIENT_SOCKET_NAME, MAX_HEADER_BYTES
 from supervisor.client_ledger import PEER_SNDHWM
 from supervisor.config import Config
 from supervisor.curve import ThreadAuthenticator, enable_curve_server
+from supervisor.socket_group import bind_ipc
 
 #: Requests ZeroMQ may queue per connection before reading; the broker's bounded queues do admission control.
 _RCVHWM = 10_000
@@ -35,8 +36,8 @@ class ClientEndpoints:
     def __init__(self, context: zmq.Context[Any], config: Config, runtime_dir: Path) -> None:
         self.ipc_endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
         self.ipc = _router(context, config.max_frame_bytes)
-        self.ipc.bind(self.ipc_endpoint)
-        (runtime_dir / CLIENT_SOCKET_NAME).chmod(0o600)
+        # 0600, or 0660 in config `socket_group`: the kernel checks who connects (docs/protocol.md section 1).
+        bind_ipc(self.ipc, runtime_dir / CLIENT_SOCKET_NAME, config.socket_group)
         # TCP gets its own socket so CURVE (when configured) guards it without touching the ipc endpoint.
         self.tcp: zmq.Socket[Any] | None = None
         self.authenticator: ThreadAuthenticator | None = None

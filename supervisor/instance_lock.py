@@ -36,7 +36,8 @@ class InstanceLock:
     def __init__(self, runtime_dir: Path) -> None:
         self.path = runtime_dir / LOCK_NAME
         try:
-            # O_NOFOLLOW: the runtime dir is ours (0700), but a link planted there must not redirect our write.
+            # O_NOFOLLOW: the runtime dir is ours (0700, or 0750 with a socket_group: its members may only look),
+            # but a link planted there must not redirect our write. 0600: nobody else needs to read the pid.
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise InstanceLockError(f"cannot open the lock file {self.path}: {exc.strerror}") from exc
@@ -55,6 +56,8 @@ class InstanceLock:
                 holder,
             ) from exc
         self._fd: int | None = fd
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)  # one made by hand, or by an older daemon: the socket group may list it, not read it
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 

@@ -1,10 +1,15 @@
-"""Where the sockets live: a private (0700) runtime directory chosen like a systemd service would."""
+"""Where the sockets live: a runtime directory chosen like a systemd service would, 0700 (0750 with a socket_group)."""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
+
+from supervisor.socket_group import SocketGroup, check_may_use, give_to_group
+
+#: The runtime dir's mode with a socket_group: its members may look up the sockets, but create nothing there.
+GROUP_DIR_MODE = 0o750
 
 
 class RuntimeDirError(Exception):
@@ -26,8 +31,12 @@ def default_runtime_dir() -> Path:
     return Path("/tmp") / f"infervisor-{os.getuid()}"
 
 
-def prepare_runtime_dir(path: Path) -> Path:
-    """Create the directory 0700, or check an existing one is ours and not open to others."""
+def prepare_runtime_dir(path: Path, group: SocketGroup | None = None) -> Path:
+    """Create the directory 0700, or check an existing one is ours and that nobody else may write in it.
+
+    Its final mode is set by `restrict_runtime_dir` once the daemon holds its lock: a second daemon,
+    refused by the lock, must not change the directory the first one serves from.
+    """
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = path.lstat()
@@ -39,9 +48,25 @@ def prepare_runtime_dir(path: Path) -> Path:
         raise RuntimeDirError(f"runtime dir {path} is {_kind(info.st_mode)}, not a directory")
     if info.st_uid != os.getuid():
         raise RuntimeDirError(f"{path} belongs to uid {info.st_uid}, not to us (uid {os.getuid()})")
-    if info.st_mode & 0o077:
+    if info.st_mode & 0o022:
+        # Others could swap the lock file before we hold it: closed before anything is created in it.
         os.chmod(path, 0o700)
+    if group is not None:
+        check_may_use(group)  # before the lock and any socket: a group we cannot use stops nothing running
     return path
+
+
+def restrict_runtime_dir(path: Path, group: SocketGroup | None) -> None:
+    """The directory's final access, set while holding its lock: 0700, or 0750 in the socket group.
+
+    The sockets in it are bound under a 0177 umask and given their own mode at once, so opening
+    the directory first exposes none of them with a wider mode than its own.
+    """
+    if group is None:
+        if stat.S_IMODE(path.lstat().st_mode) != 0o700:
+            os.chmod(path, 0o700)
+        return
+    give_to_group(path, group, GROUP_DIR_MODE)
 
 
 def _kind(mode: int) -> str:

@@ -7,9 +7,10 @@ from typing import Any
 
 import psutil
 
+from common.profiles import PROFILES
 from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
-from supervisor.broker import Broker
-from supervisor.config import Config
+from supervisor.broker import Broker, ModelQueue
+from supervisor.config import BatchingConfig, Config
 from supervisor.health import ModelReport
 from supervisor.pool import WorkerPool
 from supervisor.slot import SlotState, WorkerSlot
@@ -57,11 +58,29 @@ def slot_status(slot: WorkerSlot) -> dict[str, Any]:
         "profile": slot.profile,
         "profile_skipped": [n for n in slot.profile_notes.split("; ") if n],
         "profile_build": [n for n in slot.build_notes.split("; ") if n],
+        **accuracy_data(slot),
         "last_profile": slot.last_profile,
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
         "last_event": slot.last_event,
     }
+
+
+def accuracy_data(slot: WorkerSlot) -> dict[str, str | None]:
+    """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
+    numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
+    if slot.profile is None:
+        return {"checked_on": None, "accuracy_warning": None}
+    if slot.model.validation:
+        return {"checked_on": "validation set", "accuracy_warning": None}
+    declared = PROFILES.get(slot.profile)
+    warning = None
+    if declared is not None and declared.changes_numerics:
+        warning = (
+            f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
+            "`validation`, an .npz of real inputs"
+        )
+    return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
 
 
 def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelReport]) -> dict[str, Any]:
@@ -76,13 +95,22 @@ def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelRepo
             "health": report.health.value,
             "reason": report.reason,
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
-            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in model.inputs],
+            "inputs": [
+                {
+                    "name": s.name,
+                    "dtype": s.dtype,
+                    "shape": s.config_shape(),
+                    "synthetic": s.synthetic.to_config() if s.synthetic is not None else None,
+                }
+                for s in model.inputs
+            ],
             "queued": len(queue.waiting),
             "queue_size": queue.capacity,
             "completed": queue.completed,
             "errors": dict(queue.errors),
             "p50_ms": percentile(queue.latencies_ms, 50),
             "p99_ms": percentile(queue.latencies_ms, 99),
+            "batching": batching_status(model.batching, queue),
             "workers": [slot_status(s) for s in slots]
             + [
                 slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
@@ -91,6 +119,24 @@ def models_status(pool: WorkerPool, broker: Broker, reports: dict[str, ModelRepo
             ],
         }
     return models
+
+
+def batching_status(policy: BatchingConfig | None, queue: ModelQueue) -> dict[str, Any] | None:
+    """How a batching model's requests were joined: batches per size (rows), mean size, the wait to be batched."""
+    if policy is None:
+        return None
+    batches = sum(queue.batch_sizes.values())
+    rows = sum(size * count for size, count in queue.batch_sizes.items())
+    return {
+        "max_batch_size": policy.max_batch_size,
+        "max_queue_delay_us": policy.max_queue_delay_us,
+        "preferred_batch_sizes": list(policy.preferred_batch_sizes),
+        "batches": batches,
+        "mean_size": round(rows / batches, 3) if batches else None,
+        "batch_sizes": {str(size): count for size, count in sorted(queue.batch_sizes.items())},
+        "wait_p50_ms": percentile(queue.batch_wait_ms, 50),
+        "wait_p99_ms": percentile(queue.batch_wait_ms, 99),
+    }
 
 
 def config_states(pool: WorkerPool) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 class Daemon:
     """A running `infervisor serve` child process with its runtime dir and log file."""
 
-    def __init__(self, tmp: Path, config: dict[str, Any], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        config: dict[str, Any],
+        env: dict[str, str] | None = None,
+        command_prefix: Sequence[str] = (),
+        cwd: Path = ROOT,
+    ) -> None:
+        """`command_prefix` runs `infervisor serve` through another command (as another user, for one)."""
         self.tmp = tmp
         self.runtime_dir = tmp / "run"
         self.config_path = tmp / "config.json"
@@ -69,6 +77,7 @@ class Daemon:
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             [
+                *command_prefix,
                 sys.executable,
                 "-m",
                 "supervisor",
@@ -80,7 +89,7 @@ class Daemon:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=cwd,
             env={**os.environ, **(env or {})},
         )
         self.endpoint = f"ipc://{self.runtime_dir / CLIENT_SOCKET_NAME}"

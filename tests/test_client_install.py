@@ -1,19 +1,23 @@
-"""A client application's install: `pip install infervisor` in a fresh venv brings no torch, and is served."""
+"""A client install: `pip install infervisor` in a fresh venv has no torch, is served; its CLI says what it lacks."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from supervisor.cli import SERVER_HINT, SERVER_MODULES, build_parser
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
 #: The client's whole dependency closure, at the versions the test suite runs with.
@@ -87,6 +91,8 @@ def test_client_install_has_no_torch_and_is_served(
     no_torch = subprocess.run([python, "-I", "-c", "import torch"], capture_output=True, text=True, timeout=60)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
 
+    _check_cli_refuses_in_one_line(venv, tmp_path)
+
     daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
     daemon.wait_ready()
     # -I: neither the checkout (cwd, PYTHONPATH) nor a user site can stand in for the installed package.
@@ -96,3 +102,41 @@ def test_client_install_has_no_torch_and_is_served(
     with daemon.client() as client:
         expected = client.infer("tiny", {"x": np.arange(16, dtype=np.float32).reshape(1, 16)})["y"]
     np.testing.assert_allclose(np.asarray(reply["y"], np.float32), expected, rtol=1e-6)
+
+
+#: The arguments each subcommand cannot run without; a new subcommand fails the test until it is added here.
+REQUIRED_ARGS: dict[str, list[str]] = {
+    **{name: [] for name in ("serve", "status", "metrics", "restart", "reload", "demo", "bench", "doctor", "report")},
+    **{name: ["--model", "tiny"] for name in ("optimize", "probe", "harden")},
+    "infer": ["--model", "tiny", "--random"],
+}
+
+
+def _check_cli_refuses_in_one_line(venv: Path, tmp: Path) -> None:
+    """Every subcommand of the client-only install's `infervisor` prints the one line and exits 2."""
+    assert set(REQUIRED_ARGS) == set(_subcommands()), "keep REQUIRED_ARGS in step with the CLI's subcommands"
+    missing = ", ".join(sorted(SERVER_MODULES))
+    script = str(venv / "bin" / "infervisor")
+    version = _run([script, "--version"], timeout=60, cwd=tmp)
+    assert version.stdout.startswith("infervisor 0."), version.stdout
+    for name, args in REQUIRED_ARGS.items():
+        done = subprocess.run([script, name, *args], capture_output=True, text=True, timeout=60, cwd=tmp)
+        assert (done.returncode, done.stdout, done.stderr) == (
+            2,
+            "",
+            f"infervisor {name}: {SERVER_HINT} (missing: {missing})\n",
+        ), name
+
+
+def _subcommands() -> list[str]:
+    parser = build_parser()
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sorted(actions[0].choices)
+
+
+def test_the_cli_knows_the_server_extra() -> None:
+    """SERVER_MODULES, which the CLI checks before any subcommand, are the `server` extra's packages."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["server"]
+    # A distribution's import name, where they differ, is its name with '_' for '-' (prometheus-client).
+    names = {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].replace("-", "_") for requirement in extra}
+    assert names == SERVER_MODULES

@@ -14,7 +14,7 @@ from common.cpuinfo import read_caps
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
 from worker.models import build_builtin
-from worker.profiles.export import BatchBuckets, at_batch, batch_only
+from worker.profiles.export import BatchBuckets, at_batch, batch_only, buckets_for
 from worker.profiles.select import select_profile, served_batches
 from worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, noise_of, run_rounds
 from worker.profiles.validate import Tolerance
@@ -122,11 +122,14 @@ def test_pick_fastest_records_the_rounds_noise_and_reason_and_reuses_them(tmp_pa
     assert again.profile == first.profile and again.notes[-1] == f"{summary} (decided earlier, {decision_file.name})"
 
 
-def test_served_batches_are_the_buckets_only_for_a_batch_only_spec() -> None:
-    """A dynamic batch alone is timed at 1 and 8; a fixed batch or another dynamic dim at 1 only."""
-    assert served_batches((TensorSpec("x", "float32", (None, 16)),)) == (1, 8)
+def test_served_batches_are_the_buckets_and_the_batching_sizes_inside_the_bounds() -> None:
+    """A dynamic batch is timed at 1, 8 and the broker's sizes; bounds move the buckets; other dims: 1 only."""
+    free = (TensorSpec("x", "float32", (None, 16)),)
+    assert served_batches(free) == (1, 8) and served_batches(free, (4, 32)) == (1, 4, 8, 32)
+    bounded = (TensorSpec("x", "float32", (None, 16), bounds=((2, 6), None)),)
+    assert buckets_for(bounded) == (2, 6) and served_batches(bounded, (4, 8)) == (2, 4, 6)
     assert served_batches((TensorSpec("x", "float32", (1, 16)),)) == (1,)
-    assert served_batches((TensorSpec("ids", "int64", (None, None)),)) == (1,)
+    assert served_batches((TensorSpec("ids", "int64", (None, None)),), (8,)) == (1,)
     assert not batch_only((TensorSpec("x", "float32", (None, 16)), TensorSpec("m", "float32", (4, 16))))
 
 
@@ -164,6 +167,19 @@ def test_buckets_never_batch_when_a_batch_costs_more_per_row() -> None:
     """Batch 8 dearer than eight singles (a tiny model): every size runs as batch-1 calls."""
     buckets = BatchBuckets({1: _Package(1, []), 8: _Package(8, [])}, {1: 1.0, 8: 9.0})
     assert buckets.plan(8) == (1,) * 8 and buckets.plan(20) == (1,) * 20
+
+
+def test_a_bounded_batch_is_served_from_buckets_inside_its_bounds() -> None:
+    """Buckets 2 and 6 (a batch bounded to 2..6): 2 as is, 3 padded to 6 or run as 2+2 by cost, 6 as is."""
+    calls: list[int] = []
+    buckets = BatchBuckets({2: _Package(2, calls), 6: _Package(6, calls)}, {2: 1.0, 6: 1.5})
+    assert [buckets.plan(n) for n in (2, 3, 5, 6)] == [(2,), (6,), (6,), (6,)]
+    eager = build_builtin("tiny")
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        for rows in (2, 3, 5, 6):
+            torch.testing.assert_close(buckets(x[:rows]), eager(x[:rows]))
+    assert BatchBuckets({2: _Package(2, []), 6: _Package(6, [])}, {2: 1.0, 6: 4.0}).plan(4) == (2, 2)
 
 
 def test_buckets_refuse_inputs_of_different_batches_and_outputs_without_a_batch() -> None:

@@ -70,7 +70,11 @@ def zoo(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> Ite
             "scripted": model_entry(
                 {"torchscript": str(files["dir"] / "two_heads.pt")}, small_image, outputs=["logits", "features"]
             ),
-            "exported": model_entry({"exported": str(files["dir"] / "two_heads.pt2")}, small_image),
+            # Exported with Dim("batch", max=64): the config must bound the batch as the program does.
+            "exported": model_entry(
+                {"exported": str(files["dir"] / "two_heads.pt2")},
+                [{"name": "x", "dtype": "float32", "shape": [[1, 64], 3, 32, 32]}],
+            ),
         },
     }
     daemon = Daemon(tmp_path_factory.mktemp("zoo"), config)

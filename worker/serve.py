@@ -25,6 +25,7 @@ from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
+from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext
@@ -32,7 +33,7 @@ from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from worker.profiles.calibration import load_calibration
 from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance
-from worker.request_path import REHEARSE_AFTER_MS, Rehearsal, prepare
+from worker.request_path import REHEARSE_AFTER_MS, Prepared, Rehearsal, prepare
 from worker.runner import ModelRunner, timed_ms
 from worker.shared_inputs import SharedInputs
 
@@ -63,7 +64,7 @@ class WorkerLoop:
         self.profile_request: wm.Profile | None = None
         self.profile_left = 0
         #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
-        self.shared_inputs = SharedInputs()
+        self.shared_inputs = SharedInputs(client_group=launch.client_gid)
         #: The request path run on a canned request after a long forward pass (worker/request_path.py).
         self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
         self.rehearse_due = False
@@ -130,6 +131,8 @@ class WorkerLoop:
             return None
         if isinstance(message, wm.Request):
             self.serve_request(message, frames[1:])
+        elif isinstance(message, wm.Batch):
+            self.answer_batch(message, frames[1:])
         elif isinstance(message, wm.Canary):
             started = time.perf_counter()
             try:
@@ -218,6 +221,18 @@ class WorkerLoop:
             log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
+        self.send_result(request, prepared, outputs, received, decode_ms, model_ms)
+
+    def send_result(
+        self,
+        request: wm.Request,
+        prepared: Prepared,
+        outputs: list[tuple[str, np.ndarray[Any, Any]]],
+        received: float,
+        decode_ms: float,
+        model_ms: float,
+    ) -> None:
+        """Answer a request with its outputs and timing (an output over the frame limit is an error instead)."""
         encode_started = time.perf_counter()
         try:
             outputs_header = self.encoded_outputs(outputs)
@@ -238,6 +253,57 @@ class WorkerLoop:
         )
         header = prepared.result_header.encode(outputs_header, timing)
         self.send_encoded([*prepared.success, header, *[array for _, array in outputs]])
+
+    def answer_batch(self, batch: wm.Batch, frames: list[Any]) -> None:
+        """Check each member alone, run the good ones as one forward pass, answer each with its own rows.
+
+        A member past its deadline or with a bad input gets its own error reply and leaves the batch;
+        a failing forward pass is every remaining member's error.
+        """
+        received = time.monotonic()
+        started = time.perf_counter()
+        members: list[tuple[wm.Request, Prepared]] = []
+        offset = 0
+        for count in batch.frame_counts:
+            header, member_frames = frames[offset], frames[offset + 1 : offset + count]
+            offset += count
+            try:
+                request = wm.decode(header)
+            except ProtocolError as exc:
+                log.error("bad_batch_member", error=exc.message)
+                continue
+            if not isinstance(request, wm.Request):
+                log.error("bad_batch_member", error=f"a {type(request).__name__} inside a batch")
+                continue
+            if request.deadline is not None and received >= request.deadline:
+                why = "deadline passed before the model ran"
+                self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, why)
+                continue
+            try:
+                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, request, member_frames)))
+            except ProtocolError as exc:
+                self.reply_error(request.request_id, exc.code, exc.message)
+        if not members:
+            return
+        self.requests += len(members)
+        decode_ms = timed_ms(started)
+        rows = [next(iter(prepared.inputs.values())).shape[0] for _, prepared in members]
+        try:
+            model_started = time.perf_counter()
+            outputs = self.runner.forward(batching.join([prepared.inputs for _, prepared in members]))
+            model_ms = timed_ms(model_started)
+            parts = batching.split(outputs, rows)
+        except ProtocolError as exc:
+            for request, _ in members:
+                self.reply_error(request.request_id, exc.code, exc.message)
+            return
+        except Exception as exc:  # noqa: BLE001 - the model itself failed: every member is answered, the worker serves on
+            log.warning("model_error", batch=len(members), error=f"{type(exc).__name__}: {exc}")
+            for request, _ in members:
+                self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
+            return
+        for (request, prepared), own in zip(members, parts, strict=True):
+            self.send_result(request, prepared, own, received, decode_ms, model_ms)
 
     def encoded_outputs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> bytes:
         """The outputs' descriptors, packed once per names, dtypes and shapes; ProtocolError for a frame too long."""
@@ -293,6 +359,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner) -> BuildContext:
         cache=ArtifactCache(Path(launch.cache_dir)) if launch.cache_dir else None,
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
+        served_batches=tuple(launch.served_batches),
     )
 
 
@@ -318,7 +385,7 @@ def serve(launch: LaunchSpec) -> int:
     torch.set_num_threads(launch.threads)
     started = time.perf_counter()
     try:
-        module = load_model(launch.source)
+        module = load_model(launch.source, launch.inputs)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
         context = build_context(launch, runner)

@@ -29,8 +29,8 @@ class SharedInputs:
     def __init__(self, client_group: int | None = None) -> None:
         """`client_group`: a gid whose group-readable objects are read although another uid owns them.
 
-        The one place a configured client group is accepted (the ipc socket's group, once the config
-        has one); None: only objects owned by the daemon's own uid are read.
+        The one place a configured client group is accepted: config `socket_group`, the ipc socket's
+        group (LaunchSpec.client_gid); None: only objects owned by the daemon's own uid are read.
         """
         self._buffers: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = {}
         self.client_group = client_group

@@ -179,6 +179,24 @@ def _layouts(args: argparse.Namespace, config: Config, model: ModelConfig) -> li
     return layouts(config, model.name, read_topology(), sorted(os.sched_getaffinity(0)), cores)
 
 
+def synthetic_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """A WARNING line when a measured profile that changes numerics (int8, bf16) was judged on synthetic inputs."""
+    judged = [
+        row["profile"]
+        for row in rows
+        if "cosine" in row
+        and row.get("checked_on") != "validation set"
+        and (declared := PROFILES.get(row["profile"])) is not None
+        and declared.changes_numerics
+    ]
+    if not judged:
+        return []
+    return [
+        f"WARNING: {', '.join(judged)} change numerics and were judged on synthetic inputs only (no validation set); "
+        "their cosine says little about real inputs: pass --validation FILE.npz or configure `validation`"
+    ]
+
+
 def run_optimize(args: argparse.Namespace) -> int:
     """Measure, choose, check, write (or show); exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
     try:
@@ -217,6 +235,8 @@ def run_optimize(args: argparse.Namespace) -> int:
         return 2
     chosen, verdict = choose(points, {r["profile"]: r for r in rows}, sla, budget)
     print(format_report(rows, points, budget, chosen, verdict))
+    for line in synthetic_warnings(rows):
+        print(line)
     print("")
     if chosen is None:
         print("\n".join(_verdict_lines(verdict)))

@@ -12,7 +12,8 @@ from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.instance_lock import InstanceLock, InstanceLockError
 from supervisor.logs import configure_logging
 from supervisor.planner import PlanError
-from supervisor.runtime_dir import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir
+from supervisor.runtime_dir import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir, restrict_runtime_dir
+from supervisor.socket_group import SocketGroupError
 from supervisor.topology import TopologyError
 
 #: Exit status for a configuration the daemon cannot start with (systemd: do not restart-loop on it).
@@ -33,14 +34,19 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(config_path)
         configure_logging(config.log_level)
-        runtime_dir = prepare_runtime_dir(resolve_runtime_dir(args.runtime_dir, config.runtime_dir))
+        where = resolve_runtime_dir(args.runtime_dir, config.runtime_dir)
+        runtime_dir = prepare_runtime_dir(where, config.socket_group)
         # Before any socket is bound or worker spawned: a second daemon here would take both sockets over.
         lock = InstanceLock(runtime_dir)
+        restrict_runtime_dir(runtime_dir, config.socket_group)
         from supervisor.arbiter import Arbiter
 
         arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root))
     except ConfigError as exc:
         log.error("config_invalid", config=str(config_path), problems=exc.problems)
+        return EXIT_CONFIG
+    except SocketGroupError as exc:  # the group exists, but the daemon's user may not give it files
+        log.error("config_invalid", config=str(config_path), problems=[f"socket_group: {exc}"])
         return EXIT_CONFIG
     except InstanceLockError as exc:
         log.error("cannot_start", error=str(exc), holder_pid=exc.holder_pid)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.accuracy import cosine_text
 from common.profiles import REFERENCE_PROFILE
 from supervisor.toolkit.check import DaemonCheck
 from supervisor.toolkit.constraints import Accuracy, Sla
@@ -34,7 +35,7 @@ def within_budget(row: dict[str, Any], budget: Accuracy) -> str | None:
     if "p50_ms" not in row:
         return f"not available here: {row.get('skipped', 'unknown')}"
     if row["cosine"] < budget.min_cosine:
-        return f"cosine {row['cosine']:.5f} < {budget.min_cosine}"
+        return f"worst-row cosine {cosine_text(row['cosine'], budget.min_cosine)} < {budget.min_cosine}"
     if budget.max_abs_error is not None and row["max_abs_error"] > budget.max_abs_error:
         return f"max abs error {row['max_abs_error']:.3g} > {budget.max_abs_error}"
     if budget.top1 and not row.get("top1", True):

@@ -9,6 +9,7 @@ AOTInductor package) and bf16 (autocast). Packages are cached on disk; see cache
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -23,14 +24,14 @@ import torch
 from common.profiles import PROFILE_NAMES, PROFILES
 from protocol.tensors import TensorSpec
 from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
-from worker.profiles.calibration import Inputs, load_calibration, random_calibration
+from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
 from worker.profiles.export import (
-    BATCH_BUCKETS,
     BatchBuckets,
     ExportError,
     ShapeDispatch,
     at_batch,
     batch_only,
+    buckets_for,
     compile_package,
     export,
     load_package,
@@ -57,6 +58,8 @@ class BuildContext:
     calibration: Path | None = None
     #: Only part of the fastest-pick decision's key: the profiles were checked on it.
     validation: Path | None = None
+    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
+    served_batches: tuple[int, ...] = ()
 
 
 @dataclass
@@ -125,7 +128,7 @@ def _autocast_bf16(module: Any) -> Callable[..., Any]:
 def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
     if context.calibration is None:
         notes.append("calibrated on seeded random inputs (no calibration set configured)")
-        return random_calibration(context.example), "random"
+        return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
     return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
 
 
@@ -169,7 +172,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
     if batch_only(context.specs):
         built: dict[int, Any] = {}
         path = Path()
-        for size in BATCH_BUCKETS:
+        for size in buckets_for(context.specs):
             example = at_batch(context.example, size)
             built[size], path = package(example, _static_specs(context.specs, example), f"batch {size}")
         costs, remembered = _bucket_costs(path.with_suffix(".buckets.json"), built, context.example)
@@ -185,9 +188,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
 
 
 def _static_specs(specs: tuple[TensorSpec, ...], example: Inputs) -> tuple[TensorSpec, ...]:
-    return tuple(
-        TensorSpec(s.name, s.dtype, tuple(t.shape), s.allow_non_finite) for s, t in zip(specs, example, strict=True)
-    )
+    return tuple(dataclasses.replace(s, shape=tuple(t.shape), bounds=()) for s, t in zip(specs, example, strict=True))
 
 
 def _bucket_costs(path: Path, packages: dict[int, Any], example: Inputs) -> tuple[dict[int, float], bool]:

@@ -158,6 +158,23 @@ def batch_only(specs: Sequence[TensorSpec]) -> bool:
     return all(s.shape and s.shape[0] is None and None not in s.shape[1:] for s in specs)
 
 
+def batch_range(specs: Sequence[TensorSpec]) -> tuple[int, int | None]:
+    """The batch sizes every input takes (the tightest of their bounds on dim 0; no upper bound: None)."""
+    ranges = [s.dim_range(0) for s in specs]
+    highs = [high for _, high in ranges if high is not None]
+    return max(low for low, _ in ranges), min(highs) if highs else None
+
+
+def buckets_for(specs: Sequence[TensorSpec]) -> tuple[int, ...]:
+    """BATCH_BUCKETS moved into the batch's declared bounds: the sizes the packages are compiled for.
+
+    A bucket past the bounds would compile a size no request has (and an ExportedProgram source
+    would refuse it); the smallest bucket then serves the smallest batch the model takes.
+    """
+    low, high = batch_range(specs)
+    return tuple(sorted({max(low, bucket if high is None else min(bucket, high)) for bucket in BATCH_BUCKETS}))
+
+
 def at_batch(inputs: Inputs, batch: int) -> Inputs:
     """The inputs padded (with copies of their first row) or cut to `batch` rows, in the memory format they had."""
     resized: list[torch.Tensor] = []
@@ -190,8 +207,8 @@ class BatchBuckets:
     """
 
     def __init__(self, packages: Mapping[int, Callable[..., Any]], costs_ms: Mapping[int, float]) -> None:
-        if sorted(packages) != sorted(costs_ms) or 1 not in packages:
-            raise ValueError(f"buckets {sorted(packages)} need a batch-1 package and a cost each")
+        if not packages or sorted(packages) != sorted(costs_ms):
+            raise ValueError(f"buckets {sorted(packages)} need a cost each, got {sorted(costs_ms)}")
         self.packages = dict(packages)
         self.costs_ms = dict(costs_ms)
         self.plans: dict[int, tuple[int, ...]] = {}
@@ -200,9 +217,9 @@ class BatchBuckets:
     def measure(packages: Mapping[int, Callable[..., Any]], example: Inputs) -> dict[int, float]:
         """Milliseconds per call of each bucket, on the example grown to its size, as the plan should count them.
 
-        Timed in interleaved rounds (timing.py) and counted as batch 1's median time the median
-        per-round ratio, raised by its noise (at least MIN_MARGIN) for the bigger buckets: a batch
-        is only run as one when it is cheaper per row by more than the box's noise can explain.
+        Timed in interleaved rounds (timing.py) and counted as the smallest bucket's median time the
+        median per-round ratio, raised by its noise (at least MIN_MARGIN) for the bigger buckets: a
+        batch is only run as one when it is cheaper per row by more than the box's noise can explain.
         """
         grown = {size: at_batch(example, size) for size in packages}
 
@@ -213,7 +230,7 @@ class BatchBuckets:
         contenders = [Contender(str(size), lambda: None, {1: call(size)}) for size in packages]
         with torch.inference_mode():
             rounds = run_rounds(contenders, _COST_S, *_COST_ROUNDS)
-        single = rounds.per_sample_ms["1"][1]
+        single = rounds.per_sample_ms[str(min(packages))][1]
         costs: dict[int, float] = {}
         for size in packages:
             ratios = [mine / one for mine, one in zip(rounds.per_sample_ms[str(size)][1], single, strict=True)]

@@ -28,16 +28,23 @@ from protocol.tensors import TensorSpec
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
-from worker.profiles.export import BATCH_BUCKETS, batch_only
+from worker.profiles.export import batch_only, batch_range, buckets_for
 from worker.profiles.flags import apply_global_flags, reset_global_flags
 from worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
-from worker.profiles.validate import Tolerance, compare
+from worker.profiles.validate import Tolerance, compare, worst_of
 from worker.runner import ModelRunner
+from worker.synthetic import describe as describe_synthetic
 
 log = structlog.get_logger("worker")
 
-#: Validation samples checked one by one when the batch dim is fixed.
-_MAX_CASES = 16
+#: The largest batch the full golden set is checked in (larger sets are checked in batches of this many).
+_MAX_GOLDEN_BATCH = 32
+#: Without a validation set: synthetic samples drawn with these seeds (0 is the warm-up and canary input;
+#: the int8 calibration fallback draws 1..16).
+_SYNTHETIC_SEEDS = (0, 1001, 1002)
+#: A batched check has at least this many rows when the bounds allow: packages are exported at 2, so only
+#: another size shows a batch baked into the graph.
+_MIN_BATCHED_ROWS = 3
 #: Timing for pick "fastest": interleaved rounds until this long has passed, at least and at most so many.
 _TIMING_S = 5.0
 _MIN_ROUNDS = 6
@@ -63,26 +70,118 @@ class _Candidate:
     built: Built
     cosine: float
     build_ms: float
+    #: What the gate measured: the worst row's cosine and error, where they were, and what was checked.
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    """One input the gate runs through eager and the candidate: what it is called, and which sample each row is."""
+
+    label: str
+    inputs: dict[str, torch.Tensor]
+    #: The sample behind each row of the batch (an index into the golden samples).
+    rows: tuple[int, ...]
+    #: What a sample is called (`validation sample`, `synthetic sample`).
+    kind: str = "sample"
+
+    def where(self, row: int) -> str:
+        """Names row `row` (-1: the input as a whole), e.g. `validation sample 3 in a batch of 8 (row 3)`."""
+        if len(self.rows) == 1:
+            return self.label
+        if not 0 <= row < len(self.rows):
+            return f"{self.label} (samples {_rows_text(self.rows)})"
+        return f"{self.kind} {self.rows[row]} in {self.label} (row {row})"
+
+
+@dataclass(frozen=True)
+class GoldenSet:
+    """Every input a profile is checked on, and what they are in one phrase (for the notes and refusals)."""
+
+    cases: list[GoldenCase]
+    checked: str
+
+
+def _batch_range(runner: ModelRunner) -> tuple[int, int | None] | None:
+    """The batch sizes every input takes (its first dim, open in each), or None when the batch is not dynamic."""
+    if not all(spec.shape and spec.shape[0] is None for spec in runner.specs):
+        return None
+    ranges = [spec.dim_range(0) for spec in runner.specs]
+    highs = [high for _, high in ranges if high is not None]
+    return max(low for low, _ in ranges), min(highs) if highs else None
+
+
+def _batched_sizes(count: int, batch: tuple[int, int | None], bounded: bool, served: Sequence[int] = ()) -> list[int]:
+    """The batch sizes all `count` samples are checked at together: the whole set (in chunks when it is larger
+    than the model takes or than _MAX_GOLDEN_BATCH), at least _MIN_BATCHED_ROWS rows, a bounded batch at its
+    bounds, and each batch size the broker joins requests into (`served`, samples cycled to fill it)."""
+    low, high = batch
+    largest = min(high, _MAX_GOLDEN_BATCH) if high is not None else _MAX_GOLDEN_BATCH
+    size = max(low, min(count, largest), min(_MIN_BATCHED_ROWS, high if high is not None else _MIN_BATCHED_ROWS))
+    sizes = [size] * max(1, -(-count // size))
+    if bounded:
+        sizes += [bound for bound in (low, high) if bound is not None and bound > 1 and bound not in sizes]
+    sizes += [n for n in served if n > 1 and n not in sizes and (high is None or n <= high)]
+    return sizes
+
+
+def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()) -> GoldenSet:
+    """The inputs every profile is checked on against eager: each sample alone (batch 1), and all of them batched.
+
+    The samples are the model's validation set when one is configured (synthetic inputs say little about
+    a quantized model with real weights), else synthetic samples drawn as the inputs declare. With a
+    dynamic batch they are also checked together, at the batch sizes the model serves (_batched_sizes):
+    tracing can bake batch 1 into a graph, packages keep a batch-1 variant, and a kernel's numerics
+    can differ between batch sizes, so neither alone speaks for the other. The gate takes the worst row
+    of them all.
+    """
+    names = [spec.name for spec in runner.specs]
+    batch = _batch_range(runner)
+    if validation:
+        kind = "validation sample"
+        samples = [dict(zip(names, sample, strict=True)) for sample in validation]
+        what = f"{len(samples)} validation samples"
+    else:
+        kind = "synthetic sample"
+        seeds = _SYNTHETIC_SEEDS if batch is None or batch[0] == 1 else _SYNTHETIC_SEEDS[:1]
+        samples = [runner.example_inputs(batch=1, seed=seed) for seed in seeds]
+        what = f"{len(samples)} {describe_synthetic(runner.specs)}"  # e.g. "3 synthetic samples (x: uniform 0..1)"
+    if batch is None:
+        if any(d is None for spec in runner.specs for d in spec.shape) and not validation:
+            # A dynamic dim that is not a batch (a sequence length): checked at another size too.
+            larger = GoldenCase(f"a synthetic input at size {_MIN_BATCHED_ROWS}",
+                                runner.example_inputs(batch=_MIN_BATCHED_ROWS), (0,))  # fmt: skip
+            return GoldenSet(
+                [*_alone(samples, kind), larger], f"{what}, each alone and once at size {_MIN_BATCHED_ROWS}"
+            )
+        return GoldenSet(_alone(samples, kind), f"{what}, each alone")
+    bounded = any(spec.bounds and spec.bounds[0] is not None for spec in runner.specs)
+    sizes = _batched_sizes(len(samples), batch, bounded, served)
+    cases = _alone(samples, kind) if batch[0] == 1 else []
+    start = 0
+    for size in sizes:
+        rows = tuple((start + i) % len(samples) for i in range(size))
+        start = (start + size) % len(samples) if size < len(samples) else 0
+        inputs = {name: torch.cat([samples[r][name] for r in rows]) for name in names}
+        cases.append(GoldenCase(f"a batch of {size}", inputs, rows, kind))
+    alone = "each alone and " if batch[0] == 1 else ""
+    return GoldenSet(cases, f"{what}, {alone}batched at {', '.join(str(n) for n in sizes)}")
+
+
+def _alone(samples: list[dict[str, torch.Tensor]], kind: str) -> list[GoldenCase]:
+    return [GoldenCase(f"{kind} {i} alone", sample, (i,), kind) for i, sample in enumerate(samples)]
+
+
+def _rows_text(rows: tuple[int, ...]) -> str:
+    """`0-7`, or `0-7 cycled` when samples repeat."""
+    if list(rows) == list(range(rows[0], rows[0] + len(rows))):
+        return f"{rows[0]}-{rows[-1]}" if len(rows) > 1 else str(rows[0])
+    return f"{min(rows)}-{max(rows)} cycled"
 
 
 def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> list[dict[str, torch.Tensor]]:
-    """The inputs every profile is checked on: batch 1, and a batch of several when the batch dim is dynamic.
-
-    Seeded random inputs by default; the model's validation set when one is configured (random
-    inputs say little about a quantized model with real weights). A dynamic batch is checked at
-    more than 1 as well: tracing can bake batch 1 into a graph, and packages keep a batch-1 variant.
-    """
-    names = [spec.name for spec in runner.specs]
-    dynamic = any(d is None for spec in runner.specs for d in spec.shape)
-    if not validation:
-        # 3, not 2: packages are exported at 2, so only another size shows a batch baked into the graph.
-        batches = [1, 3] if dynamic else [1]
-        return [runner.example_inputs(batch=b) for b in batches]
-    samples = [dict(zip(names, sample, strict=True)) for sample in validation[:_MAX_CASES]]
-    if not dynamic:
-        return samples
-    together = {name: torch.cat([sample[name] for sample in samples]) for name in names}
-    return [samples[0], together] if len(samples) > 1 else [samples[0]]
+    """The inputs of golden_set, in its order."""
+    return [case.inputs for case in golden_set(runner, validation).cases]
 
 
 class _Trial:
@@ -103,7 +202,8 @@ class _Trial:
         self.tolerance = tolerance
         self.caps = caps
         self.eager = runner.module
-        self.cases = golden_cases(runner, validation)
+        self.golden = golden_set(runner, validation, context.served_batches)
+        self.cases = [case.inputs for case in self.golden.cases]
         self.reference = [[a for _, a in runner.forward(case)] for case in self.cases]
 
     def attempt(self, name: str) -> _Candidate | str:
@@ -118,12 +218,12 @@ class _Trial:
                 built = build_profile(name, self.context)
                 self.runner.module = built.callable
                 self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
-                failure = None
-                cosine = 1.0
-                for case, reference in zip(self.cases, self.reference, strict=True):
-                    agreement = compare(reference, [a for _, a in self.runner.forward(case)])
-                    cosine = min(cosine, agreement.cosine)
-                    failure = failure or agreement.failure(self.tolerance)
+                agreements = [
+                    (compare(reference, [a for _, a in self.runner.forward(case.inputs)]), case.where)
+                    for case, reference in zip(self.golden.cases, self.reference, strict=True)
+                ]
+                result = worst_of(agreements, self.golden.checked)
+                failure = result.failure(self.tolerance)
         except ProfileError as exc:
             failure = str(exc)
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
@@ -131,11 +231,12 @@ class _Trial:
         if failure is not None:
             self.reset()
             return failure
-        return _Candidate(name, built, cosine, (time.perf_counter() - started) * 1000.0)
+        summary = result.summary(self.tolerance.min_cosine)
+        return _Candidate(name, built, result.cosine, (time.perf_counter() - started) * 1000.0, summary=summary)
 
     def time(self, candidates: Sequence[_Candidate]) -> Decision:
         """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""
-        batches = served_batches(self.runner.specs)
+        batches = served_batches(self.runner.specs, self.context.served_batches)
         inputs = {b: self.runner.example_inputs(batch=b) for b in batches}
 
         def contender(candidate: _Candidate) -> Contender:
@@ -162,14 +263,20 @@ class _Trial:
         apply_global_flags(candidate.name)
 
 
-def served_batches(specs: Sequence[TensorSpec]) -> tuple[int, ...]:
-    """The batch sizes a fastest pick times: 1, and the buckets when the batch is the only dynamic dim."""
-    return tuple(sorted({1, *BATCH_BUCKETS})) if batch_only(specs) else (1,)
+def served_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) -> tuple[int, ...]:
+    """The batch sizes a fastest pick times: the smallest the model takes, the packages' buckets, and the sizes
+    the broker joins requests into (`configured`), all within the batch's bounds; when the batch is not the only
+    dynamic dim, the example's size alone (other dims would change with it)."""
+    if not batch_only(specs):
+        return (1,)
+    low, high = batch_range(specs)
+    inside = {size for size in configured if low <= size and (high is None or size <= high)}
+    return tuple(sorted({*buckets_for(specs), *inside}))
 
 
 def remembered_pick(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
     """Where a fastest pick of this chain for this model, machine and thread count is remembered (None: no cache)."""
-    return _decision_path(context, chain, tolerance, served_batches(context.specs))
+    return _decision_path(context, chain, tolerance, served_batches(context.specs, context.served_batches))
 
 
 def _decision_path(
@@ -232,7 +339,7 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
-    path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs))
+    path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
     if path is None or not path.exists():
         return None
     try:
@@ -250,7 +357,7 @@ def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], toleran
 
 
 def _built_in(candidate: _Candidate) -> str:
-    return f"built and checked against eager in {candidate.build_ms:.0f} ms (cosine {candidate.cosine:.5f})"
+    return f"built and checked against eager in {candidate.build_ms:.0f} ms: {candidate.summary}"
 
 
 def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection:
@@ -270,7 +377,7 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
         trial.reset()
     if not passed:
         return _last_resort(trial, chain, skipped)
-    batches = served_batches(trial.runner.specs)
+    batches = served_batches(trial.runner.specs, context.served_batches)
     record: dict[str, object] = {"threads": torch.get_num_threads(), "batches": list(batches)}
     if len(passed) == 1:
         (best,) = passed
