@@ -193,8 +193,8 @@ def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tm
     config = _tiny_config(tmp_path)
     before = config.read_text()
     report = tmp_path / "report.json"
-    done = _optimize("--model", "tiny", "--config", str(config), "--profiles", "eager,jit,bf16",
-                     "--seconds", "0.3", "--dry-run", "--json", str(report))  # fmt: skip
+    done = _optimize("--model", "tiny", "--config", str(config), "--profiles", "eager,jit,bf16", "--layouts", "1x1",
+                     "--no-check", "--seconds", "0.3", "--dry-run", "--json", str(report))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "VERDICT: the SLA can be met on this box" in done.stdout
     assert config.read_text() == before
@@ -213,7 +213,7 @@ def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path:
     raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
     constraints.write_text(json.dumps(raw))
     done = _optimize("--model", "tiny", "--config", str(config), "--constraints", str(constraints),
-                     "--profiles", "eager,jit,bf16", "--seconds", "0.3")  # fmt: skip
+                     "--profiles", "eager,jit,bf16", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "VERDICT: the SLA cannot be met on this box." in done.stdout and "P99" in done.stdout
     assert any(line.startswith("bf16") and " OUT " in line for line in done.stdout.splitlines()), done.stdout

@@ -2,8 +2,10 @@
 
 pick "first": the first such profile of the chain serves (the chain is the operator's order of
 preference, and later entries are the fallbacks). pick "fastest": every profile of the chain is
-built, validated and timed, and the fastest serves; that decision is kept in the artifact cache so
-a restarted worker builds only the winner.
+built and validated, the ones that pass are timed in interleaved rounds at the batch sizes the
+model serves (timing.py), and a later profile serves instead of an earlier one only when it is
+faster by more than the measured noise; that decision is kept in the artifact cache so a restarted
+worker builds only the winner.
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
 
 from common.cpuinfo import CpuCaps
 from common.profiles import REFERENCE_PROFILE, cpu_refusal
+from protocol.tensors import TensorSpec
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
+from worker.profiles.export import batch_only, batch_range, buckets_for
 from worker.profiles.flags import apply_global_flags, reset_global_flags
+from worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
 from worker.profiles.validate import Tolerance, compare, worst_of
 from worker.runner import ModelRunner
 from worker.synthetic import describe as describe_synthetic
@@ -41,9 +45,12 @@ _SYNTHETIC_SEEDS = (0, 1001, 1002)
 #: A batched check has at least this many rows when the bounds allow: packages are exported at 2, so only
 #: another size shows a batch baked into the graph.
 _MIN_BATCHED_ROWS = 3
-#: Timing a candidate for pick "fastest": at least this many runs, and more until this long has passed.
-_TIMING_RUNS = 5
-_TIMING_S = 0.5
+#: Timing for pick "fastest": interleaved rounds until this long has passed, at least and at most so many.
+_TIMING_S = 5.0
+_MIN_ROUNDS = 6
+_MAX_ROUNDS = 60
+#: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
+_PICK_FORMAT = 2
 
 
 @dataclass
@@ -63,7 +70,6 @@ class _Candidate:
     built: Built
     cosine: float
     build_ms: float
-    median_ms: float = 0.0
     #: What the gate measured: the worst row's cosine and error, where they were, and what was checked.
     summary: str = ""
 
@@ -178,16 +184,6 @@ def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> li
     return [case.inputs for case in golden_set(runner, validation).cases]
 
 
-def _median_ms(run: Callable[[], Any]) -> float:
-    times: list[float] = []
-    stop = time.perf_counter() + _TIMING_S
-    while len(times) < _TIMING_RUNS or (time.perf_counter() < stop and len(times) < 200):
-        started = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - started) * 1000.0)
-    return sorted(times)[len(times) // 2]
-
-
 class _Trial:
     """Builds and validates candidates against the eager reference on the golden inputs."""
 
@@ -238,13 +234,23 @@ class _Trial:
         summary = result.summary(self.tolerance.min_cosine)
         return _Candidate(name, built, result.cosine, (time.perf_counter() - started) * 1000.0, summary=summary)
 
-    def time(self, candidate: _Candidate) -> float:
-        """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
-        self.runner.module = candidate.built.callable
-        apply_global_flags(candidate.name)
-        golden = self.cases[0]
-        with self.attempts.attempting(candidate.name, "being timed"):
-            return _median_ms(lambda: self.runner.forward(golden))
+    def time(self, candidates: Sequence[_Candidate]) -> Decision:
+        """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""
+        batches = served_batches(self.runner.specs, self.context.served_batches)
+        inputs = {b: self.runner.example_inputs(batch=b) for b in batches}
+
+        def contender(candidate: _Candidate) -> Contender:
+            runs = {b: (lambda case=inputs[b]: self.runner.forward(case)) for b in batches}
+            return Contender(candidate.name, lambda: self.install(candidate), runs)
+
+        rounds = run_rounds(
+            [contender(c) for c in candidates],
+            _TIMING_S,
+            _MIN_ROUNDS,
+            _MAX_ROUNDS,
+            guard=lambda name: self.attempts.attempting(name, "being timed"),
+        )
+        return decide([c.name for c in candidates], rounds)
 
     def reset(self) -> None:
         """Back to eager, with every process-wide flag a profile switches off."""
@@ -257,10 +263,30 @@ class _Trial:
         apply_global_flags(candidate.name)
 
 
-def _decision_path(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+def served_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) -> tuple[int, ...]:
+    """The batch sizes a fastest pick times: the smallest the model takes, the packages' buckets, and the sizes
+    the broker joins requests into (`configured`), all within the batch's bounds; when the batch is not the only
+    dynamic dim, the example's size alone (other dims would change with it)."""
+    if not batch_only(specs):
+        return (1,)
+    low, high = batch_range(specs)
+    inside = {size for size in configured if low <= size and (high is None or size <= high)}
+    return tuple(sorted({*buckets_for(specs), *inside}))
+
+
+def remembered_pick(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+    """Where a fastest pick of this chain for this model, machine and thread count is remembered (None: no cache)."""
+    return _decision_path(context, chain, tolerance, served_batches(context.specs, context.served_batches))
+
+
+def _decision_path(
+    context: BuildContext, chain: Sequence[str], tolerance: Tolerance, batches: Sequence[int]
+) -> Path | None:
     if context.cache is None:
         return None
     key = {
+        "format": _PICK_FORMAT,
+        "batches": list(batches),
         "model": context.digest,
         "chain": list(chain),
         "tolerance": asdict(tolerance),
@@ -313,23 +339,19 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
-    path = _decision_path(context, chain, tolerance)
+    path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
     if path is None or not path.exists():
         return None
     try:
         decision = json.loads(path.read_text())
-        name, timings = str(decision["profile"]), dict(decision["timings_ms"])
+        name, summary = str(decision["profile"]), str(decision["summary"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     outcome = trial.attempt(name)
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
         return None
-    notes = [
-        *outcome.built.notes,
-        _built_in(outcome),
-        f"fastest of {_timing_text(timings)} (decided earlier, {path.name})",
-    ]
+    notes = [*outcome.built.notes, _built_in(outcome), f"{summary} (decided earlier, {path.name})"]
     log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
     return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
 
@@ -338,37 +360,54 @@ def _built_in(candidate: _Candidate) -> str:
     return f"built and checked against eager in {candidate.build_ms:.0f} ms: {candidate.summary}"
 
 
-def _timing_text(timings: dict[str, float]) -> str:
-    return ", ".join(f"{n} {ms:.3g} ms" for n, ms in sorted(timings.items(), key=lambda item: item[1]))
-
-
 def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection:
+    """Build and check every profile of the chain, time those that pass together, serve what the timing decides.
+
+    Every passing candidate stays alive until the decision (interleaving needs them all at once), so
+    the pick briefly holds each one's weights or packages; the losers are dropped before serving.
+    """
     skipped: list[str] = []
-    slower: list[str] = []
-    timings: dict[str, float] = {}
-    best: _Candidate | None = None
+    passed: list[_Candidate] = []
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
-            outcome.median_ms = trial.time(outcome)
-            timings[name] = round(outcome.median_ms, 4)
-            # Only the fastest so far stays alive: every candidate holds its own weights (or packages).
-            loser = outcome if best is not None and outcome.median_ms >= best.median_ms else best
-            best = outcome if loser is not outcome else best
-            if loser is not None:
-                slower.append(f"{loser.name}: passed (cosine {loser.cosine:.5f}), {loser.median_ms:.3g} ms (slower)")
+            passed.append(outcome)
         else:
             skipped.append(f"{name}: {outcome}")
         trial.reset()
-    if best is None:
+    if not passed:
         return _last_resort(trial, chain, skipped)
-    skipped += slower
+    batches = served_batches(trial.runner.specs, context.served_batches)
+    record: dict[str, object] = {"threads": torch.get_num_threads(), "batches": list(batches)}
+    if len(passed) == 1:
+        (best,) = passed
+        summary = f"fastest pick: {best.name} is the only profile of the chain that passed (not timed)"
+    else:
+        decision = trial.time(passed)
+        best = next(c for c in passed if c.name == decision.profile)
+        summary = describe(decision, torch.get_num_threads())
+        served = decision.ratios[best.name]
+        skipped += [
+            f"{c.name}: passed (cosine {c.cosine:.5f}), not picked: x{decision.ratios[c.name] / served:.3f} the "
+            f"per-sample time of {best.name}{' (within the noise)' if decision.ratios[c.name] < served else ''}"
+            for c in passed
+            if c is not best
+        ]
+        record.update(
+            fastest=decision.fastest,
+            rounds=decision.rounds,
+            per_sample_ms={n: {str(b): round(ms, 5) for b, ms in v.items()} for n, v in decision.per_sample_ms.items()},
+            ratios={n: round(r, 4) for n, r in decision.ratios.items()},
+            noise={n: round(x, 4) for n, x in decision.noise.items()},
+            reason=decision.reason,
+        )
+    passed.clear()  # the losers' weights and packages go with their last reference
+    trial.reset()
     trial.install(best)
-    _remember(
-        _decision_path(context, chain, tolerance), {"profile": best.name, "timings_ms": timings, "skipped": skipped}
-    )
-    notes = [*best.built.notes, _built_in(best), f"fastest of {_timing_text(timings)}"]
-    log.info("profile_selected", profile=best.name, pick="fastest", timings_ms=timings, skipped=skipped)
+    record.update(profile=best.name, summary=summary, skipped=skipped)
+    _remember(_decision_path(context, chain, tolerance, batches), record)
+    notes = [*best.built.notes, _built_in(best), summary]
+    log.info("profile_selected", profile=best.name, pick="fastest", decision=record.get("reason"), skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)
 
 
