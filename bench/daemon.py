@@ -29,16 +29,16 @@ def builtin_entry(model: str, **extra: Any) -> dict[str, Any]:
 
 
 def start_daemon(
-    config: dict[str, Any], runtime_dir: Path, env: dict[str, str] | None = None
+    config: dict[str, Any], runtime_dir: Path, env: dict[str, str] | None = None, root: Path = ROOT
 ) -> subprocess.Popen[bytes]:
-    """Write the config beside the runtime dir, start the daemon (log beside it too), wait for it."""
+    """Write the config beside the runtime dir, start the daemon of checkout `root` (log beside it too), wait for it."""
     runtime_dir.parent.mkdir(parents=True, exist_ok=True)
     path = runtime_dir.parent / f"{runtime_dir.name}-config.json"
     path.write_text(json.dumps(config))
     log = (runtime_dir.parent / f"{runtime_dir.name}-daemon.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "supervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
-        cwd=ROOT,
+        cwd=root,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

@@ -1,7 +1,7 @@
 """Where a sequential client's round trip goes, leg by leg, for the daemon with and without one config change.
 
-    python bench/legs.py [--model resnet18] [--pairs 4] [--requests 130] [--cpu-latency-us 0] [--set keep_warm_ms=1]
-                         [--shm] [--both keep_warm_ms=1]
+    python bench/legs.py [--model resnet18] [--pairs 4] [--requests 130] [--cpu-latency-us 0]
+                         [--set pin_supervisor=false] [--shm] [--both pin_supervisor=false]
 
 Runs the daemon (one worker of the model) alternately without and with `--set KEY=JSON` (top-level
 config keys; `--both` sets one on both sides), `--pairs` times each, so both sides see the same

@@ -2,7 +2,8 @@
 
     python bench/transport.py [--models tiny,resnet18] [--clients 8] [--seconds 5] [--json out.json]
                               [--workers tiny=1,resnet18=2] [--prefetch tiny=4,resnet18=2] [--bare-workers 2]
-                              [--float-supervisor] [--cpu-latency-us 0] [--keep-warm-ms 1]
+                              [--float-supervisor] [--cpu-latency-us 0]
+                              [--config configs/default.json] [--kinds raw,shm,client]
 
 All figures come from one run on one machine, so compare ratios, not absolutes across runs.
 
@@ -15,8 +16,15 @@ workers to keep one busy while the other answers (with one it does 5,000-6,500 r
 same request while the in-process and bare-broker rows run, so every row sees the same idle CPUs.
 It needs write access to /dev/cpu_dma_latency (root).
 
-`--keep-warm-ms N` runs the daemon twice, without and then with `keep_warm_ms` N (the broker
-rehearses its path while a worker holds a request), and adds the second daemon's raw-socket rows.
+`--config FILE` serves that file's models as it configures them (profiles, pick, workers, prefetch,
+cache_dir and its other keys), instead of eager built-ins in the bench's layout, and runs only the
+daemon rows: the baselines run the eager model, which would not be the one served. Each model's
+name must be a built-in the clients know the input of (tiny, resnet18, resnet50). Give the file a
+`cache_dir` that persists, so a compiled profile is built once and never timed.
+
+`--kinds` runs only those client kinds against the daemon (raw, shm, client; all by default): with
+`raw` alone a run is a third as long, so alternating runs of two builds come closer in time. The
+ratios need the raw-socket rows.
 """
 
 from __future__ import annotations
@@ -80,10 +88,17 @@ def in_process(model: str, seconds: float, threads: int) -> list[float]:
 #: daemon and baseline), the same with the tensor in a shared-memory region, or protocol.Client,
 #: what an application would use.
 CLIENT_KINDS = {"raw": "raw socket", "shm": "raw socket, shared memory", "client": "protocol.Client"}
+#: How long the clients may take to start and answer their first request before the run fails.
+_WARM_TIMEOUT_S = 120.0
 
 
-def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind: str, out: Any) -> None:
-    """One client process: back-to-back requests until the shared stop time; sends its latencies home."""
+def client_loop(endpoint: str, model: str, seconds: float, warm: Any, kind: str, out: Any) -> None:
+    """One client process: back-to-back requests for `seconds` once every client is warm; sends its latencies home.
+
+    `warm` is a barrier of all the clients and the parent: on a loaded machine spawning eight Python
+    processes can take longer than a fixed head start, and a late client would leave the others to
+    run part of the window with fewer than N clients, or record nothing at all.
+    """
     import zmq
 
     from protocol.client_messages import InferRequest, encode_infer
@@ -133,9 +148,8 @@ def client_loop(endpoint: str, model: str, seconds: float, start_at: float, kind
             break
         except Exception:  # noqa: BLE001 - the baseline may not be listening yet
             time.sleep(0.1)
-    while time.time() < start_at:
-        time.sleep(0.001)
-    stop = start_at + seconds
+    warm.wait(_WARM_TIMEOUT_S)
+    stop = time.time() + seconds
     overheads: list[float] = []
     while time.time() < stop and len(latencies) < 500_000:
         started = time.perf_counter()
@@ -161,13 +175,14 @@ def run_clients(
     ctx = multiprocessing.get_context("spawn")
     pipes = []
     procs = []
-    start_at = time.time() + 3.0 + 0.3 * clients
+    warm = ctx.Barrier(clients + 1)
     for _ in range(clients):
         receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, start_at, kind, sender))
+        proc = ctx.Process(target=client_loop, args=(endpoint, model, seconds, warm, kind, sender))
         proc.start()
         pipes.append(receiver)
         procs.append(proc)
+    warm.wait(_WARM_TIMEOUT_S)
     latencies: list[float] = []
     overheads: list[float] = []
     errors = 0
@@ -220,17 +235,46 @@ def measure(
     layout: tuple[int, int, int],
     pin: bool,
     cpu_latency_us: int | None,
-    keep_warm_ms: int | None,
     tmp: Path,
+    kinds: list[str],
+    served: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of one model: in-process, the bare baseline and the daemon, 1 and N clients.
 
-    `layout` is the daemon's workers and prefetch, then the bare broker's workers.
+    `layout` is the daemon's workers and prefetch, then the bare broker's workers. With `served`
+    (a config.json of this model), the daemon runs that config and the baselines do not run.
     """
+    workers, prefetch, bare_workers = layout
+    rows = [] if served is not None else baselines(model, clients, seconds, bare_workers, cpu_latency_us, tmp)
+    daemon_dir = tmp / f"daemon-{model}"
+    config = served or {
+        "oversubscribe": True,
+        "pin_supervisor": pin,
+        "cpu_latency_us": cpu_latency_us,
+        "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
+    }
+    daemon = start_daemon({**config, "log_level": "warning"}, daemon_dir)
+    try:
+        endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
+        for kind in kinds:
+            for n in (1, clients):
+                latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
+                rows.append(
+                    row(model, f"daemon, {n} client(s), {CLIENT_KINDS[kind]}", latencies, seconds, errors, overheads)
+                )
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+    return rows
+
+
+def baselines(
+    model: str, clients: int, seconds: float, bare_workers: int, cpu_latency_us: int | None, tmp: Path
+) -> list[dict[str, Any]]:
+    """The eager model in-process, and behind the bare pyzmq broker with 1 and N clients."""
     from bench import bare_broker
     from supervisor.cpu_latency import CpuLatencyHold
 
-    workers, prefetch, bare_workers = layout
     # The baselines get the idle policy the daemon will hold for itself; the daemon's rows run on its own hold.
     hold = CpuLatencyHold()
     hold.reconcile(cpu_latency_us, throttled=False)
@@ -250,28 +294,6 @@ def measure(
                 process.kill()
     finally:
         hold.release("bench baseline done")
-    for warm in [None] if keep_warm_ms is None else [None, keep_warm_ms]:
-        daemon_dir = tmp / f"daemon-{model}-{warm}"
-        config = {
-            "log_level": "warning",
-            "oversubscribe": True,
-            "pin_supervisor": pin,
-            "cpu_latency_us": cpu_latency_us,
-            "keep_warm_ms": warm,
-            "models": {model: builtin_entry(model, workers=workers, queue_size=1024, prefetch=prefetch)},
-        }
-        daemon = start_daemon(config, daemon_dir)
-        try:
-            endpoint = f"ipc://{daemon_dir / CLIENT_SOCKET_NAME}"
-            for kind in CLIENT_KINDS if warm is None else ("raw", "shm"):
-                for n in (1, clients):
-                    latencies, overheads, errors = run_clients(endpoint, model, n, seconds, kind)
-                    name = "daemon" if warm is None else f"daemon keep_warm {warm}"
-                    label = f"{name}, {n} client(s), {CLIENT_KINDS[kind]}"
-                    rows.append(row(model, label, latencies, seconds, errors, overheads))
-        finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(60)
     return rows
 
 
@@ -293,23 +315,34 @@ def main() -> int:
     parser.add_argument(
         "--cpu-latency-us", type=int, help="config cpu_latency_us for the daemon, held for the baselines too (root)"
     )
-    parser.add_argument(
-        "--keep-warm-ms", type=int, help="also run the daemon with config keep_warm_ms N, and compare the two"
-    )
+    parser.add_argument("--config", help="serve this config.json's models as configured; daemon rows only")
+    parser.add_argument("--kinds", default=",".join(CLIENT_KINDS), help="client kinds against the daemon")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-    models = args.models.split(",")
-    workers, prefetch = per_model(args.workers, models), per_model(args.prefetch, models)
+    served = json.loads(Path(args.config).read_text()) if args.config else None
+    models = list(served["models"]) if served is not None else args.models.split(",")
+    unknown = sorted(set(models) - set(SHAPES))
+    if unknown:
+        parser.error(f"no client input for model(s) {unknown}; the bench knows {sorted(SHAPES)}")
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(CLIENT_KINDS) or (served is None and "raw" not in kinds):
+        parser.error(f"--kinds: some of {sorted(CLIENT_KINDS)}, with raw unless --config is given (the ratios need it)")
+    if served is None:
+        workers, prefetch = per_model(args.workers, models), per_model(args.prefetch, models)
+    else:  # the file lays out its own models; --workers and --prefetch do not apply
+        workers = prefetch = dict.fromkeys(models, 0)
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
     rows: list[dict[str, Any]] = []
     for model in models:
         pin = not args.float_supervisor
         layout = (workers[model], prefetch[model], args.bare_workers)
-        rows.extend(
-            measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, args.keep_warm_ms, tmp)
-        )
+        one = None if served is None else {**served, "models": {model: served["models"][model]}}
+        rows.extend(measure(model, args.clients, args.seconds, layout, pin, args.cpu_latency_us, tmp, kinds, one))
     for model in models:
+        if served is not None:
+            print(f"{model}: daemon as configured in {args.config}; {args.clients} client processes")
+            continue
         print(
             f"{model}: daemon {workers[model]} worker(s) x 1 core, prefetch {prefetch[model]}; "
             f"pin_supervisor {'off' if args.float_supervisor else 'on'}; "
@@ -320,17 +353,27 @@ def main() -> int:
         f"{'model':<9} {'path':<58} {'n':>7} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9} {'overhead p50':>13}"
     )
     for r in rows:
-        overhead = "" if r["overhead_p50_ms"] is None else f"{r['overhead_p50_ms']:.3f}"
+        # A row with no answered request (every one an error, or none in time) has no percentiles.
+        p50, p99, overhead = ("" if r[k] is None else f"{r[k]:.3f}" for k in ("p50_ms", "p99_ms", "overhead_p50_ms"))
         print(
             f"{r['model']:<9} {r['path']:<58} {r['n']:>7} {r['errors']:>4} "
-            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['req_s']:>9.1f} {overhead:>13}"
+            f"{p50:>8} {p99:>8} {r['req_s']:>9.1f} {overhead:>13}"
         )
     print("overhead = round trip minus the model time the worker measured for that same request")
+    if served is None:
+        print_ratios(rows, models, args.clients)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def print_ratios(rows: list[dict[str, Any]], models: list[str], clients: int) -> None:
+    """The daemon against the baselines of the same run, and shared-memory inputs against frames."""
     print("\nratios (daemon raw socket / bare pyzmq, same run):")
     for model in models:
         by = {r["path"]: r for r in rows if r["model"] == model}
         base = by["in-process, 1 thread"]
-        for n in (1, args.clients):
+        for n in (1, clients):
             bare = by[f"bare pyzmq, {n} client(s)"]
             ours = by[f"daemon, {n} client(s), raw socket"]
             print(
@@ -339,23 +382,13 @@ def main() -> int:
                 f"added over in-process p50: daemon {ours['p50_ms'] - base['p50_ms']:.3f} ms, "
                 f"bare {bare['p50_ms'] - base['p50_ms']:.3f} ms"
             )
-            shared = by[f"daemon, {n} client(s), {CLIENT_KINDS['shm']}"]
+            shared = by.get(f"daemon, {n} client(s), {CLIENT_KINDS['shm']}")
+            if shared is None:
+                continue
             print(
                 f"    input in shared memory: p50 x{shared['p50_ms'] / ours['p50_ms']:.2f}, "
                 f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {shared['overhead_p50_ms']:.3f} ms"
             )
-            warm = by.get(f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), raw socket")
-            if warm is not None:
-                print(
-                    f"    keep_warm {args.keep_warm_ms}: p50 x{warm['p50_ms'] / ours['p50_ms']:.2f} of the daemon "
-                    "without it, "
-                    f"overhead p50 {ours['overhead_p50_ms']:.3f} -> {warm['overhead_p50_ms']:.3f} ms"
-                )
-                warm_shared = by[f"daemon keep_warm {args.keep_warm_ms}, {n} client(s), {CLIENT_KINDS['shm']}"]
-                print(f"      and the input in shared memory: overhead p50 {warm_shared['overhead_p50_ms']:.3f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

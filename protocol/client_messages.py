@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,6 @@ from protocol.constants import (
     MAX_NAME_LEN,
     MAX_REQUEST_ID_LEN,
     PROTOCOL_VERSION,
-    TIMING_KEYS,
     ClientMessageType,
     ErrorCode,
 )
@@ -102,64 +100,18 @@ def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_f
     return InferRequest(request_id, model, inputs, deadline)
 
 
-class ResultHeader:
-    """A RESULT header encoded in two steps: the fields known before the forward pass, then outputs and timing.
-
-    After a forward pass every line of code runs cold, at several times its warm cost
-    (`python bench/cold_path.py`), so the worker encodes all it can before the model runs.
-    """
-
-    __slots__ = ("_head",)
-
-    def __init__(self, request_id: RequestId, model: str) -> None:
-        head = pack({"v": PROTOCOL_VERSION, "type": ClientMessageType.RESULT.value, "id": request_id, "model": model})
-        # A fixmap of these 4 entries, re-headed as a fixmap of 6: outputs and timing follow as packed pairs.
-        self._head = _RESULT_MAP_HEAD + head[1:]
-
-    def encode(self, outputs: bytes, timing: bytes) -> bytes:
-        """The whole header, given the outputs (`encode_outputs`) and timing (`encode_timing`) already packed."""
-        return b"".join((self._head, _OUTPUTS_KEY, outputs, _TIMING_KEY, timing))
-
-
-_RESULT_MAP_HEAD = bytes([0x80 | 6])
-_OUTPUTS_KEY = pack("outputs")
-_TIMING_KEY = pack("timing")
-
-
-def encode_outputs(outputs: Sequence[TensorDesc]) -> bytes:
-    """The RESULT header's `outputs` value."""
-    return pack([d.to_wire() for d in outputs])
-
-
-#: Each timing key's packed bytes and the float64 marker after it, the first also carrying the map's header.
-_TIMING_KEY_BYTES = [
-    (bytes([0x80 | len(TIMING_KEYS)]) if index == 0 else b"") + pack(key) + b"\xcb"
-    for index, key in enumerate(TIMING_KEYS)
-]
-#: The whole `timing` map as one struct: each key's bytes, then its value as a big-endian float64.
-_TIMING = struct.Struct(">" + "".join(f"{len(key)}sd" for key in _TIMING_KEY_BYTES))
-
-
-def encode_timing(
-    *,
-    queue_ms: float,
-    dispatch_ms: float,
-    decode_ms: float,
-    model_ms: float,
-    encode_ms: float,
-    total_ms: float,
-    accepted_clock_ms: float,
-) -> bytes:
-    """The RESULT header's `timing` value, every key present: one struct call, a third of msgpack's cold cost."""
-    k0, k1, k2, k3, k4, k5, k6 = _TIMING_KEY_BYTES
-    return _TIMING.pack(
-        k0, queue_ms, k1, dispatch_ms, k2, decode_ms, k3, model_ms, k4, encode_ms, k5, total_ms, k6, accepted_clock_ms
-    )
-
-
 def encode_result(request_id: RequestId, model: str, outputs: Sequence[TensorDesc], timing: dict[str, float]) -> bytes:
-    """Header bytes of a successful reply (any timing keys)."""
-    return ResultHeader(request_id, model).encode(encode_outputs(outputs), pack(timing))
+    """Header bytes of a successful reply."""
+    return pack(
+        {
+            "v": PROTOCOL_VERSION,
+            "type": ClientMessageType.RESULT.value,
+            "id": request_id,
+            "model": model,
+            "outputs": [d.to_wire() for d in outputs],
+            "timing": timing,
+        }
+    )
 
 
 def encode_error(request_id: RequestId | None, code: ErrorCode, message: str) -> bytes:

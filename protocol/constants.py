@@ -66,6 +66,7 @@ class WorkerMessageType(enum.IntEnum):
     CANARY_RESULT = 9
     PROFILE = 10
     PROFILE_RESULT = 11
+    BATCH = 12
     PROGRESS = 13
 
 
@@ -115,6 +116,9 @@ DTYPE_ITEMSIZE: Final[dict[str, int]] = {
     "float32": 4,
     "float64": 8,
 }
+
+#: Most requests the broker joins into one batch (the worker link carries each one's headers and frames).
+MAX_BATCH_REQUESTS: Final = 64
 
 #: Hard ceilings of the header decoder; they bound memory whatever a peer sends.
 MAX_HEADER_BYTES: Final = 64 * 1024

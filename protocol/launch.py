@@ -65,6 +65,8 @@ class LaunchSpec:
     compile_timeout_s: float | None = None
     #: `infervisor build`: build and check every packaged profile of the chain, report each, then exit without serving.
     build_only: bool = False
+    #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.
+    served_batches: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -76,10 +78,7 @@ class LaunchSpec:
         """Parse what to_json wrote; raises ValueError/TypeError/KeyError on anything else."""
         raw = json.loads(text)
         raw["source"] = ModelSource(**raw["source"])
-        raw["inputs"] = tuple(
-            TensorSpec(s["name"], s["dtype"], tuple(s["shape"]), bool(s.get("allow_non_finite", False)))
-            for s in raw["inputs"]
-        )
+        raw["inputs"] = tuple(TensorSpec.from_dict(s) for s in raw["inputs"])
         raw["output_names"] = tuple(raw["output_names"]) if raw.get("output_names") is not None else None
         raw["cpus"] = tuple(raw["cpus"])
         raw["profiles"] = tuple(raw.get("profiles", ("eager",)))

@@ -53,23 +53,85 @@ class TensorDesc:
         return wire
 
 
+#: The synthetic data an input may declare (config `inputs[].synthetic`): each distribution's parameters and their
+#: defaults (None: required). Drawn seeded for warm-up, golden inputs, the calibration fallback and canaries.
+SYNTHETIC_DISTRIBUTIONS: dict[str, dict[str, float | None]] = {
+    "normal": {"mean": 0.0, "std": 1.0},
+    "uniform": {"low": 0.0, "high": 1.0},
+    #: Integers in [low, high) (high excluded, as numpy and torch draw them): token ids, class indices, masks.
+    "integers": {"low": 0, "high": None},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Synthetic:
+    """How an input's synthetic data is drawn: normal(mean=a, std=b), uniform(low=a, high=b), integers in [a, b)."""
+
+    distribution: str
+    a: float
+    b: float
+
+    def describe(self) -> str:
+        """e.g. `uniform 0..1`, `normal mean 0 std 1`, `integers 0..30521`."""
+        if self.distribution == "normal":
+            return f"normal mean {self.a:g} std {self.b:g}"
+        if self.distribution == "integers":
+            return f"integers {self.a:g}..{self.b - 1:g}"
+        return f"{self.distribution} {self.a:g}..{self.b:g}"
+
+    def to_config(self) -> dict[str, Any]:
+        """The config form, e.g. `{"distribution": "uniform", "low": 0.0, "high": 1.0}`."""
+        first, second = SYNTHETIC_DISTRIBUTIONS[self.distribution]
+        number = int if self.distribution == "integers" else float
+        return {"distribution": self.distribution, first: number(self.a), second: number(self.b)}
+
+
+#: A bounded dim: (min, max), max None for no upper bound.
+DimRange = tuple[int, int | None]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """What a model accepts for one input: dtype, shape with None for dynamic dims, finiteness."""
+    """What a model accepts for one input: dtype, shape with None for dynamic dims, finiteness.
+
+    A dynamic dim may be bounded: `bounds[i]` is its (min, max) range (max None: no upper bound), or None
+    when it takes any size; an empty `bounds` bounds nothing. `synthetic` says how the daemon draws
+    inputs of its own for this one (None: seeded N(0, 1) floats, ones for integers).
+    """
 
     name: str
     dtype: str
     shape: tuple[int | None, ...]
     allow_non_finite: bool = False
+    bounds: tuple[DimRange | None, ...] = ()
+    synthetic: Synthetic | None = None
+
+    def dim_range(self, index: int) -> DimRange:
+        """The sizes dim `index` takes: (n, n) when fixed, its bounds, else (1, None)."""
+        fixed = self.shape[index]
+        if fixed is not None:
+            return fixed, fixed
+        bound = self.bounds[index] if index < len(self.bounds) else None
+        return bound if bound is not None else (1, None)
 
     def describe(self) -> str:
-        """Human form used in INVALID_INPUT messages, e.g. `image float32[*,3,224,224]`."""
-        dims = ",".join("*" if d is None else str(d) for d in self.shape)
+        """Human form used in INVALID_INPUT messages, e.g. `image float32[*,3,224,224]` or `x float32[1..64,16]`."""
+        dims = ",".join(_dim_text(d, self.dim_range(i)) for i, d in enumerate(self.shape))
         return f"{self.name} {self.dtype}[{dims}]"
 
+    def config_shape(self) -> list[int | None | list[int | None]]:
+        """The shape as config.json writes it: an integer, null (any size), or [min, max] (max null: unbounded)."""
+        shape: list[int | None | list[int | None]] = []
+        for index, dim in enumerate(self.shape):
+            bound = self.bounds[index] if dim is None and index < len(self.bounds) else None
+            shape.append(dim if bound is None else [bound[0], bound[1]])
+        return shape
+
     def example_shape(self, batch: int = 1) -> tuple[int, ...]:
-        """A shape this spec accepts: each dynamic dim set to `batch`."""
-        return tuple(batch if d is None else d for d in self.shape)
+        """A shape this spec accepts: each dynamic dim set to `batch`, moved into its bounds."""
+        if not self.bounds:
+            return tuple(batch if d is None else d for d in self.shape)
+        return tuple(_clamp(batch, self.dim_range(i)) for i in range(len(self.shape)))
 
     def mismatch(self, desc: TensorDesc) -> str | None:
         """Why `desc` does not fit this spec, or None when it does."""
@@ -80,7 +142,43 @@ class TensorSpec:
         for want, got in zip(self.shape, desc.shape, strict=True):
             if want is not None and want != got:
                 return f"input {self.name!r} has shape {list(desc.shape)}, expected {self.describe()}"
+        if self.bounds:
+            for index, (bound, got) in enumerate(zip(self.bounds, desc.shape, strict=False)):
+                if bound is not None and not (bound[0] <= got and (bound[1] is None or got <= bound[1])):
+                    return (
+                        f"input {self.name!r} has shape {list(desc.shape)}: dim {index} is {got}, outside its bound "
+                        f"{_range_text(bound)} (expected {self.describe()})"
+                    )
         return None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TensorSpec:
+        """A spec from its JSON form (dataclasses.asdict, as LaunchSpec.to_json writes it).
+
+        KeyError, TypeError or ValueError on anything else.
+        """
+        drawn = raw.get("synthetic")
+        synthetic = None if drawn is None else Synthetic(drawn["distribution"], float(drawn["a"]), float(drawn["b"]))
+        bounds = tuple(
+            None if b is None else (int(b[0]), None if b[1] is None else int(b[1])) for b in raw.get("bounds", ())
+        )
+        allow = bool(raw.get("allow_non_finite", False))
+        return cls(raw["name"], raw["dtype"], tuple(raw["shape"]), allow, bounds, synthetic)
+
+
+def _range_text(bound: DimRange) -> str:
+    return f"{bound[0]}..{'*' if bound[1] is None else bound[1]}"
+
+
+def _dim_text(dim: int | None, bound: DimRange) -> str:
+    if dim is not None:
+        return str(dim)
+    return "*" if bound == (1, None) else _range_text(bound)
+
+
+def _clamp(size: int, bound: DimRange) -> int:
+    low, high = bound
+    return max(low, size if high is None else min(size, high))
 
 
 #: Dims stay in the int32 range: a larger one is garbage, not a tensor.

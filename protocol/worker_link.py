@@ -24,15 +24,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.constants import MAX_TENSORS, ErrorCode
+from protocol.constants import MAX_BATCH_REQUESTS, MAX_TENSORS, ErrorCode
 from protocol.errors import ProtocolError
 
-#: Frames in one link message at most: the message header, the client's header, its tensors.
-WORKER_LINK_FRAMES = 2 + MAX_TENSORS
+#: Frames in one link message at most: a batch of MAX_BATCH_REQUESTS requests (its header, then per member a
+#: REQUEST header, the client's header and its tensors).
+WORKER_LINK_FRAMES = 1 + MAX_BATCH_REQUESTS * (2 + MAX_TENSORS)
 
 _COUNT = struct.Struct("<I")
-#: A message's length prefix by frame count: the count, then each frame's length.
-_PREFIXES = [struct.Struct(f"<I{count}Q") for count in range(WORKER_LINK_FRAMES + 1)]
+#: A message's length prefix by frame count: the count, then each frame's length (made ahead for one request's).
+_PREFIXES = [struct.Struct(f"<I{count}Q") for count in range(2 + MAX_TENSORS + 1)]
 #: Frames start at multiples of this within a message's payload (and payload buffers are malloc-aligned).
 _ALIGN = 16
 _PADDING = memoryview(bytes(_ALIGN))
@@ -88,11 +89,6 @@ class Link:
     def fileno(self) -> int:
         """The socket's descriptor, for a poller."""
         return self.sock.fileno()
-
-    @property
-    def mid_message(self) -> bool:
-        """Part of a message is read and the rest is still to come."""
-        return self._large is not None or self._end > self._start
 
     @property
     def wants_write(self) -> bool:

@@ -78,8 +78,6 @@ class Stats:
     interop_threads: int
     cpus: list[int]
     rss: int
-    #: Times the worker ran its request path on a canned request while idle (worker/request_path.py).
-    rehearsals: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +154,28 @@ class Progress:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Supervisor -> worker: run several requests as one forward pass.
+
+    Each member follows as a REQUEST header frame and then that request's own frames; `frame_counts`
+    says how many frames each member takes, its REQUEST header included. Every member is answered
+    by its own REPLY, in order.
+    """
+
+    TYPE: ClassVar = WorkerMessageType.BATCH
+    frame_counts: list[int]
+
+
 WorkerMessage = (
     Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult
-    | Progress
+    | Progress | Batch
 )  # fmt: skip
 _CLASSES: dict[int, type[Any]] = {
     cls.TYPE: cls
     for cls in (
-        Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult, Progress
+        Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult, Progress,
+        Batch,
     )
 }  # fmt: skip
 
@@ -172,69 +184,62 @@ def _bad(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_REQUEST, message)
 
 
-def _wrong(where: str, value: Any, expected: str) -> ProtocolError:
-    return _bad(f"field {where} has a {type(value).__name__}, expected {expected}")
+Checker = Callable[[Any], Any]
 
 
-def _check_lines(hint: Any, var: str, where: str) -> list[str]:
-    """Source lines that check (and for floats, convert) local `var` against the annotation `hint`."""
+def _checker(hint: Any, where: str) -> Checker:
+    """The function that checks a decoded value against a field's annotation (and makes an int a float)."""
     expected = hint.__name__ if isinstance(hint, type) else str(hint)
-    fail = f"raise _wrong({where!r}, {var}, {expected!r})"
+
+    def wrong(value: Any) -> ProtocolError:
+        return _bad(f"field {where} has a {type(value).__name__}, expected {expected}")
+
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         (inner,) = [o for o in typing.get_args(hint) if o is not type(None)]
-        return [f"if {var} is not None:", *["    " + line for line in _check_lines(inner, var, where)]]
+        check_inner = _checker(inner, where)
+        return lambda value: None if value is None else check_inner(value)
     if hint is float:
-        return [f"if type({var}) is not float:", f"    if type({var}) is not int: {fail}", f"    {var} = float({var})"]
+
+        def check_float(value: Any) -> float:
+            if type(value) is float or type(value) is int:
+                return float(value)
+            raise wrong(value)
+
+        return check_float
     if hint in (int, str, bool):
-        return [f"if type({var}) is not {hint.__name__}: {fail}"]
+
+        def check_exact(value: Any) -> Any:
+            if type(value) is hint:
+                return value
+            raise wrong(value)
+
+        return check_exact
     if origin is list:
         (item,) = typing.get_args(hint)
         if item not in (int, str):
             raise TypeError(f"no wire check for {where}: {hint}")
-        return [f"if type({var}) is not list or not all(type(v) is {item.__name__} for v in {var}): {fail}"]
+
+        def check_list(value: Any) -> list[Any]:
+            if type(value) is list and all(type(v) is item for v in value):
+                return value
+            raise wrong(value)
+
+        return check_list
     raise TypeError(f"no wire check for {where}: {hint}")
 
 
-def _compile(cls: type[Any]) -> tuple[Callable[[Any], bytes], Callable[[list[Any]], Any]]:
-    """Compile the encoder and the checking decoder of one message class, each a single function.
-
-    Straight-line code, as dataclasses compiles `__init__`: the broker decodes a REPLY right after
-    a forward pass has evicted its caches, where every extra function it calls costs microseconds
-    (`bench/cold_path.py`: the generic per-field checkers took 50 us there, this 26).
-    """
-    names = [f.name for f in fields(cls)]
-    if set(names) & {"raw", "cls", "pack", "_bad", "_wrong", "_"}:
-        raise TypeError(f"{cls.__name__}: a field name clashes with a name of the compiled decoder")
-    hints = typing.get_type_hints(cls)
-    fields_src = ", ".join(names)
-    values_src = ", ".join(f"message.{name}" for name in names)
-    lines = [
-        "def encode(message):",
-        f"    return pack([{int(cls.TYPE)}{', ' if names else ''}{values_src}])",
-        "def decode(raw):",
-        f"    if len(raw) != {len(names) + 1}:",
-        f"        raise _bad(f'{cls.__name__} needs {len(names)} fields, got {{len(raw) - 1}}')",
-    ]
-    if names:
-        lines.append(f"    _, {fields_src}{',' if len(names) == 1 else ''} = raw")
-    for name in names:
-        lines += ["    " + line for line in _check_lines(hints[name], name, f"{cls.__name__}.{name}")]
-    lines.append(f"    return cls({fields_src})")
-    namespace: dict[str, Any] = {"pack": pack, "_bad": _bad, "_wrong": _wrong, "cls": cls}
-    exec("\n".join(lines), namespace)  # the source is built above from the dataclass's own fields only
-    return namespace["encode"], namespace["decode"]
-
-
-_CODECS: dict[type[Any], tuple[Callable[[Any], bytes], Callable[[list[Any]], Any]]] = {
-    cls: _compile(cls) for cls in _CLASSES.values()
+#: Each class's field names in wire order, and the checker of each.
+_FIELDS: dict[type[Any], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _CLASSES.values()}
+_CHECKERS: dict[type[Any], tuple[Checker, ...]] = {
+    cls: tuple(_checker(typing.get_type_hints(cls)[name], f"{cls.__name__}.{name}") for name in names)
+    for cls, names in _FIELDS.items()
 }
-_DECODERS: dict[int, Callable[[list[Any]], Any]] = {cls.TYPE: _CODECS[cls][1] for cls in _CLASSES.values()}
 
 
 def encode(message: WorkerMessage, frames: Sequence[Any] = ()) -> list[Any]:
     """Frames for one message: the header, then the frames that travel with it (sent without copying)."""
-    return [_CODECS[type(message)][0](message), *frames]
+    return [pack([int(message.TYPE), *[getattr(message, name) for name in _FIELDS[type(message)]]]), *frames]
 
 
 def decode(header: bytes | memoryview) -> WorkerMessage:
@@ -242,8 +247,11 @@ def decode(header: bytes | memoryview) -> WorkerMessage:
     raw = unpack(header)
     if type(raw) is not list or not raw or type(raw[0]) is not int:
         raise _bad("worker message must be an array starting with an integer type")
-    decoder = _DECODERS.get(raw[0])
-    if decoder is None:
+    cls = _CLASSES.get(raw[0])
+    if cls is None:
         raise _bad(f"unknown worker message type {raw[0]}")
-    message: WorkerMessage = decoder(raw)
+    checkers = _CHECKERS[cls]
+    if len(raw) != len(checkers) + 1:
+        raise _bad(f"{cls.__name__} needs {len(checkers)} fields, got {len(raw) - 1}")
+    message: WorkerMessage = cls(*[check(v) for check, v in zip(checkers, raw[1:], strict=True)])
     return message

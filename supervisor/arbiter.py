@@ -8,8 +8,8 @@ pool reconciles toward the configured shape and the monitors look at the workers
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -24,17 +24,16 @@ from supervisor import status
 from supervisor.affinity import SupervisorAffinity
 from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
-from supervisor.config import Config, ConfigError, load_config
-from supervisor.config_diff import ConfigDiff, diff_configs, held_back
+from supervisor.config import Config
 from supervisor.control import ControlServer, status_server
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CONTROL, EventLoop
-from supervisor.fallback import Fallback, FallbackOrigin, Fallbacks
+from supervisor.fallback_control import FallbackControl
 from supervisor.file_watch import FileWatcher
 from supervisor.health import DaemonState, daemon_state, ready_to_announce, status_line
 from supervisor.launcher import Launcher, launch_worker
-from supervisor.logs import configure_logging
+from supervisor.metrics import Metrics, take_snapshot
 from supervisor.monitors.age import AgeWatch
 from supervisor.monitors.canary import CanaryWatch
 from supervisor.monitors.drift import DriftWatch
@@ -42,18 +41,17 @@ from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.memory import MemoryWatch
 from supervisor.monitors.thermal import ThermalWatch
 from supervisor.monitors.view import Monitor, MonitorView
-from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from supervisor.planner import Assignment, WorkerDemand, plan_cores
 from supervisor.pool import WorkerPool
+from supervisor.reloader import ConfigReloader
 from supervisor.sd_notify import Notifier
 from supervisor.serving_config import ServingConfig
-from supervisor.slot import SlotState, WorkerSlot
-from supervisor.topology import TopologyError, read_topology
+from supervisor.slot import RestartReason, SlotState, WorkerSlot
+from supervisor.topology import read_topology
 from supervisor.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 
-#: The file watcher's key for config.json (model files are keyed by model name).
-_CONFIG_KEY = "\0config"
 #: How often timers (reaping, hang checks, deadlines, heartbeats) run, at most.
 _HOUSEKEEPING_S = 0.02
 _HOUSEKEEPING_MS = int(_HOUSEKEEPING_S * 1000)
@@ -70,7 +68,6 @@ class Arbiter:
         sysfs_root: Path = Path("/sys"),
         launcher: Launcher = launch_worker,
     ) -> None:
-        self.config_path = config_path
         self.runtime_dir = runtime_dir
         self.sysfs_root = sysfs_root
         self.started_at = time.time()
@@ -97,17 +94,19 @@ class Arbiter:
         self.watcher = FileWatcher(self.loop.wake)
         self.thermal = ThermalWatch()
         self.canaries = CanaryWatch()
-        #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches): an overlay on config.json.
-        self.fallbacks = Fallbacks()
+        self.memory = MemoryWatch()
+        #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches).
+        self.fallback = FallbackControl(self.serving, self.pool)
         #: Adding a monitor is one file and one entry here.
-        self.monitors: list[Monitor] = [MemoryWatch(), AgeWatch(), DriftWatch(), self.canaries, self.thermal]
+        self.monitors: list[Monitor] = [self.memory, AgeWatch(), DriftWatch(), self.canaries, self.thermal]
         self.signals: collections.deque[int] = collections.deque()
-        self.reload_reason: str | None = None
-        self.config_applied_at = time.time()
-        self.config_error: list[str] | None = None
-        #: How many configs have been applied since start (the first one is 0).
-        self.generation = 0
-        self.last_diff: dict[str, object] = {}
+        self.reloader = ConfigReloader(
+            config_path, self.serving, self.pool, self.plan, self.watcher, self.notifier, self.started_at,
+            self.fallback.fallbacks,
+        )  # fmt: skip
+        self.reloader.status_line = lambda: self.status_line
+        #: Published each monitor turn; served over HTTP only with metrics_listen, and by `infervisor metrics`.
+        self.metrics = Metrics()
         self.announced_ready = False
         self.state = DaemonState.STARTING
         #: The last STATUS= line sent to systemd (sent again only when it changes).
@@ -159,7 +158,7 @@ class Arbiter:
                 else:
                     self.begin_stop(f"signal {signal.Signals(signum).name}")
             elif signum == signal.SIGHUP:
-                self.reload_reason = "SIGHUP"
+                self.reloader.requested = "SIGHUP"
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -172,19 +171,24 @@ class Arbiter:
             runtime_dir=str(self.runtime_dir),
             endpoint=self.endpoints.ipc_endpoint,
             tcp_endpoint=self.config.tcp_endpoint,
-            config=str(self.config_path),
+            config=str(self.reloader.config_path),
             config_digest=self.config.digest,
             plan={s.name: list(s.assignment.cpus) for s in self.pool.all_slots()},
         )
         try:
             # Inside the try: whatever fails here, the workers already spawned are killed and reaped.
+            self.publish_metrics()
+            if self.config.metrics_listen is not None:
+                self.metrics.listen(self.config.metrics_listen)
             self.pool.start()
-            self.watch_files()
+            self.reloader.watch_files()
             self.watcher.start()
             while not self.pool.finished():
-                self.loop.poll(_HOUSEKEEPING_MS)
+                self.loop.poll(self.wait_ms())
                 self.handle_signals()
                 now = time.monotonic()
+                if self.broker.batch_due:
+                    self.broker.dispatch_due(now)
                 if now >= self.next_housekeeping:
                     self.next_housekeeping = now + _HOUSEKEEPING_S
                     self.housekeeping(now)
@@ -195,16 +199,24 @@ class Arbiter:
         log.info("supervisor_exit", code=self.exit_code)
         return self.exit_code
 
+    def wait_ms(self) -> int:
+        """How long the poll may wait: the housekeeping interval, or less when a batch is due sooner."""
+        due = self.broker.next_batch_due
+        if due is None:
+            return _HOUSEKEEPING_MS
+        # The poll's resolution is 1 ms: a batch delay is met to within that.
+        return max(0, min(_HOUSEKEEPING_MS, math.ceil((due - time.monotonic()) * 1000)))
+
     def housekeeping(self, now: float) -> None:
         """The timer-driven steps, each named for what it does."""
         self.pool.tick(now)
-        self.fallbacks.reconcile(self.serving.current.models, self.serving.targets, self.pool.rollout_errors)
+        self.fallback.reconcile()
         self.broker.expire(now)
         self.broker.flush_replies()
         self.pet_watchdog(now)
         if self.pool.stopping:
             return
-        self.react_to_file_changes(now)
+        self.reloader.react_to_file_changes(now)
         self.monitor(now)
         if self.pool.all_failed():
             log.error("all_workers_failed", reason="every slot of every model failed; exiting for the service manager")
@@ -286,6 +298,13 @@ class Arbiter:
         self.broker.shed = self.thermal.throttled and config.thermal_action == "shed"
         for finding in findings:
             self.act(finding)
+        self.publish_metrics()
+
+    def publish_metrics(self) -> None:
+        """Hand the metrics endpoint a fresh snapshot (it never reads the loop's state itself)."""
+        rss_mb = {pid: samples[-1][1] for pid, samples in self.memory.history.items() if samples}
+        reading, reloads, anomalies = self.thermal.reading, self.reloader.stats, self.anomalies.counts
+        self.metrics.publish(take_snapshot(self.pool, self.broker, rss_mb, reading, reloads, anomalies, time.time()))
 
     def act(self, finding: Finding) -> None:
         """Log a finding as data, show it in status, and probe, recycle or kill as it says."""
@@ -306,107 +325,13 @@ class Arbiter:
             return
         slot.last_event = {"monitor": finding.monitor, "action": finding.action.value, **finding.detail}
         if finding.action is Action.KILL:
-            slot.kill(f"monitor {finding.monitor}")
+            slot.kill(f"monitor {finding.monitor}", RestartReason.MONITOR_KILL)
         elif finding.action is Action.RECYCLE:
             self.pool.recycle(slot, f"monitor {finding.monitor}")
-        elif finding.action is Action.FALLBACK:
-            self.fall_back_for(slot, finding)
-
-    def fall_back_for(self, slot: WorkerSlot, finding: Finding) -> None:
-        """A monitor's evidence against the slot's profile moves its model down its chain; else the slot is recycled."""
-        earlier = finding.detail.get("earlier_pids")
-        pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
-        reason = f"{finding.monitor} on {slot.profile} repeated in pids {pids}"
-        answer = self.fallback(slot.model.name, reason, FallbackOrigin.CANARY)
-        if answer["ok"]:
+        elif finding.action is Action.FALLBACK and self.fallback.for_finding(slot, finding):
             self.canaries.forget(slot.model.name)
-            return
-        log.warning("fallback_not_possible", slot=slot.name, reason=reason, why=answer["error"])
-        self.pool.recycle(slot, f"monitor {finding.monitor}")
-
-    # ---- files and reloads -------------------------------------------------------------------
-
-    def watch_files(self) -> None:
-        """Watch config.json and every model file (a changed file restarts its model, rolling)."""
-        files = {_CONFIG_KEY: self.config_path}
-        for name, model in self.config.models.items():
-            if model.source.path is not None:
-                files[name] = Path(model.source.path)
-        self.watcher.watch(files)
-
-    def react_to_file_changes(self, now: float) -> None:
-        """A changed config.json is reloaded; a changed model file restarts its model, rolling."""
-        for key in self.watcher.due(now):
-            if key == _CONFIG_KEY:
-                self.reload_reason = self.reload_reason or "config file changed"
-            elif key in self.pool.members:
-                self.pool.restart(key, "model file changed on disk")
-        # A drain-first step has taken a worker out of its pool and not yet put the replacement in;
-        # re-planning the pool now would see a hole and fill it twice. The reload waits for the step.
-        if self.reload_reason is not None and not self.pool.rollout.mid_drain:
-            reason, self.reload_reason = self.reload_reason, None
-            self.reload_config(reason)
-
-    def reload_config(self, reason: str) -> dict[str, Any]:
-        """Read config.json again; a bad file changes nothing, a good one is applied by its diff.
-
-        Returns the outcome as the control socket answers it.
-        """
-        self.notifier.reloading()
-        try:
-            read = load_config(self.config_path)
-            # A fallback in force stays in force through a reload that keeps the model's chain.
-            new = self.fallbacks.overlay(read)
-            diff = diff_configs(self.config, new)
-            if diff.needs_daemon_restart:
-                # Bound into sockets at start: keep the running values, say what needs a restart.
-                kept = {key: getattr(self.config, key) for key in diff.needs_daemon_restart}
-                new = dataclasses.replace(new, **kept)
-                log.warning("config_needs_daemon_restart", keys=diff.needs_daemon_restart)
-            plan = self.plan(new)
-        except ConfigError as exc:
-            return self.reject_config(reason, exc.problems)
-        except (PlanError, TopologyError) as exc:
-            return self.reject_config(reason, [f"models: {exc}"])
-        self.config_error = None
-        self.fallbacks.end_stale(read)
-        self.last_diff = diff.summary()
-        if diff.empty and new.digest == self.config.digest:
-            log.info("config_unchanged", reason=reason)
-        else:
-            self.apply_config(new, plan, diff)
-            log.info("config_applied", reason=reason, digest=new.digest, diff=self.last_diff)
-        self.notifier.ready(self.status_line or f"config {self.config.digest} applied")
-        # Every model still moving to a new config, whichever reload started it: what `infervisor reload` waits for.
-        rolling = sorted(self.serving.targets)
-        return {"ok": True, "generation": self.generation, "diff": self.last_diff, "rolling": rolling}
-
-    def reject_config(self, reason: str, problems: list[str]) -> dict[str, Any]:
-        """Keep serving with the last good config and say why the new one was refused."""
-        self.config_error = problems
-        log.error("config_rejected", reason=reason, problems=problems, serving_digest=self.config.digest)
-        self.notifier.ready(self.status_line or f"config rejected; still serving {self.config.digest}")
-        return {"ok": False, "error": "config rejected; nothing changed", "problems": problems}
-
-    def apply_config(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
-        """Serve with a validated config: one snapshot replaced whole, then the pools reshaped by its diff.
-
-        A model whose workers must be rebuilt keeps serving with its old build keys (admission
-        included) until every worker has been replaced and is READY; the new config is its target.
-        """
-        old = self.config
-        held = {name: held_back(old.models[name], new.models[name]) for name in diff.rolling}
-        self.serving.replace(dataclasses.replace(new, models={**new.models, **held}))
-        for name in diff.rolling:
-            self.serving.targets[name] = new.models[name]
-        for name in diff.removed:
-            self.serving.targets.pop(name, None)
-        self.generation += 1
-        self.config_applied_at = time.time()
-        if "log_level" in diff.live:
-            configure_logging(new.log_level)
-        self.pool.adopt(new, plan, diff)
-        self.watch_files()
+        elif finding.action is Action.FALLBACK:
+            self.pool.recycle(slot, f"monitor {finding.monitor}")
 
     # ---- stopping ---------------------------------------------------------------------------
 
@@ -419,6 +344,7 @@ class Arbiter:
 
     def shutdown(self) -> None:
         """Kill anything still alive, then close sockets so no file is left behind."""
+        self.metrics.close()
         self.pool.shutdown()
         self.broker.close()
         self.control.close()
@@ -437,6 +363,9 @@ class Arbiter:
             return self.status()
         if name == "ping":
             return {"ok": True, "pid": os.getpid()}
+        if name == "metrics":
+            self.publish_metrics()  # the figures of this turn, which the HTTP endpoint then shows too
+            return {"ok": True, "text": self.metrics.render()}
         if name in ("reload", "restart", "fallback") and self.pool.stopping:
             return {"ok": False, "error": "the daemon is stopping"}
         if name == "restart":
@@ -445,76 +374,17 @@ class Arbiter:
                 return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(self.pool.members)}"}
             # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
             return {"ok": True, "queued": self.pool.restart(model, "operator command", forget_overruns=True)}
-        if name == "fallback":
-            model, reset = command.get("model"), command.get("reset", False)
-            if not isinstance(model, str) or type(reset) is not bool:
-                return {"ok": False, "error": "fallback needs model (a string) and reset (true or false)"}
-            if reset:
-                return self.reset_fallback(model)
-            why = str(command.get("reason") or "operator command")[:200]
-            return self.fallback(model, why, FallbackOrigin.OPERATOR)
         if name == "profile":
             model, requests = command.get("model"), command.get("requests", 50)
             if not isinstance(model, str) or type(requests) is not int or not 1 <= requests <= 10_000:
                 return {"ok": False, "error": "profile needs model (a string) and requests (1..10000)"}
             return self.start_profile(model, requests)
         if name == "reload":
-            if self.pool.rollout.mid_drain:  # applied once the drain-first step has put its replacement in
-                self.reload_reason = "operator command"
-                return {"ok": True, "queued": True, "generation": self.generation}
-            return self.reload_config("operator command")
-        known = "status, ping, restart, reload, profile, fallback"
+            return self.reloader.command()
+        if name == "fallback":
+            return self.fallback.command(command)
+        known = "status, ping, metrics, restart, reload, profile, fallback"
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}
-
-    def fallback(self, model: str, reason: str, origin: FallbackOrigin) -> dict[str, Any]:
-        """Rebuild a model's workers, rolling, with the chain after the profile they serve now; the answer."""
-        refused = self.fallback_refused(model)
-        if refused is not None:
-            return {"ok": False, "error": refused}
-        current = self.serving.current.models[model]
-        serving = [s.profile for s in self.pool.members[model] if s.state is SlotState.SERVING and s.profile]
-        if not serving:
-            return {"ok": False, "error": f"no worker of {model!r} serves: there is no profile to fall back from"}
-        outcome = self.fallbacks.step_down(current, serving, reason, origin)
-        if isinstance(outcome, str):
-            return {"ok": False, "error": f"{model!r} cannot fall back: {outcome}"}
-        return self.roll_chain(
-            model, outcome.chain, outcome, f"fallback from {outcome.left}: {reason}", "model_fell_back"
-        )
-
-    def reset_fallback(self, model: str) -> dict[str, Any]:
-        """Rebuild a fallen-back model's workers, rolling, with the chain config.json gives it."""
-        refused = self.fallback_refused(model)
-        if refused is not None:
-            return {"ok": False, "error": refused}
-        outcome = self.fallbacks.reset(model)
-        if isinstance(outcome, str):
-            return {"ok": False, "error": outcome}
-        return self.roll_chain(
-            model, outcome.configured, outcome, "fallback reset by the operator", "fallback_reset_started"
-        )
-
-    def fallback_refused(self, model: str) -> str | None:
-        """Why the model's chain cannot be changed now, or None."""
-        if model not in self.pool.members:
-            return f"no model {model[:128]!r}; serving {sorted(self.pool.members)}"
-        if model in self.serving.targets:
-            return f"{model!r} is rolling out a config; fall back once `infervisor status` shows it applied"
-        return None
-
-    def roll_chain(
-        self, model: str, chain: tuple[str, ...], fallback: Fallback, why: str, event: str
-    ) -> dict[str, Any]:
-        """Make `chain` the model's rollout target and replace its workers one at a time (readiness-gated)."""
-        current = self.serving.current.models[model]
-        self.serving.targets[model] = dataclasses.replace(current, profiles=chain)
-        self.pool.rollout_errors.pop(model, None)  # an older rollout's failure is not this one's
-        queued = self.pool.restart(model, why)
-        log.warning(
-            event, model=model, left=fallback.left, profiles=list(chain), configured=list(fallback.configured),
-            origin=fallback.origin.value, reason=fallback.reason, workers=queued,
-        )  # fmt: skip
-        return {"ok": True, "model": model, "profiles": list(chain), "from": fallback.left, "queued": queued}
 
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
         """Ask one serving worker of `model` to profile its next requests; the report appears in its status."""
@@ -541,18 +411,18 @@ class Arbiter:
             "cpus": sorted(self.affinity.current),
             "cpu_latency": self.cpu_latency.status(config.cpu_latency_us),
             "config": {
-                "path": str(self.config_path),
-                "digest": config.digest,
-                "applied_at": self.config_applied_at,
-                "generation": self.generation,
-                "last_error": self.config_error,
-                "last_diff": self.last_diff,
+                **self.reloader.status(),
                 "models": status.config_states(self.pool),
             },
             "limits": status.limits(config),
             "rollout": status.rollout_status(self.pool),
-            "endpoints": {"client": self.endpoints.ipc_endpoint, "tcp": config.tcp_endpoint},
+            "endpoints": {
+                "client": self.endpoints.ipc_endpoint,
+                "tcp": config.tcp_endpoint,
+                "metrics": self.metrics.url,
+                "metrics_error": self.metrics.error,
+            },
             "counters": dict(self.anomalies.counts),
             "thermal": {**self.thermal.reading, "shedding": self.broker.shed},
-            "models": status.models_status(self.pool, self.broker, reports, self.fallbacks),
+            "models": status.models_status(self.pool, self.broker, reports, self.fallback.fallbacks),
         }

@@ -24,11 +24,13 @@ from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
+from supervisor import batcher
 from supervisor.anomalies import Anomalies
 from supervisor.client_ledger import ClientLedger
 from supervisor.config import ModelConfig
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CLIENTS, EventLoop
+from supervisor.metrics import RequestTimes
 from supervisor.pending import Peer, PendingRequest
 from supervisor.serving_config import ServingConfig
 from supervisor.slot import SlotState, WorkerSlot
@@ -38,6 +40,11 @@ log = structlog.get_logger("supervisor")
 
 #: Messages taken from one client socket per loop turn, so a flood on one side cannot starve the other.
 _BATCH = 256
+
+
+def _batches_in(slot: WorkerSlot) -> int:
+    """How many dispatches (batches, or lone requests) a worker holds."""
+    return len({request.batch_id or -request.internal_id for request in slot.inflight.values()})
 
 
 class WorkerEvents(Protocol):
@@ -71,6 +78,9 @@ class ModelQueue:
     completed: int = 0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
+    #: With batching: how many batches of each size (rows) were sent, and how long requests waited to be batched.
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    batch_wait_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
 
 
 class Broker:
@@ -98,10 +108,17 @@ class Broker:
         #: The workers each model routes to: the pool's members, read here, changed only by the pool.
         self.members: Mapping[str, Sequence[WorkerSlot]] = {}
         self.queues: dict[str, ModelQueue] = {}
+        #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
+        self.refused: collections.Counter[str] = collections.Counter()
+        #: Queue wait, service and total time of every successful request, per model (supervisor/metrics.py).
+        self.times = RequestTimes()
         self.next_id = 1
         self.inflight_count = 0
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
         self.shed = False
+        #: Models whose head request waits for batch companions, and until when.
+        self.batch_due: dict[str, float] = {}
+        self.batches_sent = 0
         self.sync_queues()
 
     def client_handler(self, socket: zmq.Socket[Any]) -> Callable[[int], None]:
@@ -152,6 +169,7 @@ class Broker:
         """Validate one client message and queue or dispatch it, or answer with an error at once."""
         if len(frames) < 3 or len(frames[1]) != 0:
             self.anomalies.count("malformed_envelope")
+            self.count_refusal(None, ErrorCode.BAD_REQUEST)
             self.reply_error(client, None, ErrorCode.BAD_REQUEST, "expected frames: empty delimiter, header, tensors")
             return
         config = self.serving.current
@@ -160,6 +178,7 @@ class Broker:
             request = decode_infer(frames[2].buffer, [len(f) for f in tensor_frames], config.max_frame_bytes)
         except ProtocolError as exc:
             self.anomalies.count(f"rejected_{exc.code.value}", exc.message)
+            self.count_refusal(None, exc.code)
             self.reply_error(client, exc.request_id, exc.code, exc.message)
             return
         model = config.models.get(request.model)
@@ -175,6 +194,7 @@ class Broker:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "inputs in shared memory are for the ipc endpoint only")
         except ProtocolError as exc:
             self.anomalies.count(f"rejected_{exc.code.value}", exc.message)
+            self.count_refusal(request.model if model is not None else None, exc.code)
             self.reply_error(client, request.request_id, exc.code, exc.message)
             return
         cost = sum(len(f) for f in tensor_frames) + sum(d.nbytes for d in request.inputs if d.shm is not None)
@@ -209,20 +229,28 @@ class Broker:
         )
         self.next_id += 1
         self.ledger.take(client, cost)
+        if model.batching is not None:
+            # Through the queue even with a worker free: the batcher decides whether to wait for companions.
+            pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
+            self.enqueue_or_refuse(queue, pending)
+            self.dispatch(request.model)
+            return
         slot = self.pick_worker(request.model, spec)
         if slot is not None and not queue.waiting:
             if not self.send_to_worker(slot, pending):
                 self.dispatch(request.model)  # that worker is gone; it went back in line for another
-        elif len(queue.waiting) >= queue.capacity:
-            queue.errors[ErrorCode.OVERLOADED.value] += 1
-            self.reply_error(
-                client,
-                request.request_id,
-                ErrorCode.OVERLOADED,
-                f"queue of {request.model!r} is full ({queue.capacity})",
-            )
         else:
-            queue.waiting.append(pending)
+            self.enqueue_or_refuse(queue, pending)
+
+    def enqueue_or_refuse(self, queue: ModelQueue, request: PendingRequest) -> None:
+        """Queue an admitted request, or answer OVERLOADED when its model's queue is full."""
+        if len(queue.waiting) >= queue.capacity:
+            queue.errors[ErrorCode.OVERLOADED.value] += 1
+            self.ledger.give_back(request.client, request.cost)
+            why = f"queue of {request.model!r} is full ({queue.capacity})"
+            self.reply_error(request.client, request.request_id, ErrorCode.OVERLOADED, why)
+        else:
+            queue.waiting.append(request)
 
     def admitting_spec(
         self, name: str, model: ModelConfig, inputs: Sequence[TensorDesc]
@@ -246,6 +274,14 @@ class Broker:
             check_against_spec(inputs, target.inputs)
             return target.inputs
 
+    def count_refusal(self, model: str | None, code: ErrorCode) -> None:
+        """Count a request answered at admission: in its model's errors when it named a served one."""
+        queue = self.queues.get(model) if model is not None else None
+        if queue is not None:
+            queue.errors[code.value] += 1
+        else:
+            self.refused[code.value] += 1
+
     def has_capacity(self, model: str) -> bool:
         """False when every slot of the model has FAILED: queueing would only delay an error.
 
@@ -267,7 +303,9 @@ class Broker:
         queue = self.queues.get(request.model)  # None once a reload removed the model
         if queue is not None and code is None:
             queue.completed += 1
-            queue.latencies_ms.append((time.monotonic() - request.accepted_at) * 1000.0)
+            now = time.monotonic()
+            queue.latencies_ms.append((now - request.accepted_at) * 1000.0)
+            self.times.request_done(request.model, request.accepted_at, request.dispatched_at, now)
         elif queue is not None and code is not None:
             queue.errors[code.value] += 1
         self.ledger.give_back(request.client, request.cost)
@@ -296,26 +334,90 @@ class Broker:
         if self.shed:  # half of the workers that can serve, so shedding never routes to a dead one
             serving = [s for s in slots if s.state is SlotState.SERVING]
             slots = serving[: (len(serving) + 1) // 2]
+        batched = config.batching is not None
         for slot in slots:
-            if not slot.can_take(prefetch) or (spec is not None and slot.model.inputs != spec):
+            if batched:
+                # With batching, `prefetch` counts batches in hand: one running and the next joined while it runs.
+                if not slot.can_take(prefetch + len(slot.inflight) - _batches_in(slot)):
+                    continue
+            elif not slot.can_take(prefetch):
+                continue
+            if spec is not None and slot.model.inputs != spec:
                 continue
             if best is None or (len(slot.inflight), -slot.progress_at) < (len(best.inflight), -best.progress_at):
                 best = slot
         return best
 
     def dispatch(self, model: str) -> None:
-        """Hand queued requests of `model` to its idle workers, oldest first."""
+        """Hand queued requests of `model` to its idle workers, oldest first (joined in batches when configured)."""
         queue = self.queues.get(model)
+        config = self.serving.model(model)
+        policy = config.batching if config is not None else None
         while queue is not None and queue.waiting:
             slot = self.pick_worker(model, queue.waiting[0].spec)
             if slot is None:
                 return
+            if policy is not None:
+                now = time.monotonic()
+                self.batch_due.pop(model, None)
+                decision = batcher.take(queue.waiting, policy, now)
+                if decision.wait_until is not None:
+                    self.batch_due[model] = decision.wait_until
+                    return
+                self.send_batch(slot, decision.batch, now)
+                continue
             request = queue.waiting.popleft()
             if request.deadline is not None and time.monotonic() >= request.deadline:
                 self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
                 continue
             # A worker found gone is no longer picked (its link is closed): the next one is tried.
             self.send_to_worker(slot, request)
+
+    def dispatch_due(self, now: float) -> None:
+        """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""
+        for model in [m for m, due in self.batch_due.items() if now >= due]:
+            self.dispatch(model)
+
+    @property
+    def next_batch_due(self) -> float | None:
+        """When the earliest waiting batch must go, if any waits."""
+        return min(self.batch_due.values(), default=None)
+
+    def send_batch(self, slot: WorkerSlot, batch: list[PendingRequest], now: float) -> None:
+        """Send requests to one worker as one forward pass; each keeps its own id, deadline and reply."""
+        live = []
+        for request in batch:
+            if request.deadline is not None and now >= request.deadline:
+                self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+            else:
+                live.append(request)
+        if not live:
+            return
+        queue = self.queues[live[0].model]
+        queue.batch_sizes[sum(r.rows for r in live)] += 1
+        for request in live:
+            queue.batch_wait_ms.append((now - request.accepted_at) * 1000.0)
+        if len(live) == 1:
+            self.send_to_worker(slot, live[0])
+            return
+        frames: list[Any] = []
+        for request in live:
+            queue_ms = (now - request.accepted_at) * 1000.0
+            member = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms)
+            frames += wm.encode(member, request.frames)
+        if not self.links.send(slot, wm.encode(wm.Batch([len(r.frames) + 1 for r in live]), frames)):
+            queue.waiting.extendleft(reversed(live))
+            self.events.link_broken(slot, "worker link closed")
+            return
+        self.batches_sent += 1
+        dispatched = time.monotonic()
+        if not slot.inflight:
+            slot.progress_at = dispatched
+        for request in live:
+            request.dispatched_at = dispatched
+            request.batch_id = self.batches_sent
+            slot.inflight[request.internal_id] = request
+        self.inflight_count += len(live)
 
     def send_to_worker(self, slot: WorkerSlot, request: PendingRequest) -> bool:
         """Give one request to an idle worker; if it is unreachable, put the request back first in line."""
@@ -333,6 +435,16 @@ class Broker:
         self.inflight_count += 1
         return True
 
+    @staticmethod
+    def running(slot: WorkerSlot) -> list[PendingRequest]:
+        """The requests at the head of a worker's pipeline: the one running, or every member of the batch running."""
+        if not slot.inflight:
+            return []
+        head = next(iter(slot.inflight.values()))
+        if not head.batch_id:
+            return [head]
+        return [r for r in slot.inflight.values() if r.batch_id == head.batch_id]
+
     def take_inflight(self, slot: WorkerSlot) -> list[PendingRequest]:
         """Detach every request the slot's process holds, oldest first."""
         requests = list(slot.inflight.values())
@@ -347,9 +459,18 @@ class Broker:
         alone is charged a retry. The ones waiting behind it go back in line as they were.
         """
         model = self.serving.model(slot.model.name) or slot.model
+        running = self.running(slot)
         held = self.take_inflight(slot)
+        if len(running) > 1:
+            # A batch was running: which of its requests killed the worker is unknown. Split it in two, charge
+            # nobody, and let each half run alone: halving finds a poison request in log2(size) steps.
+            half = (len(running) + 1) // 2
+            for index, request in enumerate(running):
+                request.batch_limit = half if index < half else len(running) - half
+            log.warning("batch_split", model=slot.model.name, size=len(running), reason=reason)
         for index in range(len(held) - 1, -1, -1):
-            self.requeue_or_fail(held[index], model.max_retries, reason, charged=index == 0)
+            charged = index == 0 and len(running) <= 1
+            self.requeue_or_fail(held[index], model.max_retries, reason, charged=charged)
         self.dispatch(slot.model.name)
 
     def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str, charged: bool = True) -> None:
@@ -455,7 +576,7 @@ class Broker:
         elif isinstance(message, wm.Progress):
             self.events.worker_progress(slot, message)
         elif isinstance(message, wm.Stats):
-            slot.threads_seen, slot.rehearsals_seen = message.threads, message.rehearsals
+            slot.threads_seen = message.threads
         elif isinstance(message, wm.CanaryResult):
             self.events.canary_result(slot, message)
         elif isinstance(message, wm.ProfileResult):

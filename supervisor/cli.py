@@ -1,4 +1,4 @@
-"""`infervisor` command line: serve, status, infer, restart, reload, demo, bench and the toolkit commands.
+"""`infervisor` command line: serve, status, metrics, infer, restart, reload, demo, bench and the toolkit commands.
 
 Each command's module is imported only when it runs, so `serve` starts without the toolkit's imports.
 """
@@ -20,7 +20,7 @@ RUNTIME_DIR_HELP = (
 )
 #: The import names of the `server` extra (pyproject.toml): a client-only install (`pip install infervisor`)
 #: has none of them, and every subcommand needs some (tests/test_client_install.py keeps the two in step).
-SERVER_MODULES = frozenset({"torch", "psutil", "structlog", "watchdog"})
+SERVER_MODULES = frozenset({"torch", "psutil", "structlog", "watchdog", "prometheus_client"})
 SERVER_HINT = "this command needs the daemon's dependencies: pip install 'infervisor[server]'"
 
 CONFIG_HELP = (
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="for probes: print the state line only and exit 0 ready, 1 degraded, 2 starting/down/stopping/not running",
     )
 
+    metrics = command("metrics", "print the daemon's Prometheus metrics (what a scrape of metrics_listen returns)")
+    metrics.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
+
     infer = command("infer", "send one request from the shell")
     infer.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
     infer.add_argument("--model", required=True, help="the served model to ask (see `infervisor status`)")
@@ -152,11 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-timeout", type=_positive_float, default=600.0,
         help="seconds to wait for every worker to serve (a first start compiles the int8 packages)",
     )  # fmt: skip
-    bench = command("bench", "every optimisation profile of a built-in, in process and via the daemon")
-    bench.add_argument("--models", default="resnet50,encoder", help="built-ins, comma-separated")
+    bench = command("bench", "every optimisation profile of a model, in process and via the daemon")
+    bench.add_argument(
+        "--models", default="resnet50,encoder", help="comma-separated: built-ins, or models of the config file"
+    )
+    bench.add_argument("--config", help=CONFIG_HELP + "; its models can be named in --models (and win over built-ins)")
     bench.add_argument("--profiles", default=",".join(PROFILE_NAMES), help="profiles to measure, comma-separated")
     bench.add_argument("--threads", default="1,2", help="thread counts, comma-separated (one pinned core each)")
-    bench.add_argument("--batch", type=int, default=8, help="the second batch size measured")
+    bench.add_argument("--batch", type=int, default=8, help="the second batch size measured (the batch column)")
     bench.add_argument("--seconds", type=float, default=3.0, help="timing per measurement")
     bench.add_argument("--channels-last", action="store_true", help="feed 4-D inputs in channels_last (NHWC)")
     bench.add_argument("--no-daemon", dest="daemon", action="store_false", help="in-process figures only")
@@ -169,20 +175,34 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     doctor.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     doctor.add_argument("--json", action="store_true", help="print the checks as a JSON list")
-    optimize = command("optimize", "measure every profile of a model, judge the SLA, write its chain")
+    optimize = command(
+        "optimize", "measure every profile of a model at every layout, judge the SLA, write its chain and layout"
+    )
     optimize.add_argument("--model", required=True, help="the configured model to measure")
-    optimize.add_argument("--config", help=CONFIG_HELP + "; the chosen chain is written into it")
+    optimize.add_argument("--config", help=CONFIG_HELP + "; the chosen chain and layout are written into it")
     optimize.add_argument(
         "--constraints", help="constraints.json (accuracy budget and SLA); else the model's tolerance"
     )
     optimize.add_argument("--calibration", help=".npz for int8_static (written into the model's entry)")
     optimize.add_argument("--validation", help=".npz the accuracy is measured on (written into the model's entry)")
     optimize.add_argument("--profiles", default=",".join(PROFILE_NAMES), help="profiles to measure, comma-separated")
-    optimize.add_argument("--threads", type=int, help="threads per worker (default: the model's)")
-    optimize.add_argument("--batch", type=int, default=8, help="batch size of the latency measurement")
-    optimize.add_argument("--seconds", type=float, default=2.0, help="timing per profile")
+    optimize.add_argument(
+        "--layouts", help="layouts to measure as WORKERSxCORES, comma-separated (default: every one that fits)"
+    )
+    optimize.add_argument("--threads", type=int, help="only layouts with this many cores (threads) per worker")
+    optimize.add_argument("--batch", type=int, default=8, help="the second batch size measured")
+    optimize.add_argument("--seconds", type=float, default=2.0, help="timing per profile and layout")
     optimize.add_argument("--cache-dir", help="compiled packages (default: the config's cache_dir)")
-    optimize.add_argument("--timeout", type=float, default=1800.0, help="seconds per profile's measuring process")
+    optimize.add_argument("--timeout", type=float, default=1800.0, help="seconds per measuring process or daemon start")
+    optimize.add_argument(
+        "--no-check", dest="check", action="store_false",
+        help="skip the final check of the choice through a real daemon (then the P99 reported is in process)",
+    )  # fmt: skip
+    optimize.add_argument(
+        "--check-qps", type=float, help="QPS of the final check (default: the SLA's min_qps, else half the choice's)"
+    )
+    optimize.add_argument("--check-clients", type=int, default=2, help="clients of the final check (as probe's)")
+    optimize.add_argument("--check-seconds", type=float, default=10.0, help="seconds of the final check (as probe's)")
     optimize.add_argument("--dry-run", action="store_true", help="show the config diff, write nothing")
     optimize.add_argument("--json", help="also write the report here")
     probe = command("probe", "per-stage timings, hardware counters and torch operators under load")
@@ -253,6 +273,10 @@ def _run(args: argparse.Namespace) -> int:
         from supervisor.commands.status import run_status
 
         return run_status(args)
+    if args.command == "metrics":
+        from supervisor.commands.metrics import run_metrics
+
+        return run_metrics(args)
     if args.command == "infer":
         from supervisor.commands.infer import run_infer
 

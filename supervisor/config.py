@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from common.builtin_models import BUILTIN_MODELS
 from common.profiles import PROFILE_NAMES
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, ModelSource
-from protocol.tensors import TensorSpec
+from protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
 from supervisor.config_keys import (
     Applied,
     Choice,
@@ -31,7 +32,7 @@ from supervisor.config_keys import (
     Text,
     read_object,
 )
-from supervisor.fields import FieldReader
+from supervisor.fields import FieldReader, join_path
 from supervisor.module_lookup import module_missing
 from supervisor.socket_group import SocketGroup, SocketGroupError, lookup_group
 
@@ -58,6 +59,7 @@ def _is_loopback(host: str) -> bool:
 
 
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
+_LISTEN = re.compile(r"(?P<host>[^:/\[\]]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
 
 class ConfigError(Exception):
@@ -74,6 +76,18 @@ class CurveConfig:
 
     server_secret_key: str
     authorized_clients: str
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """Server-side batching of one model (Triton's dynamic batcher terms); see supervisor/batcher.py."""
+
+    #: Rows (dim 0, summed over the joined requests) one forward pass may carry.
+    max_batch_size: int
+    #: How long the oldest queued request may wait for companions before its batch goes as it is.
+    max_queue_delay_us: int
+    #: Batch sizes (rows) to aim for, e.g. the model's compiled buckets; empty: any size up to the maximum.
+    preferred_batch_sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,7 @@ class ModelConfig:
     drift_window: int
     canary_interval_s: float | None
     canary_tolerance: float
+    batching: BatchingConfig | None
 
 
 @dataclass(frozen=True)
@@ -128,13 +143,15 @@ class Config:
     log_level: str
     tcp_endpoint: str | None
     curve: CurveConfig | None
+    #: Let metrics_listen name an address that is not loopback (the operator's explicit choice).
+    metrics_allow_remote: bool
+    #: HOST:PORT of the Prometheus endpoint (supervisor/metrics.py), or None for none.
+    metrics_listen: str | None
     oversubscribe: bool
     #: Keep the supervisor on the allowed cpus no worker holds (supervisor/affinity.py).
     pin_supervisor: bool
     #: A CPU latency QoS request in µs held while serving (supervisor/cpu_latency.py); None holds none.
     cpu_latency_us: int | None
-    #: While a worker holds a request, the broker rehearses its path this often when idle (supervisor/rehearsal.py).
-    keep_warm_ms: int | None
     heartbeat_interval_ms: int
     heartbeat_liveness: int
     hang_factor: float
@@ -184,6 +201,79 @@ def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
     return ModelSource("builtin", "invalid")
 
 
+#: The range `integers` synthetic data may draw from, [low, high): what the dtype holds (int64: what a float
+#: parameter carries exactly).
+_INTEGER_RANGES = {
+    "bool": (0, 2),
+    "uint8": (0, 2**8),
+    "int8": (-(2**7), 2**7),
+    "int16": (-(2**15), 2**15),
+    "int32": (-(2**31), 2**31),
+    "int64": (-(2**53), 2**53),
+}
+_MAX_DIM = 2**31 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _read_dim(r: FieldReader, dim: Any, where: str) -> tuple[int | None, DimRange | None] | None:
+    """One dim of a shape: an integer, null (any size), or [min, max] (max null: no upper bound); None when bad."""
+    if dim is None:
+        return None, None
+    if _is_int(dim) and 1 <= dim <= _MAX_DIM:
+        return dim, None
+    if isinstance(dim, list) and len(dim) == 2 and _is_int(dim[0]) and (dim[1] is None or _is_int(dim[1])):
+        low, high = dim
+        if 1 <= low <= _MAX_DIM and (high is None or low <= high <= _MAX_DIM):
+            if low == high:
+                return low, None
+            return None, (None if (low, high) == (1, None) else (low, high))
+    r.fail(where, f"must be an integer 1..{_MAX_DIM}, null (any size) or [min, max] with 1 <= min <= max "
+           f"(max null: no upper bound), got {dim!r}")  # fmt: skip
+    return None
+
+
+def _read_synthetic(r: FieldReader, raw: Any, where: str, dtype: str) -> Synthetic | None:
+    """`{"distribution": NAME, ...parameters}`: normal (mean, std), uniform (low, high), integers (low, high)."""
+    if raw is None:
+        return None
+    names = ", ".join(SYNTHETIC_DISTRIBUTIONS)
+    if not isinstance(raw, dict) or raw.get("distribution") not in SYNTHETIC_DISTRIBUTIONS:
+        r.fail(where, f"must be an object with a `distribution` of {names}, got {raw!r}")
+        return None
+    distribution = str(raw["distribution"])
+    parameters = SYNTHETIC_DISTRIBUTIONS[distribution]
+    r.check_keys(raw, where, {"distribution", *parameters})
+    values: list[float] = []
+    for key, default in parameters.items():
+        value: Any = raw.get(key, default)
+        integral = distribution == "integers"
+        if not (_is_int(value) if integral else isinstance(value, (int, float)) and not isinstance(value, bool)):
+            kind = "an integer" if integral else "a number"
+            r.fail(join_path(where, key), f"must be {kind}{' (required)' if default is None else ''}, got {value!r}")
+            return None
+        if not math.isfinite(value):
+            r.fail(join_path(where, key), f"must be finite, got {value!r}")
+            return None
+        values.append(float(value))
+    first, second = values
+    floating = dtype.startswith("float")
+    low, high = _INTEGER_RANGES.get(dtype, (-math.inf, math.inf))
+    if distribution in ("normal", "uniform") and not floating:
+        r.fail(join_path(where, "distribution"), f"{distribution} draws floats; a {dtype} input takes `integers`")
+    elif distribution == "normal" and second <= 0:
+        r.fail(join_path(where, "std"), f"must be > 0, got {raw.get('std')!r}")
+    elif distribution != "normal" and first >= second:
+        r.fail(where, f"needs low < high, got low {raw.get('low', first)!r} and high {raw.get('high')!r}")
+    elif distribution == "integers" and (first < low or second > high):
+        r.fail(where, f"integers for a {dtype} input need {low} <= low < high <= {high}")
+    else:
+        return Synthetic(distribution, first, second)
+    return None
+
+
 def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...]:
     r = ctx.fields
     if not isinstance(raw, list) or not raw:
@@ -195,7 +285,7 @@ def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...
         if not isinstance(item, dict):
             r.fail(where, "must be an object")
             continue
-        r.check_keys(item, where, {"name", "dtype", "shape", "allow_non_finite"})
+        r.check_keys(item, where, {"name", "dtype", "shape", "allow_non_finite", "synthetic"})
         name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
             r.fail(f"{where}.name", "must be a non-empty string")
@@ -203,21 +293,20 @@ def _read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...
         if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
             r.fail(f"{where}.dtype", f"must be one of {', '.join(sorted(DTYPE_ITEMSIZE))}, got {dtype!r}")
             continue
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_RANK
-            or not all(d is None or (type(d) is int and 1 <= d < 2**31) for d in shape)
-        ):
-            r.fail(
-                f"{where}.shape",
-                f"must be an array of at most {MAX_RANK} positive integers or null (dynamic), got {shape!r}",
-            )
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            r.fail(f"{where}.shape", f"must be an array of at most {MAX_RANK} dims, got {shape!r}")
+            continue
+        dims = [_read_dim(r, dim, f"{where}.shape[{i}]") for i, dim in enumerate(shape)]
+        if any(dim is None for dim in dims):
             continue
         if any(spec.name == name for spec in specs):
             r.fail(f"{where}.name", f"input {name!r} is declared twice")
             continue
         allow = r.boolean(item, "allow_non_finite", where, False)
-        specs.append(TensorSpec(name, dtype, tuple(shape), allow))
+        synthetic = _read_synthetic(r, item.get("synthetic"), f"{where}.synthetic", dtype)
+        sizes = tuple(d[0] for d in dims if d is not None)
+        bounds = tuple(d[1] for d in dims if d is not None)
+        specs.append(TensorSpec(name, dtype, sizes, allow, bounds if any(bounds) else (), synthetic))
     return tuple(specs)
 
 
@@ -257,6 +346,26 @@ def _read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
     }
 
 
+def _read_batching(ctx: ReadContext, raw: Any, path: str) -> BatchingConfig | None:
+    r = ctx.fields
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        r.fail(path, "must be an object with max_batch_size, max_queue_delay_us, preferred_batch_sizes, or null")
+        return None
+    r.check_keys(raw, path, {"max_batch_size", "max_queue_delay_us", "preferred_batch_sizes"})
+    size = r.integer(raw, "max_batch_size", path, 8, 2, 4096)
+    delay = r.integer(raw, "max_queue_delay_us", path, 0, 0, 10_000_000)
+    preferred = raw.get("preferred_batch_sizes", [])
+    if not isinstance(preferred, list) or not all(type(p) is int and 1 <= p <= size for p in preferred):
+        r.fail(f"{path}.preferred_batch_sizes", f"must be an array of integers in [1, max_batch_size={size}]")
+        preferred = []
+    inputs = ctx.earlier.get("inputs") or ()
+    if any(not spec.shape or spec.shape[0] is not None for spec in inputs):
+        r.fail(path, "needs every input's first dim to be the batch (null): requests are joined along it")
+    return BatchingConfig(size, delay, tuple(sorted(set(preferred))))
+
+
 def _read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
     """An .npz path (relative to config.json's folder) that must exist and fit the inputs, as an absolute path."""
     value = ctx.fields.string_or_null(raw, path)
@@ -292,13 +401,17 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
         fits = (
             array.ndim == len(spec.shape)
             and array.dtype.name == spec.dtype
-            and all(want is None or want == got for want, got in zip(spec.shape[1:], array.shape[1:], strict=False))
+            and all(_within(spec.dim_range(i), got) for i, got in enumerate(array.shape[1:], start=1))
         )
         if not fits:
             r.fail(where, f"array {spec.name!r} is {array.dtype.name}{list(array.shape)}; expected {spec.describe()}")
         samples.add(array.shape[0] if array.ndim else 0)
     if len(samples) > 1 or 0 in samples:
         r.fail(where, "its arrays must share a non-empty first (sample) dimension")
+
+
+def _within(bound: DimRange, size: int) -> bool:
+    return bound[0] <= size and (bound[1] is None or size <= bound[1])
 
 
 def _choices(names: tuple[str, ...]) -> str:
@@ -311,9 +424,11 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("source", Custom(_read_source, f"object with exactly one key: {_choices(SOURCE_KINDS)}", required=True),
         Applied.ROLLING,
         "where the model comes from; a model file must exist when the config is validated ([more](#source))."),
-    Key("inputs", Custom(_read_inputs, "non-empty array of `{name, dtype, shape, allow_non_finite}`", required=True),
+    Key("inputs",
+        Custom(_read_inputs, "non-empty array of `{name, dtype, shape, allow_non_finite, synthetic}`", required=True),
         Applied.ROLLING,
-        "the model's inputs, in the order its `forward` takes them; admission checks requests against new ones at "
+        "the model's inputs, in the order its `forward` takes them, each dim fixed, any size (null) or a range "
+        "`[min, max]`, and the synthetic data the daemon draws for it; admission checks requests against new ones at "
         "once ([more](#inputs))."),
     Key("outputs", Custom(_read_outputs, "array of non-empty strings, or null (`[]` = null)"), Applied.ROLLING,
         "names for the model's outputs in order; default: the built-in's names, the keys of a returned dict, else "
@@ -354,6 +469,10 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("validation", Custom(_read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
         "an `.npz` of the inputs every profile is checked on against eager fp32; null: seeded random inputs "
         "([more](#calibration-and-validation))."),
+    Key("batching",
+        Custom(_read_batching, "`{max_batch_size, max_queue_delay_us, preferred_batch_sizes}` or null"),
+        Applied.ROLLING,
+        "join requests of this model into one forward pass (off when null) ([more](#batching))."),
     Key("tolerance",
         Custom(_read_tolerance, "`min_cosine` (-1..1), `max_abs_error` (≥ 0 or null), `top1` (bool)",
                {"min_cosine": 0.999}),
@@ -456,6 +575,28 @@ def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
     return tcp
 
 
+def _read_metrics_listen(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    listen = ctx.fields.string_or_null(raw, path)
+    if listen is None:
+        return None
+    match = _LISTEN.fullmatch(listen)
+    if match is None or not 1 <= int(match["port"]) <= 65535:
+        ctx.fields.fail(path, f"must look like 127.0.0.1:9464 (HOST:PORT, PORT 1-65535), got {listen!r}")
+        return None
+    host = match["host"]
+    try:
+        if host != "localhost":
+            ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        # A name would be resolved at bind time, to whatever it means then: an address says where it listens.
+        ctx.fields.fail(path, f"HOST must be an IP address or localhost, got {host!r}")
+        return None
+    if not _is_loopback(host) and not ctx.earlier["metrics_allow_remote"]:
+        # Metrics say what runs, how much and where it hurts: beyond this box only when the operator says so.
+        ctx.fields.fail(path, f"host {host!r} is not loopback; that needs `metrics_allow_remote: true`")
+    return listen
+
+
 # fmt: off
 #: The top-level keys, in the order they are read and documented (`curve` before the tcp_endpoint rule that needs it).
 TOP_KEYS: tuple[Key, ...] = (
@@ -484,6 +625,14 @@ TOP_KEYS: tuple[Key, ...] = (
         Applied.DAEMON_RESTART,
         "extra client endpoint on its own socket. A host that is not loopback (`localhost`, 127.0.0.0/8, `[::1]`) "
         "is refused unless `curve` is set."),
+    Key("metrics_allow_remote", Flag(False), Applied.DAEMON_RESTART,
+        "let `metrics_listen` name an address that is not loopback, such as `0.0.0.0` in a pod whose IP "
+        "Prometheus scrapes."),
+    Key("metrics_listen", Custom(_read_metrics_listen, "`HOST:PORT` (HOST an IP address or `localhost`), or null"),
+        Applied.DAEMON_RESTART,
+        "serve Prometheus metrics over HTTP there, e.g. `127.0.0.1:9464`; a host that is not loopback is refused "
+        "unless `metrics_allow_remote` is true. `infervisor metrics` prints the same text without it "
+        "([operations.md](operations.md#metrics))."),
     Key("oversubscribe", Flag(False), Applied.DAEMON_RESTART,
         "when the workers ask for more physical cores than the cpuset has, share cores round-robin (status shows "
         "`shared_cores`) instead of refusing to start."),
@@ -494,10 +643,6 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("cpu_latency_us", Integer(None, 0, 2_000_000_000), Applied.LIVE,
         "a CPU latency QoS request (`/dev/cpu_dma_latency`) held while the daemon runs: idle CPUs use no sleep "
         "state that takes longer than this to leave; `0`: they poll ([more](#cpu_latency_us))."),
-    # At most the loop's housekeeping interval (20 ms): a longer idle wait would delay heartbeats and deadlines.
-    Key("keep_warm_ms", Integer(None, 1, 10), Applied.LIVE,
-        "while a worker holds a request and the broker has had nothing to do for this many ms, the broker runs its "
-        "own request path on canned messages, so the real reply finds that code in cache ([more](#keep_warm_ms))."),
     Key("heartbeat_interval_ms", Integer(500, 10, 60_000), Applied.ROLLING,
         "in-band heartbeat period, both ways."),
     Key("heartbeat_liveness", Integer(10, 2, 1000), Applied.ROLLING,
@@ -546,6 +691,12 @@ TOP_KEYS: tuple[Key, ...] = (
 # fmt: on
 
 
+#: Keys earlier versions read, with what to tell a config that still has one (refused like any bad key).
+RETIRED_TOP_KEYS = {
+    "keep_warm_ms": "removed: the broker no longer rehearses its request path (no measured gain); delete the key",
+}
+
+
 def parse_config(text: str, base: Path) -> Config:
     """Validate config text; relative model paths resolve against `base`."""
     try:
@@ -557,7 +708,9 @@ def parse_config(text: str, base: Path) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(["(file): must be a JSON object"])
     r = FieldReader()
-    values = read_object(r, TOP_KEYS, raw, "", base)
+    for key in sorted(RETIRED_TOP_KEYS.keys() & raw.keys()):
+        r.fail(key, RETIRED_TOP_KEYS[key])
+    values = read_object(r, TOP_KEYS, {k: v for k, v in raw.items() if k not in RETIRED_TOP_KEYS}, "", base)
     if r.problems:
         raise ConfigError(r.problems)
     return Config(**values, digest=hashlib.sha256(text.encode()).hexdigest()[:16])

@@ -67,6 +67,13 @@ def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
     return env
 
 
+def served_batches(model: ModelConfig) -> list[int]:
+    """The batch sizes the broker may join this model's requests into: its preferred ones and its maximum."""
+    if model.batching is None:
+        return []
+    return sorted({*model.batching.preferred_batch_sizes, model.batching.max_batch_size})
+
+
 def launch_spec(
     model: ModelConfig,
     assignment: Assignment,
@@ -99,6 +106,7 @@ def launch_spec(
         calibration=model.calibration,
         validation=model.validation,
         recent_exits=list(recent_exits),
+        served_batches=served_batches(model),
         supervisor_pid=os.getpid(),
         client_gid=config.socket_group.gid if config.socket_group is not None else None,
         compile_timeout_s=config.compile_timeout_s,

@@ -32,3 +32,9 @@ class PendingRequest:
     rows: int = 1
     #: While a rollout changes the model's inputs: the spec that admitted it (only its workers may take it).
     spec: tuple[TensorSpec, ...] | None = None
+    #: With batching: what must match for two requests to be joined (input names, dtypes, dims after the first).
+    shape_key: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    #: The dispatch it went out in: requests sent to a worker together share it.
+    batch_id: int = 0
+    #: After its batch killed a worker, the most requests it may be sent with (the batch was split in two).
+    batch_limit: int | None = None

@@ -24,7 +24,7 @@ from supervisor.launcher import ExitRecord, Launcher, launch_worker
 from supervisor.planner import Assignment
 from supervisor.rollout import Replacement, Rollout
 from supervisor.serving_config import ServingConfig
-from supervisor.slot import LIVE_STATES, SlotState, WorkerSlot, describe_exit
+from supervisor.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
 from supervisor.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
@@ -59,7 +59,9 @@ class WorkerPool:
         }
         #: Successors still warming up and old workers draining away: alive, but not routed to.
         self.extra: list[WorkerSlot] = []
-        self.rollout = Rollout()
+        #: Worker processes replaced, per model and why: exits not asked for (here) and rollout steps (the rollout).
+        self.restarts: collections.Counter[tuple[str, RestartReason]] = collections.Counter()
+        self.rollout = Rollout(self.restarts)
         #: Models that have had a serving worker since they joined the config (STARTING vs UNAVAILABLE).
         self.has_served: set[str] = set()
         #: Per model, why its last rollout toward a new config failed (cleared by the next one).
@@ -181,10 +183,19 @@ class WorkerPool:
             slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
             return
         config = self.serving.current
+        cause = (slot.kill_cause if slot.killed else None) or RestartReason.CRASH
         if slot.hung_request:
             # Killed over one over-long request, which is charged a retry: that says nothing about the model.
+            self.restarts[(slot.model.name, cause)] += 1
             slot.respawn_at = now
             slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
+            return
+        if len(self.broker.running(slot)) > 1:
+            # A batch was running: the broker splits it to find the request that kills (each split costs one
+            # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
+            self.restarts[(slot.model.name, cause)] += 1
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} while running a batch; it is split, respawn now")
             return
         failures = slot.record_failure(now, config.restart_window_s)
         if failures >= config.max_restarts:
@@ -192,6 +203,7 @@ class WorkerPool:
             slot.transition(SlotState.FAILED, why)
             log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
             return
+        self.restarts[(slot.model.name, cause)] += 1  # a FAILED slot is not restarted: the workers gauge shows it
         # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
         never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
         delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
@@ -209,20 +221,21 @@ class WorkerPool:
             elif slot.state is SlotState.STARTING:
                 self.check_start(slot, now)
             elif slot.inflight:
-                # Only the head of the pipeline is running, so progress is measured from its start; its budget
-                # grows with its rows, since warm-up timed a batch of one.
-                head = next(iter(slot.inflight.values()))
-                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * head.rows / 1000.0)
-                if now - slot.progress_at > budget and slot.kill(f"no reply within {budget:.1f} s (hung)"):
+                # Only the head of the pipeline is running (one request, or one batch), so progress is measured
+                # from its start; its budget grows with its rows, since warm-up timed a batch of one.
+                rows = sum(r.rows for r in self.broker.running(slot))
+                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * rows / 1000.0)
+                hung = f"no reply within {budget:.1f} s (hung)"
+                if now - slot.progress_at > budget and slot.kill(hung, RestartReason.HANG):
                     slot.hung_request = True
             elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
-                slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s")
+                slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s", RestartReason.HEARTBEAT)
 
     def check_start(self, slot: WorkerSlot, now: float) -> None:
         """Kill a starting worker past a limit: the start limit (loading, checking), the compile limit (builds)."""
         config = self.serving.current
         overrun = slot.start.overrun(now, config.worker_start_timeout_s, config.compile_timeout_s)
-        if overrun is None or not slot.kill(overrun.reason):
+        if overrun is None or not slot.kill(overrun.reason, RestartReason.START_TIMEOUT):
             return
         if overrun.profile is not None:
             slot.compile_overrun = {"profile": overrun.profile, "limit_s": overrun.limit_s, "at": time.time()}
@@ -309,7 +322,7 @@ class WorkerPool:
 
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""
-        slot.kill(reason)
+        slot.kill(reason, RestartReason.LINK_BROKEN)
 
     def worker_drained(self, slot: WorkerSlot) -> None:
         """A draining worker holds nothing any more: it may go."""
@@ -332,7 +345,13 @@ class WorkerPool:
         elif slot.state in (SlotState.BACKOFF, SlotState.FAILED):
             slot.transition(SlotState.STOPPED, reason)
 
-    def restart(self, model: str | None, reason: str, forget_overruns: bool = False) -> int:
+    def restart(
+        self,
+        model: str | None,
+        reason: str,
+        cause: RestartReason = RestartReason.OPERATOR,
+        forget_overruns: bool = False,
+    ) -> int:
         """Queue a rolling restart of one model's workers (or all); returns how many were queued.
 
         `forget_overruns`: the new workers try again profiles whose builds overran the compile limit.
@@ -343,15 +362,15 @@ class WorkerPool:
                 for ended in self.recent_exits.get(name, ()) if forget_overruns else ():
                     ended["compile_overrun"] = None
                 for slot in slots:
-                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, cause))
                     queued += 1
         log.info("restart_requested", model=model or "*", workers=queued, reason=reason)
         return queued
 
     def recycle(self, slot: WorkerSlot, reason: str) -> None:
-        """Replace one worker, rolling, unless it is already being replaced."""
+        """Replace one worker for a monitor, rolling, unless it is already being replaced."""
         if not self.rollout.involves(slot):
-            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason))
+            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, RestartReason.MONITOR_RECYCLE))
 
     def adopt(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
         """Reshape the pools for a config the arbiter now serves: new, removed and scaled models at once,
@@ -383,7 +402,7 @@ class WorkerPool:
                 # One already queued or being replaced gets the newest config anyway: a step reads it when it starts.
                 if (moved or (name in diff.rolling and stale)) and not self.rollout.involves(slot):
                     why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
-                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}"))
+                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}", RestartReason.CONFIG))
         self.broker.sync_queues()
         for name in self.members:
             self.broker.dispatch(name)
@@ -411,7 +430,8 @@ class WorkerPool:
         self.rollout_errors[model] = error
         back = [s for s in self.members.get(model, []) if not builds_differ(s.model, target)]
         for slot in back:
-            self.rollout.enqueue(Replacement(slot, serving, slot.assignment, "roll back: the new config failed"))
+            why = "roll back: the new config failed"
+            self.rollout.enqueue(Replacement(slot, serving, slot.assignment, why, RestartReason.ROLLBACK))
         log.error("model_config_rolled_back", model=model, error=error, workers_rebuilt=len(back))
 
     def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:

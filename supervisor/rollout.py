@@ -16,7 +16,7 @@ import structlog
 
 from supervisor.config import ModelConfig
 from supervisor.planner import Assignment
-from supervisor.slot import SlotState, WorkerSlot
+from supervisor.slot import RestartReason, SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
 
@@ -29,6 +29,8 @@ class Replacement:
     model: ModelConfig
     assignment: Assignment
     reason: str
+    #: What the replacement is counted as in `infervisor_worker_restarts_total`.
+    cause: RestartReason
     successor: WorkerSlot | None = None
     started_at: float = 0.0
     #: Drain-first only: where in the pool the replacement goes, and that it went straight there.
@@ -67,11 +69,15 @@ class RolloutHost(Protocol):
 class Rollout:
     """The queue of replacements, worked one at a time so capacity never drops below N-1."""
 
-    def __init__(self) -> None:
+    def __init__(self, restarts: collections.Counter[tuple[str, RestartReason]] | None = None) -> None:
         self.queue: collections.deque[Replacement] = collections.deque()
         self.current: Replacement | None = None
         self.completed = 0
         self.last_error: str | None = None
+        #: Replacements started, per model and cause (the pool's restart counts, shared with its exits).
+        self.restarts: collections.Counter[tuple[str, RestartReason]] = (
+            collections.Counter() if restarts is None else restarts
+        )
 
     def enqueue(self, replacement: Replacement) -> None:
         """Add a replacement unless that worker is already queued for one (the newest request wins)."""
@@ -143,6 +149,7 @@ class Rollout:
         # The model as configured now: a restart queued before a live change must not bring old values back.
         replacement.model = model
         replacement.started_at = time.monotonic()
+        self.restarts[(name, replacement.cause)] += 1
         strategy = replacement.model.rollout
         log.info(
             "rollout_step_started", slot=replacement.old.name, reason=replacement.reason, strategy=strategy,

@@ -51,6 +51,23 @@ _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
     SlotState.FAILED: frozenset({SlotState.STOPPED}),
 }
 
+
+class RestartReason(enum.Enum):
+    """Why a worker process was replaced: the label of `infervisor_worker_restarts_total` (docs/operations.md)."""
+
+    CRASH = "crash"  # it ended on its own: a crash, an exit, a signal the supervisor did not send
+    HANG = "hang"  # it held a request and made no progress within its hang budget
+    HEARTBEAT = "heartbeat"  # it was idle and silent for heartbeat_liveness intervals
+    START_TIMEOUT = "start_timeout"  # it was not READY within worker_start_timeout_s
+    LINK_BROKEN = "link_broken"  # its link could not be written, or lost its framing
+    MONITOR_KILL = "monitor_kill"  # a monitor killed it (rss_hard_mb)
+    MONITOR_RECYCLE = "monitor_recycle"  # a monitor recycled it, rolling (RSS, leak, drift, age, requests, canary)
+    OPERATOR = "operator"  # `infervisor restart`
+    CONFIG = "config"  # a reload changed how its workers are built, or re-planned its cores
+    MODEL_FILE = "model_file"  # its model file changed on disk
+    ROLLBACK = "rollback"  # a rollout of its model failed: rebuilt from the config it serves with
+
+
 #: States whose process is alive (or not yet reaped).
 LIVE_STATES = frozenset({SlotState.STARTING, SlotState.SERVING, SlotState.DRAINING, SlotState.STOPPING})
 
@@ -106,14 +123,14 @@ class WorkerSlot:
     killed: bool = False
     #: Why the supervisor killed it, for status (`last_exit`).
     kill_reason: str = ""
+    #: Why it was killed, when that kill is a reason to replace it (None: a stop that was asked for).
+    kill_cause: RestartReason | None = None
     #: The kill was for a request that overran its hang budget: not a failure of the model.
     hung_request: bool = False
     failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
     restarts: int = 0
     requests: int = 0
     threads_seen: int | None = None
-    #: The process's rehearsals of its request path, from its last STATS.
-    rehearsals_seen: int = 0
     last_exit: str | None = None
     #: Why the slot is in its state now (the reason of its last transition), for status.
     reason: str = ""
@@ -166,13 +183,16 @@ class WorkerSlot:
         self.state = new
         self.reason = reason
 
-    def kill(self, reason: str) -> bool:
-        """SIGKILL the process now (once: later calls while it dies are no-ops); True when a signal was sent."""
+    def kill(self, reason: str, cause: RestartReason | None = None) -> bool:
+        """SIGKILL the process now (once: later calls while it dies are no-ops); True when a signal was sent.
+
+        `cause` is what the restart that follows is counted as; None for a kill that ends a stop.
+        """
         if self.process is None or self.killed or self.process.poll() is not None:
             return False
         log.warning("worker_killed", slot=self.name, pid=self.process.pid, reason=reason)
         self.process.kill()
-        self.killed, self.kill_reason = True, reason
+        self.killed, self.kill_reason, self.kill_cause = True, reason, cause
         return True
 
     def adopt_process(self, launched: Launched, heartbeat_s: float, liveness: int, now: float) -> None:
@@ -180,10 +200,9 @@ class WorkerSlot:
         self.process, self.link, self.worker_id = launched.process, launched.link, launched.worker_id
         self.spawned_at = self.last_heard = now
         self.kill_at = None
-        self.killed, self.kill_reason = False, ""
+        self.killed, self.kill_reason, self.kill_cause = False, "", None
         self.hung_request = False
         self.threads_seen = None
-        self.rehearsals_seen = 0
         self.latencies_ms.clear()
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.ready_at = 0.0

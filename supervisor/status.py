@@ -8,9 +8,10 @@ from typing import Any
 
 import psutil
 
+from common.profiles import PROFILES
 from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
-from supervisor.broker import Broker
-from supervisor.config import Config
+from supervisor.broker import Broker, ModelQueue
+from supervisor.config import BatchingConfig, Config
 from supervisor.fallback import Fallbacks
 from supervisor.health import ModelReport
 from supervisor.pool import WorkerPool
@@ -53,13 +54,13 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
         "threads": slot.threads_seen if slot.threads_seen is not None else slot.assignment.threads,
         "rss": rss_of(pid),
         "requests": slot.requests,
-        "rehearsals": slot.rehearsals_seen,
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),
         "ready_ms": round(slot.ready_ms, 1),
         "profile": slot.profile,
         "profile_skipped": [n for n in slot.profile_notes.split("; ") if n],
         "profile_build": [n for n in slot.build_notes.split("; ") if n],
+        **accuracy_data(slot),
         "last_profile": slot.last_profile,
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
@@ -67,6 +68,23 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
         # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
         "starting": slot.start.status(now) if slot.state is SlotState.STARTING else None,
     }
+
+
+def accuracy_data(slot: WorkerSlot) -> dict[str, str | None]:
+    """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
+    numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
+    if slot.profile is None:
+        return {"checked_on": None, "accuracy_warning": None}
+    if slot.model.validation:
+        return {"checked_on": "validation set", "accuracy_warning": None}
+    declared = PROFILES.get(slot.profile)
+    warning = None
+    if declared is not None and declared.changes_numerics:
+        warning = (
+            f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
+            "`validation`, an .npz of real inputs"
+        )
+    return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
 
 
 def models_status(
@@ -83,7 +101,15 @@ def models_status(
             "health": report.health.value,
             "reason": report.reason,
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
-            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in model.inputs],
+            "inputs": [
+                {
+                    "name": s.name,
+                    "dtype": s.dtype,
+                    "shape": s.config_shape(),
+                    "synthetic": s.synthetic.to_config() if s.synthetic is not None else None,
+                }
+                for s in model.inputs
+            ],
             "queued": len(queue.waiting),
             "queue_size": queue.capacity,
             "completed": queue.completed,
@@ -92,6 +118,7 @@ def models_status(
             "p99_ms": percentile(queue.latencies_ms, 99),
             "profiles": list(model.profiles),
             "fallback": fallbacks.status(name, model) if fallbacks is not None else None,
+            "batching": batching_status(model.batching, queue),
             "workers": [slot_status(s) for s in slots]
             + [
                 slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
@@ -100,6 +127,24 @@ def models_status(
             ],
         }
     return models
+
+
+def batching_status(policy: BatchingConfig | None, queue: ModelQueue) -> dict[str, Any] | None:
+    """How a batching model's requests were joined: batches per size (rows), mean size, the wait to be batched."""
+    if policy is None:
+        return None
+    batches = sum(queue.batch_sizes.values())
+    rows = sum(size * count for size, count in queue.batch_sizes.items())
+    return {
+        "max_batch_size": policy.max_batch_size,
+        "max_queue_delay_us": policy.max_queue_delay_us,
+        "preferred_batch_sizes": list(policy.preferred_batch_sizes),
+        "batches": batches,
+        "mean_size": round(rows / batches, 3) if batches else None,
+        "batch_sizes": {str(size): count for size, count in sorted(queue.batch_sizes.items())},
+        "wait_p50_ms": percentile(queue.batch_wait_ms, 50),
+        "wait_p99_ms": percentile(queue.batch_wait_ms, 99),
+    }
 
 
 def config_states(pool: WorkerPool) -> dict[str, Any]:

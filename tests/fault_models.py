@@ -136,3 +136,27 @@ class DriftsWhenTraced(torch.nn.Module):
 def drifts_when_traced() -> torch.nn.Module:
     """Factory for config: {"python": "tests.fault_models:drifts_when_traced"}."""
     return DriftsWhenTraced()
+
+
+ROW_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, None]}]
+
+
+class RowFaulty(torch.nn.Module):
+    """Row-wise: each output row is its input row plus one, and each row alone can crash or stall the worker.
+
+    A row whose x[i, 0] is SEGFAULT kills the process, SLEEP sleeps x[i, 1] seconds: a batch carrying
+    such a row fails (or stalls) every request joined with it, as a poison input would.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] == SEGFAULT).any()):
+            ctypes.string_at(0)
+        stall = x[x[:, 0] == SLEEP]
+        if stall.shape[0]:
+            time.sleep(float(stall[:, 1].max()))
+        return x + 1.0
+
+
+def rowfaulty() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.fault_models:rowfaulty"}."""
+    return RowFaulty()

@@ -1,9 +1,13 @@
-"""The small benchmarks run end to end and print their tables (figures are not checked: they are measurements)."""
+"""The benchmarks run end to end and print their tables (figures are not checked: they are measurements)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
+
+import torch
 
 from tests.conftest import ROOT
 
@@ -21,10 +25,7 @@ def test_cold_path_prints_every_step_after_the_forward_pass_and_warm() -> None:
     steps = [" ".join(row.split()[1:-5]) for row in rows]
     assert steps == [
         "one syscall (getppid)",
-        "timing map, msgpack.packb",
-        "timing map, encode_timing",
-        "result header, all of it after",
-        "result header, the worker's way",
+        "result header (encode_result)",
         "worker reply: header, link send",
         "broker: decode the client header",
         "broker: check against the spec",
@@ -41,21 +42,74 @@ def test_link_bench_times_both_paths() -> None:
 
 
 def test_legs_bench_alternates_both_sides_and_splits_every_leg() -> None:
-    """bench/legs.py on tiny with keep_warm_ms 1: a row for A then B, each with every leg, and a range line per leg."""
-    out = _bench("bench/legs.py", "--model", "tiny", "--pairs", "1", "--requests", "25", "--set", "keep_warm_ms=1")
+    """bench/legs.py on tiny, B with hang_factor 30: a row per side with every leg, and a range line per leg."""
+    out = _bench("bench/legs.py", "--model", "tiny", "--pairs", "1", "--requests", "25", "--set", "hang_factor=30")
     legs = ("send", "dispatch", "decode", "model", "encode", "reply", "overhead")
     rows = [line.split() for line in out.splitlines() if line.startswith("1 ")]
-    assert [row[1 : -len(legs)] for row in rows] == [["as", "is"], ["keep_warm_ms=1"]]
+    assert [row[1 : -len(legs)] for row in rows] == [["as", "is"], ["hang_factor=30"]]
     assert all(float(value) >= 0 for row in rows for value in row[-len(legs) :])
     for leg in legs:
         assert any(line.startswith(f"  {leg} ") and "(B lower in" in line for line in out.splitlines())
 
 
 def test_legs_bench_sends_the_b_sides_input_in_shared_memory() -> None:
-    """bench/legs.py --shm --both keep_warm_ms=1: both sides keep warm, only B's input travels by reference."""
+    """bench/legs.py --shm --both hang_factor=30: both sides set it, only B's input travels by reference."""
     out = _bench(
-        "bench/legs.py", "--model", "tiny", "--pairs", "1", "--requests", "25", "--shm", "--both", "keep_warm_ms=1"
+        "bench/legs.py", "--model", "tiny", "--pairs", "1", "--requests", "25", "--shm", "--both", "hang_factor=30"
     )
-    assert "; keep_warm_ms=1;" in out.splitlines()[0]
+    assert "; hang_factor=30;" in out.splitlines()[0]
     rows = [line.split() for line in out.splitlines() if line.startswith("1 ")]
     assert [row[1:-7] for row in rows] == [["as", "is"], ["shm"]]
+
+
+def _voice(tmp_path: Path) -> Path:
+    """A config whose model is a TorchScript LSTM file, named relative to the config (as a user would write it)."""
+    torch.manual_seed(0)
+
+    class Voice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = torch.nn.LSTM(8, 16, num_layers=2, batch_first=True)
+
+        def forward(self, mel: torch.Tensor) -> torch.Tensor:
+            return self.lstm(mel)[0][:, -1]
+
+    torch.jit.save(torch.jit.script(Voice().eval()), str(tmp_path / "voice.pt"))
+    entry = {
+        "source": {"torchscript": "voice.pt"},
+        "inputs": [{"name": "mel", "dtype": "float32", "shape": [None, 20, 8]}],
+    }
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"voice": entry}}))
+    return config
+
+
+def test_bench_measures_a_model_of_a_config_file_with_its_batch_column(tmp_path: Path) -> None:
+    """`bench --config F --models voice`: in process and through a daemon, per-sample ms at batch 1 and 8."""
+    config = _voice(tmp_path)
+    rows_file = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "bench", "--config", str(config), "--models", "voice",
+         "--profiles", "eager,jit", "--threads", "1", "--seconds", "0.3", "--json", str(rows_file)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    header = done.stdout.splitlines()[0].split()
+    assert header[header.index("qps") + 1 : header.index("qps") + 4] == ["b1/row", "b8/row", "b8/b1"]
+    rows = json.loads(rows_file.read_text())
+    assert [(r["model"], r["profile"]) for r in rows] == [("voice", "eager"), ("voice", "jit")]
+    for row in rows:
+        assert set(row["per_sample_ms"]) == {"1", "8"} and all(ms > 0 for ms in row["per_sample_ms"].values())
+        assert row["batch_ratio"] > 0
+        assert row["daemon_p50_ms"] > 0 and row["restart_ready_s"] > 0, row
+
+
+def test_bench_names_the_models_it_knows_when_given_another(tmp_path: Path) -> None:
+    """An unknown model is exit 2 with the built-ins and the config's models listed, not a traceback."""
+    config = _voice(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "bench", "--config", str(config), "--models", "speaker"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "no model 'speaker': built-ins are resnet50" in done.stderr and "has voice" in done.stderr

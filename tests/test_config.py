@@ -469,8 +469,9 @@ def test_bad_input_dtype_is_a_problem(dtype: object) -> None:
     "shape", [[0], [None, 0], [-1], [1, "a"], "abc", "[1]", [True], [1.5], [[1]], None, DELETE, {"0": 1}], ids=repr
 )
 def test_bad_input_shape_is_a_problem(shape: object) -> None:
-    """A shape that is not an array of positive integers or null is reported at models.m.inputs[0].shape."""
-    _assert_problem_at(_input(shape=shape), "models.m.inputs[0].shape")
+    """A shape that is not an array of dims is reported at models.m.inputs[0].shape, a bad dim at shape[i]."""
+    paths = _paths(_problems(_input(shape=shape)))
+    assert any(p == "models.m.inputs[0].shape" or p.startswith("models.m.inputs[0].shape[") for p in paths), paths
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None], ids=repr)
@@ -561,7 +562,7 @@ def test_all_problems_are_reported_at_once() -> None:
             "models.a.colour",
             "models.a.source.onnx",
             "models.a.inputs[0].dtype",
-            "models.a.inputs[1].shape",
+            "models.a.inputs[1].shape[0]",
             "models.a.workers",
             "models.b.threads",
             "log_level",
@@ -599,10 +600,14 @@ def test_duplicate_input_names_are_a_problem() -> None:
     _assert_problem_at(_text(_model(inputs=inputs)), "models.m.inputs[1].name")
 
 
-@pytest.mark.parametrize("shape", [[1] * (MAX_RANK + 1), [None, 2**31]], ids=["rank", "dim"])
-def test_input_shape_beyond_wire_limits_is_a_problem(shape: list[int | None]) -> None:
-    """A shape no request could ever carry is reported at models.m.inputs[0].shape."""
-    _assert_problem_at(_input(shape=shape), "models.m.inputs[0].shape")
+@pytest.mark.parametrize(
+    ("shape", "path"),
+    [([1] * (MAX_RANK + 1), "shape"), ([None, 2**31], "shape[1]"), ([[1, 2**31]], "shape[0]")],
+    ids=["rank", "dim", "range"],
+)
+def test_input_shape_beyond_wire_limits_is_a_problem(shape: list[Any], path: str) -> None:
+    """A shape no request could ever carry is reported at models.m.inputs[0].shape (a dim at shape[i])."""
+    _assert_problem_at(_input(shape=shape), f"models.m.inputs[0].{path}")
 
 
 @pytest.mark.parametrize(
@@ -755,8 +760,10 @@ def _another(key: Key, folder: Path) -> object:
         "calibration": "samples.npz",
         "validation": "samples.npz",
         "tolerance": {"min_cosine": 0.9},
+        "batching": {"max_batch_size": 8},
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",
+        "metrics_listen": "127.0.0.1:9464",
         "socket_group": os.getegid(),  # a gid is taken as it is: one that exists on any box
     }
     return custom[key.name]
@@ -793,3 +800,12 @@ def test_models_added_and_removed_are_reported_by_name() -> None:
     assert diff_configs(one, two).summary() == {"added": ["n"]}
     assert diff_configs(two, one).summary() == {"removed": ["n"]}
     assert diff_configs(one, one).empty
+
+
+def test_a_retired_key_is_refused_with_what_to_do() -> None:
+    """keep_warm_ms, which earlier versions read, is refused with a sentence saying it was removed, not as unknown."""
+    with pytest.raises(ConfigError) as caught:
+        _parse(_text(keep_warm_ms=1))
+    assert caught.value.problems == [
+        "keep_warm_ms: removed: the broker no longer rehearses its request path (no measured gain); delete the key"
+    ]

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from common.cpuinfo import read_caps
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
 from supervisor.config import ConfigError, parse_config
@@ -19,7 +18,6 @@ from worker.models import build_builtin
 from worker.profiles.build import BuildContext, ProfileError, build_profile
 from worker.profiles.cache import ArtifactCache, CachedBuildFailure, model_digest
 from worker.profiles.calibration import CalibrationError, load_calibration
-from worker.profiles.select import select_profile
 from worker.profiles.validate import Tolerance, compare
 from worker.runner import ModelRunner
 from worker.serve import build_context
@@ -122,19 +120,6 @@ def test_calibration_set_must_match_the_input_spec(tmp_path: Path) -> None:
         load_calibration(missing, specs)
 
 
-def test_pick_fastest_times_the_chain_and_reuses_its_decision(tmp_path: Path) -> None:
-    """pick=fastest validates and times every profile, serves the fastest, and a restart builds only that one."""
-    runner = _tiny_runner()
-    chain = ("eager", "jit")
-    first = select_profile(runner, chain, Tolerance(), read_caps(), _context(runner, tmp_path), "fastest")
-    assert first.profile in chain and any(n.startswith("fastest of ") for n in first.notes)
-    (other,) = [p for p in chain if p != first.profile]
-    assert first.skipped == [s for s in first.skipped if s.startswith(f"{other}: passed (cosine ")] and first.skipped
-    again_runner = _tiny_runner()
-    again = select_profile(again_runner, chain, Tolerance(), read_caps(), _context(again_runner, tmp_path), "fastest")
-    assert again.profile == first.profile and "decided earlier" in again.notes[-1]
-
-
 def test_a_module_called_at_two_places_gets_a_quantization_hint(tmp_path: Path) -> None:
     """PT2E cannot annotate one ReLU module used twice; the skip reason says to give each call site its own."""
 
@@ -181,12 +166,13 @@ def test_int8_is_compiled_once_then_loaded_and_too_strict_a_tolerance_falls_back
     (strict,) = status["models"]["strict"]["workers"]
     assert q["profile"] == "int8_static", q
     assert strict["profile"] == "eager" and "max abs error" in strict["profile_skipped"][0], strict
-    # Both models share the packages (batch-1 static and dynamic): same weights, spec and calibration, same keys.
+    # Both models share the packages (one static package per batch bucket): same weights, spec and calibration.
     assert len(list((tmp_path / "cache").glob("int8_static-*.pt2"))) == 2
     assert sorted(n.rsplit("(", 1)[-1] for n in q["profile_build"] if "package" in n) == [
-        "dynamic shapes)",
-        "static shapes)",
+        "batch 1 shapes)",
+        "batch 8 shapes)",
     ]
+    assert any(n.startswith("batch buckets (batch 1 ") for n in q["profile_build"]), q["profile_build"]
     assert not any("random" in n for n in q["profile_build"]), q["profile_build"]
     x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
     with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""The worker's request path up to the model, and its rehearsal on a canned request, with a real model."""
+"""The worker's request path up to the model, with a real model."""
 
 from __future__ import annotations
 
@@ -6,21 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from protocol import worker_messages as wm
-from protocol.client_messages import InferRequest, decode_reply, encode_infer
+from protocol.client_messages import InferRequest, encode_infer
 from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorDesc, TensorSpec
 from worker.models import build_builtin
-from worker.request_path import Rehearsal, prepare
+from worker.request_path import prepare
 from worker.runner import ModelRunner
 from worker.shared_inputs import SharedInputs
 
 # Frames are read-only buffers, as the link delivers them; worker.runner silences this in a worker.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
-ENCODER_SPECS = (TensorSpec("input_ids", "int64", (None, 128)), TensorSpec("attention_mask", "int64", (None, 128)))
 
 
 def _launch(model: str, specs: tuple[TensorSpec, ...]) -> LaunchSpec:
@@ -31,38 +28,16 @@ def _runner(model: str, specs: tuple[TensorSpec, ...]) -> ModelRunner:
     return ModelRunner(build_builtin(model).eval(), specs, None)
 
 
-def test_a_rehearsal_prepares_the_models_own_example_and_runs_nothing() -> None:
-    """The canned request decodes, passes every check and views the example inputs; the model never runs."""
-    runner = _runner("encoder", ENCODER_SPECS)
-    calls: list[object] = []
-    runner.module.register_forward_pre_hook(lambda module, args: calls.append(args))
-    rehearsal = Rehearsal(_launch("encoder", ENCODER_SPECS), runner)
-    rehearsal.run()
-    rehearsal.run()
-    assert calls == []
-    assert wm.decode(rehearsal.header) == rehearsal.request
-    prepared = prepare(rehearsal.launch, runner, rehearsal.shared, rehearsal.request, rehearsal.frames)
-    for name, example in runner.example_inputs().items():
-        assert torch.equal(prepared.inputs[name], example)
-
-
-def test_prepare_encodes_the_reply_parts_a_client_can_read() -> None:
-    """The REPLY message and result header made before the model are the ones for this request."""
+def test_prepare_views_the_frames_and_keeps_the_clients_header() -> None:
+    """The inputs are the frames' tensors; the id and model the result header echoes are the client's."""
     specs = (TensorSpec("x", "float32", (None, 16)),)
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
-    header = encode_infer(InferRequest("req-7", "tiny", (TensorDesc("x", "float32", (3, 16)),)))
+    request = InferRequest("req-7", "tiny", (TensorDesc("x", "float32", (3, 16)),))
     prepared = prepare(
-        _launch("tiny", specs),
-        _runner("tiny", specs),
-        SharedInputs(),
-        wm.Request(41, None, 0.0, 0.0),
-        [header, x.tobytes()],
+        _launch("tiny", specs), _runner("tiny", specs), SharedInputs(), [encode_infer(request), x.tobytes()]
     )
     assert torch.equal(prepared.inputs["x"], torch.from_numpy(x))
-    assert wm.decode(prepared.success[0]) == wm.Reply(41, None, "")
-    reply = decode_reply(prepared.result_header.encode(b"\x90", b"\x80"), [])
-    assert not isinstance(reply, ProtocolError)
-    assert (reply.request_id, reply.model, reply.outputs, reply.timing) == ("req-7", "tiny", (), {})
+    assert prepared.infer == request
 
 
 @pytest.mark.parametrize(
@@ -79,6 +54,6 @@ def test_prepare_refuses_what_the_model_must_not_see(model: str, inputs: dict[st
     descs = tuple(TensorDesc(name, "float32", a.shape) for name, a in inputs.items())
     frames = [encode_infer(InferRequest(1, model, descs)), *[a.tobytes() for a in inputs.values()]]
     with pytest.raises(ProtocolError) as caught:
-        prepare(_launch("tiny", specs), _runner("tiny", specs), SharedInputs(), wm.Request(1, None, 0.0, 0.0), frames)
+        prepare(_launch("tiny", specs), _runner("tiny", specs), SharedInputs(), frames)
     assert caught.value.code in (ErrorCode.INTERNAL, ErrorCode.INVALID_INPUT)
     assert needle in caught.value.message

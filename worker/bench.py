@@ -2,11 +2,14 @@
 
     python -m worker.bench --model resnet50 --profiles eager,jit --threads 2 --batch 8 --seconds 3 --cache-dir D
     python -m worker.bench --launch LAUNCH_JSON --profiles int8_static --started-at EPOCH ...
+    python -m worker.bench --launch LAUNCH_JSON --profiles aoti --cpus 1 --build-only --hold ...
 
 Prints one JSON object per line: first the model's input spec, then one row per profile. The process
 pins itself to its first `threads` CPUs and sizes the thread pools before torch is imported, like a worker.
 With --launch (a worker's LaunchSpec) any model source works, and its calibration and validation sets
 are used; --started-at (the parent's time.time() when it spawned this process) adds the cold start.
+With --hold the process keeps the profile after its row and times back-to-back requests when told
+to on stdin (`load SECONDS`), so `infervisor optimize` can load several pinned processes at once.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +47,37 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
     return {"p50_ms": at(50), "p95_ms": at(95), "p99_ms": at(99)}
 
 
-def _timed(run: Any, seconds: float) -> list[float]:
+def _timed(run: Any, seconds: float, at_least: int = 5) -> list[float]:
     latencies: list[float] = []
     stop = time.perf_counter() + seconds
-    while (time.perf_counter() < stop or len(latencies) < 5) and len(latencies) < 100_000:
+    while (time.perf_counter() < stop or len(latencies) < at_least) and len(latencies) < 100_000:
         started = time.perf_counter()
         run()
         latencies.append((time.perf_counter() - started) * 1000.0)
     return latencies
+
+
+#: How long each turn of the alternating timing runs one batch size before switching to the other.
+_TURN_S = 0.25
+
+
+def alternating(runs: dict[int, Any], seconds: float) -> list[dict[int, list[float]]]:
+    """Latencies of each batch size, timed in alternating turns for about `seconds` each (at least 5 runs each).
+
+    One map per turn. On a shared box a burst of load then hits both sizes alike, and the per-turn
+    ratio of their per-sample times (the batch column) is not decided by which size ran during it.
+    """
+    turns: list[dict[int, list[float]]] = []
+    stop = time.perf_counter() + seconds * len(runs)
+    while time.perf_counter() < stop or sum(len(turn[min(runs)]) for turn in turns) < 5 or len(turns) < 3:
+        turns.append({size: _timed(run, _TURN_S, at_least=1) for size, run in runs.items()})
+    return turns
+
+
+def batch_ratio(turns: list[dict[int, list[float]]], one: int, many: int) -> float:
+    """The median over turns of (per-sample time at `many`) / (time at `one`), each turn's medians paired."""
+    ratios = [statistics.median(t[many]) / many / statistics.median(t[one]) * one for t in turns]
+    return statistics.median(ratios)
 
 
 def launch_of(args: argparse.Namespace) -> LaunchSpec:
@@ -63,14 +91,16 @@ def launch_of(args: argparse.Namespace) -> LaunchSpec:
     )  # fmt: skip
 
 
-def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[str, Any]:
-    """Build one profile on a fresh model, check it against eager, time it at batch 1 and --batch."""
+def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple[dict[str, Any], Callable[[], object]]:
+    """Build one profile on a fresh model, check it against eager, time it at batch 1 and --batch (not --build-only).
+
+    Returns the row and one batch-1 call of what was built (for --hold); a skipped profile's call does nothing.
+    """
     import psutil
 
     from worker.loader import load_model
     from worker.profiles.build import ProfileError, build_profile
     from worker.profiles.calibration import load_calibration
-    from worker.profiles.flags import reset_global_flags
     from worker.profiles.select import golden_cases
     from worker.profiles.validate import compare
     from worker.runner import ModelRunner
@@ -80,7 +110,7 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
     refusal = cpu_refusal(profile, read_caps())
     if refusal is not None:
-        return {"profile": profile, "skipped": refusal}
+        return {"profile": profile, "skipped": refusal}, _nothing
     validation = load_calibration(Path(launch.validation), launch.inputs) if launch.validation else None
     cases = golden_cases(runner, validation)
     references = [[a for _, a in runner.forward(case)] for case in cases]
@@ -92,24 +122,32 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
         runner.module = built.callable
         runner.forward(one)
     except ProfileError as exc:
-        return {"profile": profile, "skipped": str(exc)}
+        return {"profile": profile, "skipped": str(exc)}, _nothing
     except Exception as exc:  # noqa: BLE001 - a crashing profile is a row of the table, not the end of the bench
-        return {"profile": profile, "skipped": f"crashed: {type(exc).__name__}: {str(exc)[:200]}"}
+        return {"profile": profile, "skipped": f"crashed: {type(exc).__name__}: {str(exc)[:200]}"}, _nothing
     build_s = time.perf_counter() - started
     cold_start_s = time.time() - args.started_at if args.started_at else None
+
+    def serve_one() -> object:
+        return runner.forward(one)
+
+    if args.build_only:
+        built_row = {"profile": profile, "build_s": round(build_s, 2), "build_notes": built.notes}
+        return {**built_row, "cold_start_s": round(cold_start_s, 2) if cold_start_s is not None else None}, serve_one
     agreements = [
         compare(ref, [a for _, a in runner.forward(case)]) for case, ref in zip(cases, references, strict=True)
     ]
-    single = _timed(lambda: runner.forward(one), args.seconds)
     runner.forward(many)  # a dynamic-shape graph may specialise on its first batch of this size
-    batched = _timed(lambda: runner.forward(many), args.seconds)
-    reset_global_flags()
+    turns = alternating({1: serve_one, args.batch: lambda: runner.forward(many)}, args.seconds)
+    single = [ms for turn in turns for ms in turn[1]]
+    batched = [ms for turn in turns for ms in turn[args.batch]]
+    per_sample = {"1": _percentiles(single)["p50_ms"], str(args.batch): _percentiles(batched)["p50_ms"] / args.batch}
     return {
         "profile": profile,
         "build_s": round(build_s, 2),
         "cold_start_s": round(cold_start_s, 2) if cold_start_s is not None else None,
         "build_notes": built.notes,
-        "cosine": round(min(a.cosine for a in agreements), 6),
+        "cosine": min(a.cosine for a in agreements),  # unrounded: 0.99989996 must stay below a 0.9999 budget
         "max_abs_error": float(f"{max(a.max_abs_error for a in agreements):.3g}"),
         "top1": all(a.top1_agree for a in agreements),
         "checked_on": "validation set" if validation else "seeded random inputs",
@@ -118,9 +156,56 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> dict[
         "batch": args.batch,
         "batch_p50_ms": _percentiles(batched)["p50_ms"],
         "batch_qps": round(1000.0 * args.batch * len(batched) / sum(batched), 1),
+        #: Median milliseconds per sample at batch 1 and at --batch (the bench's batch column).
+        "per_sample_ms": {size: round(ms, 4) for size, ms in per_sample.items()},
+        #: The median over alternating turns of per-sample time at --batch over batch 1's (below 1: batching pays).
+        "batch_ratio": round(batch_ratio(turns, 1, args.batch), 3),
         "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "rss_added_mb": round((psutil.Process().memory_info().rss - rss_before) / 2**20, 1),
-    }
+    }, serve_one
+
+
+def auto_pick(launch: LaunchSpec) -> dict[str, Any]:
+    """What a worker's `pick: fastest` over the launch's chain serves here, decided afresh (not remembered)."""
+    from worker.loader import load_model
+    from worker.profiles.calibration import load_calibration
+    from worker.profiles.select import remembered_pick, select_profile
+    from worker.profiles.validate import Tolerance
+    from worker.runner import ModelRunner
+    from worker.serve import build_context
+
+    runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
+    context = build_context(launch, runner)
+    tolerance = Tolerance(**launch.tolerance)
+    remembered = remembered_pick(context, launch.profiles, tolerance)
+    if remembered is not None:
+        # Decided again, and remembered again: a worker of this config would have made the same decision here.
+        remembered.unlink(missing_ok=True)
+    validation = load_calibration(Path(launch.validation), launch.inputs) if launch.validation else None
+    selection = select_profile(
+        runner, launch.profiles, tolerance, read_caps(), context, "fastest", validation
+    )  # fmt: skip
+    return {"pick": selection.profile, "notes": selection.notes, "skipped": selection.skipped}
+
+
+def _nothing() -> object:
+    return None
+
+
+def hold(serve_one: Callable[[], object]) -> None:
+    """Keep the built profile and answer the parent's lines on stdin until `quit` or EOF.
+
+    `load SECONDS`: batch-1 calls back to back for that long, answered with their count and
+    percentiles. The parent sends it to several such processes at once (infervisor optimize's
+    layouts): their counts add up to the layout's throughput with every worker busy.
+    """
+    for line in sys.stdin:
+        command, _, value = line.strip().partition(" ")
+        if command != "load":
+            return
+        latencies = _timed(serve_one, float(value))
+        summary = {"count": len(latencies), "seconds": round(sum(latencies) / 1000.0, 4), **_percentiles(latencies)}
+        print(json.dumps({"load": summary}), flush=True)
 
 
 def main() -> int:
@@ -136,13 +221,19 @@ def main() -> int:
         + "; ".join(f"{p.name}: {p.summary}" for p in PROFILES.values()),
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpus", help="pin to exactly these CPUs (comma-separated; default: the first --threads)")
+    parser.add_argument("--build-only", action="store_true", help="build and check, do not time (a --hold sibling)")
+    parser.add_argument("--hold", action="store_true", help="then keep the (one) profile and answer `load S` on stdin")
+    parser.add_argument(
+        "--pick", action="store_true", help="only print what pick fastest over the launch's chain serves"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--cache-dir", required=True)
     parser.add_argument("--started-at", type=float, help="the parent's time.time() at spawn, for the cold start")
     args = parser.parse_args()
-    cpus = sorted(os.sched_getaffinity(0))[: args.threads]
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))[: args.threads]
     os.sched_setaffinity(0, cpus)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(len(cpus))
@@ -152,8 +243,15 @@ def main() -> int:
 
     torch.set_num_threads(len(cpus))
     print(json.dumps({"inputs": [[s.name, s.dtype, list(s.shape)] for s in launch.inputs], "cpus": cpus}), flush=True)
+    if args.pick:
+        print(json.dumps(auto_pick(launch)), flush=True)
+        return 0
+    serve_one = _nothing
     for profile in args.profiles.split(","):
-        print(json.dumps(measure(args, launch, profile)), flush=True)
+        row, serve_one = measure(args, launch, profile)
+        print(json.dumps(row), flush=True)
+    if args.hold:
+        hold(serve_one)
     return 0
 
 

@@ -13,18 +13,7 @@ import torch
 from protocol.arrays import check_finite
 from protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS
 from protocol.tensors import TensorDesc, TensorSpec
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
+from worker.synthetic import TORCH_DTYPES, synthetic_inputs
 
 # Frames are received into zmq-owned memory exposed read-only; the model only reads them, so
 # torch's warning about non-writable buffers is noise on every request.
@@ -46,19 +35,12 @@ class ModelRunner:
         self.output_names = tuple(output_names) if output_names else None
         self.golden: list[tuple[str, np.ndarray[Any, Any]]] = []
 
-    def example_inputs(self, batch: int = 1) -> dict[str, torch.Tensor]:
-        """Inputs of the declared spec (dynamic dims = `batch`), used for warm-up and checks."""
-        generator = torch.Generator().manual_seed(0)
-        inputs: dict[str, torch.Tensor] = {}
-        for spec in self.specs:
-            shape = spec.example_shape(batch)
-            dtype = _TORCH_DTYPES[spec.dtype]
-            if dtype.is_floating_point:
-                inputs[spec.name] = torch.randn(shape, generator=generator).to(dtype)
-            else:
-                # Ones are a valid token id, mask value, class index and boolean alike.
-                inputs[spec.name] = torch.ones(shape, dtype=dtype)
-        return inputs
+    def example_inputs(self, batch: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Synthetic inputs of the declared spec (dynamic dims = `batch`), used for warm-up, checks and canaries.
+
+        Drawn as each input declares (worker/synthetic.py); seed 0 is the warm-up and canary input.
+        """
+        return synthetic_inputs(self.specs, batch, seed)
 
     def inputs_from_frames(self, descs: Sequence[TensorDesc], buffers: Sequence[Any]) -> dict[str, torch.Tensor]:
         """Tensors viewing the received frames (no copy), after refusing NaN/Inf where this worker's spec does.
@@ -69,7 +51,7 @@ class ModelRunner:
         """
         check_finite(descs, buffers, self.specs)
         return {
-            desc.name: torch.frombuffer(buffer, dtype=_TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
+            desc.name: torch.frombuffer(buffer, dtype=TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
             for desc, buffer in zip(descs, buffers, strict=True)
         }
 

@@ -19,12 +19,13 @@ from common.json_logs import adopt_library_handlers
 from common.profiles import PROFILES, REFERENCE_PROFILE
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
-from protocol.client_messages import encode_outputs, encode_timing
+from protocol.client_messages import encode_result
 from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, StartPhase, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
+from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext
@@ -33,7 +34,7 @@ from worker.profiles.calibration import load_calibration
 from worker.profiles.select import Selection, check_profiles, select_profile
 from worker.profiles.validate import Tolerance
 from worker.progress import LinkProgress
-from worker.request_path import REHEARSE_AFTER_MS, Rehearsal, prepare
+from worker.request_path import Prepared, prepare
 from worker.runner import ModelRunner, timed_ms
 from worker.shared_inputs import SharedInputs
 
@@ -41,8 +42,6 @@ log = structlog.get_logger("worker")
 
 #: Operators reported by a profiling session.
 _PROFILE_TOP = 15
-#: Distinct output layouts whose packed descriptors are kept (a model with dynamic shapes has many).
-_OUTPUTS_HEADERS_KEPT = 64
 
 
 class WorkerLoop:
@@ -65,20 +64,10 @@ class WorkerLoop:
         self.profile_left = 0
         #: Where inputs that a client left in shared memory are copied to (worker/shared_inputs.py).
         self.shared_inputs = SharedInputs(client_group=launch.client_gid)
-        #: The request path run on a canned request after a long forward pass (worker/request_path.py).
-        self.rehearsal: Rehearsal | None = Rehearsal(launch, runner)
-        self.rehearse_due = False
-        self.rehearsals = 0
-        #: Packed output descriptors by (name, dtype, shape) of each output: the same on most requests.
-        self.outputs_headers: dict[tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...], bytes] = {}
 
     def send(self, message: wm.WorkerMessage, frames: list[Any] | None = None) -> None:
         """Send one message (any send counts as a heartbeat); LinkClosed if the supervisor stopped reading."""
-        self.send_encoded(wm.encode(message, frames or []))
-
-    def send_encoded(self, frames: list[Any]) -> None:
-        """Send a message already encoded as its frames."""
-        self.link.send(frames)
+        self.link.send(wm.encode(message, frames or []))
         if self.link.wants_write:
             self.link.flush_blocking(self.silence_limit)
         self.last_sent = time.monotonic()
@@ -108,9 +97,6 @@ class WorkerLoop:
                     outcome = self.handle(frames)
                     if outcome is not None:
                         return outcome
-                # Only with nothing in hand or on its way: a rehearsal must never delay a request.
-                if self.rehearse_due and not self.link.mid_message and not self.link.wait_readable(0):
-                    self.rehearse()
             else:
                 silent = time.monotonic() - self.last_heard
                 if silent > self.silence_limit:
@@ -131,6 +117,8 @@ class WorkerLoop:
             return None
         if isinstance(message, wm.Request):
             self.serve_request(message, frames[1:])
+        elif isinstance(message, wm.Batch):
+            self.answer_batch(message, frames[1:])
         elif isinstance(message, wm.Canary):
             started = time.perf_counter()
             try:
@@ -146,19 +134,6 @@ class WorkerLoop:
             log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)
             return WorkerExitCode.OK
         return None
-
-    def rehearse(self) -> None:
-        """Run the request path on the canned request while nothing waits, so the next request finds it in cache."""
-        self.rehearse_due = False
-        if self.rehearsal is None or self.profiler is not None:  # its views would show in the profile
-            return
-        try:
-            self.rehearsal.run()
-        except Exception as exc:  # noqa: BLE001 - a rehearsal that fails costs the rehearsals, not the serving
-            log.warning("rehearsal_failed", error=f"{type(exc).__name__}: {exc}")
-            self.rehearsal = None
-            return
-        self.rehearsals += 1
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
         """Answer one request, inside a profiling session when one is open."""
@@ -206,12 +181,11 @@ class WorkerLoop:
         started = time.perf_counter()
         self.requests += 1
         try:
-            prepared = prepare(self.launch, self.runner, self.shared_inputs, request, frames)
+            prepared = prepare(self.launch, self.runner, self.shared_inputs, frames)
             decode_ms = timed_ms(started)
             model_started = time.perf_counter()
             outputs = self.runner.forward(prepared.inputs)
             model_ms = timed_ms(model_started)
-            self.rehearse_due = model_ms >= REHEARSE_AFTER_MS
         except ProtocolError as exc:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
@@ -219,44 +193,98 @@ class WorkerLoop:
             log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
             self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return
+        self.send_result(request, prepared, outputs, received, decode_ms, model_ms)
+
+    def send_result(
+        self,
+        request: wm.Request,
+        prepared: Prepared,
+        outputs: list[tuple[str, np.ndarray[Any, Any]]],
+        received: float,
+        decode_ms: float,
+        model_ms: float,
+    ) -> None:
+        """Answer a request with its outputs and timing (an output over the frame limit is an error instead)."""
         encode_started = time.perf_counter()
         try:
-            outputs_header = self.encoded_outputs(outputs)
+            descs = self.output_descs(outputs)
         except ProtocolError as exc:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
         queue_ms = request.queue_ms
-        timing = encode_timing(
-            queue_ms=queue_ms,
+        timing = {
+            "queue_ms": queue_ms,
             # Broker dispatch to this worker's receive, including any wait behind earlier requests in its pipeline.
-            dispatch_ms=(received - request.accepted_at) * 1000.0 - queue_ms,
-            decode_ms=decode_ms,
-            model_ms=model_ms,
-            encode_ms=timed_ms(encode_started),
-            total_ms=(time.monotonic() - request.accepted_at) * 1000.0,
+            "dispatch_ms": (received - request.accepted_at) * 1000.0 - queue_ms,
+            "decode_ms": decode_ms,
+            "model_ms": model_ms,
+            "encode_ms": timed_ms(encode_started),
+            "total_ms": (time.monotonic() - request.accepted_at) * 1000.0,
             # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
-            accepted_clock_ms=request.accepted_at * 1000.0,
-        )
-        header = prepared.result_header.encode(outputs_header, timing)
-        self.send_encoded([*prepared.success, header, *[array for _, array in outputs]])
+            "accepted_clock_ms": request.accepted_at * 1000.0,
+        }
+        header = encode_result(prepared.infer.request_id, prepared.infer.model, descs, timing)
+        self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
 
-    def encoded_outputs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> bytes:
-        """The outputs' descriptors, packed once per names, dtypes and shapes; ProtocolError for a frame too long."""
-        key = tuple((name, array.dtype, array.shape) for name, array in outputs)
-        encoded = self.outputs_headers.get(key)
-        if encoded is not None:
-            return encoded
+    def answer_batch(self, batch: wm.Batch, frames: list[Any]) -> None:
+        """Check each member alone, run the good ones as one forward pass, answer each with its own rows.
+
+        A member past its deadline or with a bad input gets its own error reply and leaves the batch;
+        a failing forward pass is every remaining member's error.
+        """
+        received = time.monotonic()
+        started = time.perf_counter()
+        members: list[tuple[wm.Request, Prepared]] = []
+        offset = 0
+        for count in batch.frame_counts:
+            header, member_frames = frames[offset], frames[offset + 1 : offset + count]
+            offset += count
+            try:
+                request = wm.decode(header)
+            except ProtocolError as exc:
+                log.error("bad_batch_member", error=exc.message)
+                continue
+            if not isinstance(request, wm.Request):
+                log.error("bad_batch_member", error=f"a {type(request).__name__} inside a batch")
+                continue
+            if request.deadline is not None and received >= request.deadline:
+                why = "deadline passed before the model ran"
+                self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, why)
+                continue
+            try:
+                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, member_frames)))
+            except ProtocolError as exc:
+                self.reply_error(request.request_id, exc.code, exc.message)
+        if not members:
+            return
+        self.requests += len(members)
+        decode_ms = timed_ms(started)
+        rows = [next(iter(prepared.inputs.values())).shape[0] for _, prepared in members]
+        try:
+            model_started = time.perf_counter()
+            outputs = self.runner.forward(batching.join([prepared.inputs for _, prepared in members]))
+            model_ms = timed_ms(model_started)
+            parts = batching.split(outputs, rows)
+        except ProtocolError as exc:
+            for request, _ in members:
+                self.reply_error(request.request_id, exc.code, exc.message)
+            return
+        except Exception as exc:  # noqa: BLE001 - the model itself failed: every member is answered, the worker serves on
+            log.warning("model_error", batch=len(members), error=f"{type(exc).__name__}: {exc}")
+            for request, _ in members:
+                self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
+            return
+        for (request, prepared), own in zip(members, parts, strict=True):
+            self.send_result(request, prepared, own, received, decode_ms, model_ms)
+
+    def output_descs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> list[TensorDesc]:
+        """The outputs' descriptors; ProtocolError for an output longer than a link frame may be."""
         limit = self.launch.max_frame_bytes
         for name, array in outputs:
             if array.nbytes > limit:
                 # The supervisor reads a longer frame as a garbled link; the request gets a clear error instead.
                 raise ProtocolError(ErrorCode.INTERNAL, f"output {name!r} is {array.nbytes} bytes, limit {limit}")
-        if len(self.outputs_headers) >= _OUTPUTS_HEADERS_KEPT:  # dynamic shapes: keep the cache bounded
-            self.outputs_headers.clear()
-        encoded = self.outputs_headers[key] = encode_outputs(
-            [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
-        )
-        return encoded
+        return [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
         """Answer a request with an error code."""
@@ -272,7 +300,6 @@ class WorkerLoop:
                 torch.get_num_interop_threads(),
                 sorted(os.sched_getaffinity(0)),
                 self.process.memory_info().rss,
-                self.rehearsals,
             )
         )
 
@@ -294,6 +321,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
         cache=ArtifactCache(Path(launch.cache_dir), progress) if launch.cache_dir else None,
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
+        served_batches=tuple(launch.served_batches),
     )
 
 
@@ -336,7 +364,7 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
     started = time.perf_counter()
     progress.phase(StartPhase.LOADING)
     try:
-        module = load_model(launch.source)
+        module = load_model(launch.source, launch.inputs)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
         context = build_context(launch, runner, progress)

@@ -1,12 +1,14 @@
-"""`infervisor bench`: every optimisation profile of a built-in, in process and through the daemon, as one table.
+"""`infervisor bench`: every optimisation profile of a model, in process and through the daemon, as one table.
 
-The supervisor never imports torch: the in-process half runs in `python -m worker.bench` children
-(pinned like workers), and the daemon half starts `infervisor serve` with one worker per profile.
+A model is a built-in or any model of a config file (--config). The supervisor never imports torch:
+the in-process half runs in `python -m worker.bench` children (pinned like workers), and the daemon
+half starts `infervisor serve` with one worker per profile.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -18,21 +20,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.builtin_models import BUILTIN_MODELS
 from common.profiles import REFERENCE_PROFILE
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from supervisor.cache_dir import resolve_cache_dir
 from supervisor.commands.infer import random_inputs
+from supervisor.config import ConfigError, load_config
+from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.control import ControlError, control_request
 from supervisor.status import percentile
+from supervisor.toolkit.models import Measured, UnknownModel, resolve
 
 
 def in_process(
-    model: str, threads: int, args: argparse.Namespace, cache_dir: Path
+    target: Measured, threads: int, args: argparse.Namespace, cache_dir: Path
 ) -> tuple[list[Any], list[dict[str, Any]]]:
     """The input spec and one row per profile, from a pinned `python -m worker.bench` child."""
+    launch = target.launch(threads, cache_dir)
+    if launch is not None and args.channels_last:
+        launch = dataclasses.replace(launch, channels_last=True)
+    model = ["--launch", launch.to_json()] if launch is not None else ["--model", target.name]
     command = [
-        sys.executable, "-m", "worker.bench", "--model", model, "--profiles", args.profiles,
+        sys.executable, "-m", "worker.bench", *model, "--profiles", args.profiles,
         "--threads", str(threads), "--batch", str(args.batch), "--seconds", str(args.seconds),
         "--cache-dir", str(cache_dir),
     ]  # fmt: skip
@@ -66,14 +76,16 @@ def _serving(
 
 
 def through_daemon(
-    model: str, profile: str, threads: int, spec: list[Any], args: argparse.Namespace, cache_dir: Path
+    target: Measured, profile: str, threads: int, args: argparse.Namespace, cache_dir: Path
 ) -> dict[str, Any]:
     """Cold start (first and restarted worker) and batch-1 round trip of one profile served by the daemon."""
     tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
-    inputs = [{"name": n, "dtype": d, "shape": s} for n, d, s in spec]
+    model = target.name
+    inputs = target.entry["inputs"]
     model_entry = {
-        "source": {"builtin": model}, "inputs": inputs, "workers": 1, "cores_per_worker": threads,
-        "profiles": [profile], "channels_last": args.channels_last,
+        **target.entry, "workers": 1, "cores_per_worker": threads, "threads": None, "use_smt": False,
+        "profiles": [profile], "pick": "first",
+        "channels_last": args.channels_last or bool(target.entry.get("channels_last", False)),
         # The bench reports accuracy itself; the daemon must serve the profile even where it would refuse it.
         "tolerance": {"min_cosine": -1.0},
     }  # fmt: skip
@@ -131,12 +143,18 @@ def _cell(value: Any, width: int, digits: int = 2) -> str:
     return f"{value:>{width}.{digits}f}" if isinstance(value, float) else f"{value:>{width}}"
 
 
+def _ms(value: float | None, width: int) -> str:
+    """Milliseconds with three significant digits, so a 0.005 ms model and a 600 ms one both read."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.3g}"
+
+
 def format_table(rows: list[dict[str, Any]], batch: int) -> str:
     """The screen table: one line per model, thread count and profile."""
+    per = f"b{batch}/row"
     lines = [
         f"{'model':<9} {'thr':>3} {'profile':<12} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'qps':>8} "
-        f"{'b' + str(batch) + ' qps':>8} {'speedup':>7} {'cosine':>8} {'max err':>8} {'build s':>7} "
-        f"{'ready s':>7} {'restart':>7} {'daemon p50':>10} {'added':>6}"
+        f"{'b1/row':>8} {per:>8} {'b' + str(batch) + '/b1':>6} {'speedup':>7} {'cosine':>8} {'max err':>8} "
+        f"{'build s':>7} {'ready s':>7} {'restart':>7} {'daemon p50':>10} {'added':>6}"
     ]
     for r in rows:
         head = f"{r['model']:<9} {r['threads']:>3} {r['profile']:<12}"
@@ -144,46 +162,68 @@ def format_table(rows: list[dict[str, Any]], batch: int) -> str:
             lines.append(f"{head} skipped: {r['skipped'][:150]}")
             continue
         added = r["daemon_p50_ms"] - r["p50_ms"] if r.get("daemon_p50_ms") is not None else None
+        per_sample = r.get("per_sample_ms", {})
+        one, many = per_sample.get("1"), per_sample.get(str(batch))
+        ratio = r.get("batch_ratio")
         lines.append(
             f"{head} {_cell(r['p50_ms'], 8)} {_cell(r['p95_ms'], 8)} {_cell(r['p99_ms'], 8)} {_cell(r['qps'], 8, 1)} "
-            f"{_cell(r['batch_qps'], 8, 1)} {_cell(r.get('speedup'), 7)} {_cell(r['cosine'], 8, 5)} "
-            f"{r['max_abs_error']:>8.2g} {_cell(r['build_s'], 7, 1)} {_cell(r.get('ready_s'), 7, 1)} "
-            f"{_cell(r.get('restart_ready_s'), 7, 1)} {_cell(r.get('daemon_p50_ms'), 10)} {_cell(added, 6)}"
+            f"{_ms(one, 8)} {_ms(many, 8)} {_cell(ratio, 6)} {_cell(r.get('speedup'), 7)} "
+            f"{_cell(r['cosine'], 8, 5)} {r['max_abs_error']:>8.2g} {_cell(r['build_s'], 7, 1)} "
+            f"{_cell(r.get('ready_s'), 7, 1)} {_cell(r.get('restart_ready_s'), 7, 1)} "
+            f"{_cell(r.get('daemon_p50_ms'), 10)} {_cell(added, 6)}"
         )
     return "\n".join(lines)
 
 
+def _targets(args: argparse.Namespace) -> list[Measured]:
+    """The models named by --models: a config's models (--config first), else built-ins; UnknownModel otherwise."""
+    names = [name for name in args.models.split(",") if name]
+    config, path = None, None
+    if args.config or any(name not in BUILTIN_MODELS for name in names):
+        path = resolve_config_path(args.config).path
+        config = load_config(path)
+    return [resolve(name, config, path, prefer_config=bool(args.config)) for name in names]
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    """Measure, print the table, write the JSON."""
-    cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(None)
+    """Measure, print the table, write the JSON; exit 2 when a model or the config is not there."""
+    try:
+        targets = _targets(args)
+    except (UnknownModel, ConfigError, ConfigPathError) as exc:
+        print(f"infervisor bench: {exc}", file=sys.stderr)
+        return 2
     allowed = len(os.sched_getaffinity(0))
     rows: list[dict[str, Any]] = []
-    for model in args.models.split(","):
+    for target in targets:
+        cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(None)
         for threads in (int(t) for t in args.threads.split(",")):
             if threads > allowed:
                 print(f"skipping {threads} threads: only {allowed} CPUs are allowed here", file=sys.stderr)
                 continue
-            spec, measured = in_process(model, threads, args, cache_dir)
+            _, measured = in_process(target, threads, args, cache_dir)
             eager = next((r["p50_ms"] for r in measured if r["profile"] == REFERENCE_PROFILE and "p50_ms" in r), None)
             for row in measured:
-                row.update(model=model, threads=threads)
+                row.update(model=target.name, threads=threads)
                 if "p50_ms" not in row:
                     rows.append(row)
                     continue
                 row["speedup"] = round(eager / row["p50_ms"], 2) if eager else None
                 if args.daemon:
                     try:
-                        row.update(through_daemon(model, row["profile"], threads, spec, args, cache_dir))
+                        row.update(through_daemon(target, row["profile"], threads, args, cache_dir))
                     except RuntimeError as exc:  # one profile the daemon could not serve is a note, not the end
                         row["daemon_error"] = str(exc)[:300]
-                        print(f"{model} {row['profile']}: daemon: {exc}", file=sys.stderr, flush=True)
+                        print(f"{target.name} {row['profile']}: daemon: {exc}", file=sys.stderr, flush=True)
                 rows.append(row)
                 print(format_table([row], args.batch).splitlines()[1], file=sys.stderr, flush=True)
     print(format_table(rows, args.batch))
     print(
-        f"p50/p95/p99 and qps: batch 1 in process; b{args.batch} qps: batch {args.batch}; speedup: eager p50 / p50 at "
-        "the same threads; build s: building the profile in process (compile, or load from the cache); ready s / "
-        "restart: daemon worker spawn to READY, first start and after a restart; added: daemon p50 - in-process p50"
+        f"p50/p95/p99 and qps: batch 1 in process; b1/row, b{args.batch}/row: median ms per sample at batch 1 and "
+        f"{args.batch}; b{args.batch}/b1: the median over alternating turns of their ratio (below 1: batching pays); "
+        "speedup: eager p50 / "
+        "p50 at the same threads; build s: building the profile in process (compile, or load from the cache); "
+        "ready s / restart: daemon worker spawn to READY, first start and after a restart; added: daemon p50 - "
+        "in-process p50"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

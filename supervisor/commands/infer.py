@@ -41,7 +41,7 @@ def check_random_size(spec: list[dict[str, Any]], batch: int, max_frame_bytes: i
     """Refuse, before allocating anything, random inputs the daemon would refuse or this box cannot hold."""
     peak = 0
     for item in spec:
-        shape = [batch if d is None else d for d in item["shape"]]
+        shape = list(random_shape(item["shape"], batch))
         itemsize = np.dtype(item["dtype"]).itemsize
         nbytes = math.prod(shape) * itemsize
         if nbytes > max_frame_bytes:
@@ -59,17 +59,35 @@ def check_random_size(spec: list[dict[str, Any]], batch: int, max_frame_bytes: i
         )
 
 
+def random_shape(shape: list[Any], batch: int) -> tuple[int, ...]:
+    """A status shape (integers, null, [min, max]) made concrete: every open dim is `batch`, raised to its min.
+
+    Never lowered to its max: a --batch over the bound reaches the daemon, which refuses it naming the bound.
+    """
+    return tuple(d if isinstance(d, int) else max(batch, d[0]) if isinstance(d, list) else batch for d in shape)
+
+
 def random_inputs(spec: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
-    """Arrays of a declared input spec: normal floats, ones for integers (a valid id, mask and class alike)."""
+    """Arrays of a declared input spec, drawn as its `synthetic` says (else normal floats, ones for integers)."""
     rng = np.random.default_rng(seed)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for item in spec:
-        shape = tuple(batch if d is None else d for d in item["shape"])
+        shape = random_shape(item["shape"], batch)
         dtype = np.dtype(item["dtype"])
-        if dtype.kind == "f":
-            arrays[item["name"]] = rng.standard_normal(shape).astype(dtype)
+        synthetic = item.get("synthetic") or {}
+        distribution = synthetic.get("distribution")
+        values: np.ndarray[Any, Any]
+        if distribution == "normal":
+            values = rng.normal(synthetic["mean"], synthetic["std"], shape)
+        elif distribution == "uniform":
+            values = rng.uniform(synthetic["low"], synthetic["high"], shape)
+        elif distribution == "integers":
+            values = rng.integers(synthetic["low"], synthetic["high"], shape)
+        elif dtype.kind == "f":
+            values = rng.standard_normal(shape)
         else:
-            arrays[item["name"]] = np.ones(shape, dtype=dtype)
+            values = np.ones(shape)
+        arrays[item["name"]] = values.astype(dtype)
     return arrays
 
 

@@ -1,103 +1,204 @@
-"""`infervisor optimize`: measure every profile of one configured model, rank them within the accuracy budget,
-say whether the SLA holds on this box, and write the fallback chain into config.json (or show the diff).
+"""`infervisor optimize`: measure every profile of one configured model at every layout the box allows, choose the
+profile and layout by the constraints (the P99 bound first, then QPS), check the choice through a real daemon under
+probe's own load, and write the chain and layout into config.json (or show the diff).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import subprocess
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from common.profiles import PROFILES, REFERENCE_PROFILE
-from protocol.launch import LaunchSpec
 from supervisor.cache_dir import resolve_cache_dir
-from supervisor.config import ConfigError, ModelConfig, load_config
+from supervisor.config import Config, ConfigError, ModelConfig, load_config, parse_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
+from supervisor.planner import PlanError
+from supervisor.toolkit.check import CheckFailed, DaemonCheck, check
 from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
-from supervisor.toolkit.optimize import Verdict, chain_of, judge, rank, rewrite, within_budget
+from supervisor.toolkit.layouts import Layout, layouts, placement
+from supervisor.toolkit.models import entry_of, launch_of
+from supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
+from supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
+from supervisor.topology import TopologyError, read_topology
 
 
-def _launch(model: ModelConfig, args: argparse.Namespace, cache_dir: Path) -> LaunchSpec:
-    calibration = str(Path(args.calibration).resolve()) if args.calibration else model.calibration
-    validation = str(Path(args.validation).resolve()) if args.validation else model.validation
-    return LaunchSpec(
-        "optimize", model.name, -1, model.source, model.inputs, model.outputs, (), args.threads,
-        channels_last=model.channels_last, cache_dir=str(cache_dir), calibration=calibration, validation=validation,
-    )  # fmt: skip
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
-def _child(launch: LaunchSpec, profile: str, args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
-    """One profile in a fresh pinned process: its cold start, RSS, accuracy and latency."""
-    command = [
-        sys.executable, "-m", "worker.bench", "--launch", launch.to_json(), "--profiles", profile,
-        "--threads", str(args.threads), "--batch", str(args.batch), "--seconds", str(args.seconds),
-        "--cache-dir", str(cache_dir), "--started-at", repr(time.time()),
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"profile": profile, "skipped": f"measurement took longer than --timeout {args.timeout:.0f} s"}
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or len(rows) < 2:
-        return {"profile": profile, "skipped": f"measurement failed ({done.returncode}): {done.stderr[-300:]}"}
-    row: dict[str, Any] = rows[1]
-    return row
-
-
-def measure_all(model: ModelConfig, args: argparse.Namespace, cache_dir: Path) -> list[dict[str, Any]]:
-    """Every requested profile, each in its own process (packaged ones twice: first start and restart)."""
-    launch = _launch(model, args, cache_dir)
-    rows = []
+def sweep(
+    config: Config, model: ModelConfig, candidates: list[Layout], args: argparse.Namespace, cache_dir: Path
+) -> tuple[list[dict[str, Any]], list[Point]]:
+    """Every requested profile at every candidate layout: one row per profile, one point per profile and layout."""
+    topology = read_topology()
+    allowed = sorted(os.sched_getaffinity(0))
+    options = SweepOptions(args.seconds, args.batch, args.timeout, cache_dir)
+    by_cores: dict[int, list[Layout]] = {}
+    for layout in candidates:
+        by_cores.setdefault(layout.cores_per_worker, []).append(layout)
+    rows: list[dict[str, Any]] = []
+    points: list[Point] = []
     for profile in args.profiles.split(","):
         declared = PROFILES.get(profile)
-        row = _child(launch, profile, args, cache_dir)
-        if declared is not None and declared.packaged and "p50_ms" in row:
-            # The first start compiled the package; a second child measures the restart that loads it.
-            again = _child(launch, profile, args, cache_dir)
-            row["restart_s"] = again.get("cold_start_s")
+        row: dict[str, Any] = {}
+        for cores, group in sorted(by_cores.items()):
+            most = max(group, key=lambda layout: layout.workers)
+            cpus = placement(config, model.name, most, topology, allowed)
+            launch = launch_of(model, cores, cache_dir, args.calibration, args.validation)
+            try:
+                measured, found, siblings = measure_cores(launch, profile, group, cpus, options)
+            except ChildFailed as exc:
+                measured, found, siblings = {"profile": profile, "skipped": str(exc)}, [], []
+            if not row:
+                row = measured
+            if declared is not None and declared.packaged and "p50_ms" in row and "restart_s" not in row:
+                # The first process compiled (or loaded) the package; a later one's start is a restart that loads it.
+                starts = [s["cold_start_s"] for s in siblings if s.get("cold_start_s") is not None]
+                row["restart_s"] = min(starts) if starts else restart_of(launch, profile, cpus[0], options)
+            points += found
+            _say(f"measured {profile} at {cores} core(s) per worker: " + (
+                ", ".join(f"{p.layout} p50 {p.p50_ms:.2f} ms, {p.qps:.1f} QPS" for p in found)
+                or str(measured.get("skipped", "?"))[:160]
+            ))  # fmt: skip
+            if "p50_ms" not in measured:
+                break
         row["risk"] = declared.risk if declared is not None else ""
         rows.append(row)
-        print(f"measured {profile}: " + (f"p50 {row['p50_ms']:.2f} ms" if "p50_ms" in row else row["skipped"][:120]),
-              file=sys.stderr, flush=True)  # fmt: skip
-    return rows
+    return rows, points
 
 
-def format_report(rows: list[dict[str, Any]], budget: Accuracy, verdict: Verdict, workers: int) -> str:
-    """The ranked table, then the verdict."""
+def format_report(
+    rows: list[dict[str, Any]], points: list[Point], budget: Accuracy, chosen: Point | None, verdict: Verdict
+) -> str:
+    """The profiles (accuracy, memory, start), the layouts (latency, throughput), then the choice and verdict."""
     eager = next((r for r in rows if r["profile"] == REFERENCE_PROFILE and "p50_ms" in r), None)
     lines = [
-        f"{'profile':<12} {'budget':<6} {'cosine':>8} {'max err':>8} {'p50 ms':>8} {'p99 ms':>8} {'Δp50':>7} "
-        f"{'QPS':>8} {'RSS MB':>7} {'ΔRSS':>6} {'first s':>7} {'restart':>7}  risk / why not"
+        f"{'profile':<12} {'budget':<6} {'cosine':>8} {'max err':>8} {'RSS MB':>7} {'ΔRSS':>6} {'first s':>7} "
+        f"{'restart':>7}  risk / why not"
     ]
     for row in rows:
         outside = within_budget(row, budget)
         if "p50_ms" not in row:
             lines.append(f"{row['profile']:<12} {'-':<6} {outside}")
             continue
-        d_p50 = row["p50_ms"] - eager["p50_ms"] if eager else 0.0
         d_rss = row["rss_mb"] - eager["rss_mb"] if eager else 0.0
         restart = row.get("restart_s", row.get("cold_start_s"))
         lines.append(
             f"{row['profile']:<12} {'in' if outside is None else 'OUT':<6} {row['cosine']:>8.5f} "
-            f"{row['max_abs_error']:>8.2g} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {d_p50:>+7.2f} "
-            f"{row['qps'] * workers:>8.1f} {row['rss_mb']:>7.0f} {d_rss:>+6.0f} {row.get('cold_start_s') or 0:>7.1f} "
+            f"{row['max_abs_error']:>8.2g} {row['rss_mb']:>7.0f} {d_rss:>+6.0f} {row.get('cold_start_s') or 0:>7.1f} "
             f"{restart or 0:>7.1f}  {outside or row['risk']}"
         )
-    lines.append("")
-    if verdict.met:
-        lines.append(f"VERDICT: the SLA can be met on this box, by {verdict.profile}.")
-    else:
-        lines.append("VERDICT: the SLA cannot be met on this box.")
-        lines.extend(f"  {reason}" for reason in verdict.reasons)
+    lines += ["", f"{'layout':<6} {'profile':<12} {'p50 ms':>8} {'p99 ms':>8} {'QPS':>8} {'busy p99':>8}"]
+    for point in sorted(points, key=lambda p: (p.layout.cores_per_worker, p.layout.workers, p.p99_ms)):
+        mark = "  <- chosen" if point == chosen else ""
+        lines.append(
+            f"{str(point.layout):<6} {point.profile:<12} {point.p50_ms:>8.2f} {point.p99_ms:>8.2f} {point.qps:>8.1f} "
+            f"{point.busy_p99_ms:>8.2f}{mark}"
+        )
+    lines.append(
+        "layout: workers x cores per worker; p50/p99: one request at a time on one worker (in process); QPS and "
+        "busy p99: every worker of the layout running requests back to back at once"
+    )
     return "\n".join(lines)
 
 
+def _verdict_lines(verdict: Verdict) -> list[str]:
+    if verdict.met:
+        return [f"VERDICT: the SLA can be met on this box, by {verdict.profile} on {verdict.layout} workers x cores."]
+    return ["VERDICT: the SLA cannot be met on this box.", *(f"  {reason}" for reason in verdict.reasons)]
+
+
+def _check_qps(args: argparse.Namespace, sla: Sla) -> float | None:
+    """The QPS the promise is made for: --check-qps, else the SLA's minimum, else None (half the daemon's best)."""
+    if args.check_qps:
+        return float(args.check_qps)
+    return sla.min_qps if sla.min_qps > 0 else None
+
+
+def _check_lines(result: DaemonCheck, chosen: Point, model: str) -> list[str]:
+    gap = (result.p99_ms - chosen.p99_ms) / chosen.p99_ms if chosen.p99_ms else 0.0
+    return [
+        f"CHECK through a daemon serving this config ({chosen.layout}, workers serve {', '.join(result.profiles)}): "
+        f"{result.qps:g} QPS from {result.clients} clients for {result.seconds:g} s: P50 {result.p50_ms:.2f} ms, "
+        f"P99 {result.p99_ms:.2f} ms, {result.errors} errors; saturated {result.saturated_qps:.1f} QPS",
+        f"  in process the same choice measured P99 {chosen.p99_ms:.2f} ms ({gap:+.0%}): the daemon adds the "
+        "broker's hop, the reply path and a supervisor sharing the cores, so the promise is the daemon's P99",
+        f"  the same load against the served model: infervisor probe --model {model} --qps {result.qps:g} "
+        f"--clients {result.clients} --duration {result.seconds:g}",
+    ]
+
+
+def _auto_pick(
+    config: Config,
+    model: ModelConfig,
+    chain: list[str],
+    chosen: Point,
+    budget: Accuracy,
+    args: argparse.Namespace,
+    cache_dir: Path,
+) -> dict[str, Any]:
+    """A worker's own `pick: fastest` over the chain, on the chosen layout's first worker's cores."""
+    cpus = placement(config, model.name, chosen.layout, read_topology(), sorted(os.sched_getaffinity(0)))[0]
+    launch = dataclasses.replace(
+        launch_of(model, chosen.layout.cores_per_worker, cache_dir, args.calibration, args.validation),
+        profiles=tuple(chain),
+        pick="fastest",
+        tolerance={"min_cosine": budget.min_cosine, "max_abs_error": budget.max_abs_error, "top1": budget.top1},
+    )
+    try:
+        return auto_pick(launch, cpus, SweepOptions(args.seconds, args.batch, args.timeout, cache_dir))
+    except ChildFailed as exc:
+        return {"error": str(exc)}
+
+
+def _auto_pick_lines(picked: dict[str, Any], points: list[Point], chosen: Point) -> list[str]:
+    """The worker's pick against the best this sweep measured at the same layout (batch-1 P50)."""
+    if "error" in picked:
+        return [f"AUTO-PICK: a worker's pick fastest could not be run: {picked['error']}"]
+    here = {p.profile: p for p in points if p.layout == chosen.layout}
+    best = min(here.values(), key=lambda p: p.p50_ms)
+    mine = here.get(picked["pick"])
+    against = f"x{mine.p50_ms / best.p50_ms:.3f} the batch-1 P50 of" if mine is not None else "against"
+    return [
+        f"AUTO-PICK: a worker's `pick: fastest` over this chain at {chosen.layout.cores_per_worker} thread(s) serves "
+        f"{picked['pick']}: {against} the fastest measured here, {best.profile} ({best.p50_ms:.3g} ms)",
+        f"  its decision: {picked['notes'][-1] if picked['notes'] else '-'}",
+    ]
+
+
+def _layouts(args: argparse.Namespace, config: Config, model: ModelConfig) -> list[Layout]:
+    """--layouts as given, else every layout that fits (at --threads cores per worker, when given)."""
+    if args.layouts:
+        return [Layout.parse(text) for text in args.layouts.split(",")]
+    cores = [args.threads] if args.threads else None
+    return layouts(config, model.name, read_topology(), sorted(os.sched_getaffinity(0)), cores)
+
+
+def synthetic_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """A WARNING line when a measured profile that changes numerics (int8, bf16) was judged on synthetic inputs."""
+    judged = [
+        row["profile"]
+        for row in rows
+        if "cosine" in row
+        and row.get("checked_on") != "validation set"
+        and (declared := PROFILES.get(row["profile"])) is not None
+        and declared.changes_numerics
+    ]
+    if not judged:
+        return []
+    return [
+        f"WARNING: {', '.join(judged)} change numerics and were judged on synthetic inputs only (no validation set); "
+        "their cosine says little about real inputs: pass --validation FILE.npz or configure `validation`"
+    ]
+
+
 def run_optimize(args: argparse.Namespace) -> int:
-    """Measure, rank, judge, write (or show) the chain; exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
+    """Measure, choose, check, write (or show); exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
     try:
         choice = resolve_config_path(args.config)
         config_path = choice.path
@@ -110,7 +211,14 @@ def run_optimize(args: argparse.Namespace) -> int:
     if model is None:
         print(f"infervisor optimize: no model {args.model!r} in {config_path}; it has {sorted(config.models)}")
         return 2
-    args.threads = args.threads or model.threads or model.cores_per_worker
+    try:
+        candidates = _layouts(args, config, model)
+    except (ValueError, TopologyError, PlanError) as exc:
+        print(f"infervisor optimize: {exc}")
+        return 2
+    if not candidates:
+        print(f"infervisor optimize: no layout of {args.model} fits beside the other models on these cpus")
+        return 2
     tolerance = model.tolerance
     budget = (
         constraints.sla.accuracy
@@ -118,24 +226,60 @@ def run_optimize(args: argparse.Namespace) -> int:
         else Accuracy(tolerance["min_cosine"], tolerance.get("max_abs_error"), bool(tolerance.get("top1")))
     )
     sla = constraints.sla if constraints else Sla(float("inf"), float("inf"), 0.0, 0.0, budget)
-    rows = measure_all(model, args, Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(config.cache_dir))
-    ranked = rank(rows, budget)
-    verdict = judge(ranked, sla, model.workers)
-    print(format_report(rows, budget, verdict, model.workers))
-    chain = chain_of(ranked)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(config.cache_dir)
+    _say(f"layouts: {', '.join(map(str, candidates))} (workers x cores per worker)")
+    try:
+        rows, points = sweep(config, model, candidates, args, cache_dir)
+    except (TopologyError, PlanError) as exc:
+        print(f"infervisor optimize: {exc}")
+        return 2
+    chosen, verdict = choose(points, {r["profile"]: r for r in rows}, sla, budget)
+    print(format_report(rows, points, budget, chosen, verdict))
+    for line in synthetic_warnings(rows):
+        print(line)
+    print("")
+    if chosen is None:
+        print("\n".join(_verdict_lines(verdict)))
+        return 1
+    chain = chain_at(points, {r["profile"]: r for r in rows}, budget, chosen)
     changes: dict[str, Any] = {
         "profiles": chain,
         "pick": "first",
+        "workers": chosen.layout.workers,
+        "cores_per_worker": chosen.layout.cores_per_worker,
         "tolerance": {"min_cosine": budget.min_cosine, "max_abs_error": budget.max_abs_error, "top1": budget.top1},
     }
+    if model.threads is not None:
+        changes["threads"] = None  # one thread per pinned core, as measured
     if args.calibration:
         changes["calibration"] = str(Path(args.calibration).resolve())
     if args.validation:
         changes["validation"] = str(Path(args.validation).resolve())
-    new_text, diff = rewrite(config_path.read_text(), args.model, changes)
-    print(f"\nchain for {args.model}: {' -> '.join(chain)}")
+    text = config_path.read_text()
+    new_text, diff = rewrite(text, args.model, changes)
+    picked = _auto_pick(config, model, chain, chosen, budget, args, cache_dir)
+    print("\n".join(_auto_pick_lines(picked, points, chosen)))
+    result: DaemonCheck | None = None
+    if args.check:
+        raw = json.loads(new_text)
+        # The temporary daemon runs elsewhere: every model's files by absolute path.
+        written = parse_config(new_text, config_path.parent.resolve())
+        raw["models"] = {name: entry_of(m, raw["models"][name]) for name, m in written.models.items()}
+        qps = _check_qps(args, sla)
+        _say(f"checking {chosen.profile} on {chosen.layout} through a daemon at {qps or 'half its saturated'} QPS")
+        try:
+            result = check(raw, args.model, cache_dir, qps, args.check_clients, args.check_seconds, args.timeout)
+        except CheckFailed as exc:
+            verdict = Verdict(False, None, [*verdict.reasons, f"the daemon check failed: {exc}"])
+        else:
+            verdict = judge_check(verdict, result, sla)
+            print("\n".join(_check_lines(result, chosen, args.model)))
+    else:
+        print(f"not checked through a daemon (--no-check): the P99 above is in process, {chosen.p99_ms:.2f} ms")
+    print("\n".join(_verdict_lines(verdict)))
+    print(f"\nchain for {args.model}: {' -> '.join(chain)}; layout {chosen.layout} (workers x cores per worker)")
     if args.dry_run:
-        print(diff or "config.json already has this chain")
+        print(diff or "config.json already has this chain and layout")
     elif diff and choice.source == "shipped default":
         # The shipped file is the package's, not this box's: name one to write instead of editing it.
         print(f"not written: {config_path} is the shipped default; pass --config (or set $INFERVISOR_CONFIG)")
@@ -146,6 +290,23 @@ def run_optimize(args: argparse.Namespace) -> int:
         temporary.replace(config_path)  # a running daemon sees one complete file and rolls the model
         print(f"written to {config_path}")
     if args.json:
-        report = {"model": args.model, "rows": rows, "chain": chain, "verdict": vars(verdict)}
+        report = {
+            "model": args.model,
+            "rows": [_at_choice(row, points, chosen) for row in rows],
+            "layouts": [p.as_json() for p in points],
+            "chain": chain,
+            "layout": {"workers": chosen.layout.workers, "cores_per_worker": chosen.layout.cores_per_worker},
+            "check": vars(result) if result is not None else None,
+            "auto_pick": picked,
+            "verdict": vars(verdict),
+        }
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if verdict.met else 1
+
+
+def _at_choice(row: dict[str, Any], points: list[Point], chosen: Point) -> dict[str, Any]:
+    """A profile's row with its latency and QPS at the chosen layout (what the report's table shows)."""
+    here = next((p for p in points if p.profile == row["profile"] and p.layout == chosen.layout), None)
+    if here is None:
+        return row
+    return {**row, "p50_ms": here.p50_ms, "p99_ms": here.p99_ms, "qps": here.qps, "layout": str(here.layout)}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,51 +14,16 @@ from protocol.errors import InferenceError
 from supervisor.commands.infer import random_inputs
 from supervisor.control import ControlError, control_request, model_status
 from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.toolkit.load import paced_load
 from supervisor.toolkit.probe import (
     STAGE_MEANING,
     STAGES,
-    Sample,
     parse_perf_stat,
     perf_stat_command,
     run_perf,
     stage_table,
     where_time_goes,
 )
-
-
-def paced_load(
-    endpoint: str, model: str, inputs: dict[str, Any], qps: float, seconds: float, clients: int
-) -> tuple[list[Sample], int]:
-    """`clients` threads sending at `qps` in total for `seconds` (bounded in time and count); samples and errors."""
-    samples: list[Sample] = []
-    errors = [0]
-    lock = threading.Lock()
-    start = time.monotonic() + 0.2
-    interval = clients / qps
-    count = max(1, int(qps * seconds / clients))
-
-    def run(offset: int) -> None:
-        with Client(endpoint) as client:
-            for k in range(count):
-                due = start + (offset / clients + k) * interval
-                time.sleep(max(0.0, due - time.monotonic()))
-                sent = time.monotonic() * 1000.0
-                try:
-                    _, timing = client.infer_with_timing(model, inputs, timeout=30)
-                except InferenceError:
-                    with lock:
-                        errors[0] += 1
-                    continue
-                received = time.monotonic() * 1000.0
-                with lock:
-                    samples.append(Sample(sent, received, timing))
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(seconds + 60)
-    return samples, errors[0]
 
 
 def _wait_profile(runtime_dir: Path, model: str, seq: int, timeout: float) -> dict[str, Any] | None:

@@ -105,6 +105,8 @@ def format_status(status: dict[str, Any]) -> str:
             for label, notes in (("built", w.get("profile_build")), ("skipped", w.get("profile_skipped"))):
                 if notes:
                     lines.append(f"  {'':>4} {label}: " + "; ".join(notes))
+            if w.get("accuracy_warning"):
+                lines.append(f"  {'':>4} WARNING: {w['accuracy_warning']}")
     return "\n".join(lines)
 
 

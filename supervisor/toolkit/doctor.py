@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cpuinfo import parse_cpuinfo
-from common.profiles import cpu_refusal
+from common.profiles import PROFILES, cpu_refusal
 from supervisor.config import Config
 from supervisor.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
 from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
@@ -336,10 +336,29 @@ def check_cpu_latency(config: Config, constraints: Constraints | None, machine: 
     return Check(name, Status.PASS, f"{device} writable: idle CPUs will wake within {wanted} us")
 
 
+def check_accuracy_data(config: Config, constraints: Constraints | None, machine: Machine) -> Check:
+    """A chain with a profile that changes numerics (int8, bf16) needs real inputs to be judged on."""
+    synthetic = {
+        name: [p for p in m.profiles if PROFILES[p].changes_numerics]
+        for name, m in config.models.items()
+        if m.validation is None
+    }
+    named = "; ".join(f"{name}: {', '.join(profiles)}" for name, profiles in synthetic.items() if profiles)
+    if named:
+        return Check(
+            "accuracy data", Status.WARN,
+            f"profiles that change numerics would be judged on synthetic inputs only (no validation set): {named}",
+            "configure `validation` for these models: an .npz of real inputs every profile is checked on",
+        )  # fmt: skip
+    judged = [name for name, m in config.models.items() if m.validation is not None]
+    detail = f"validation sets: {', '.join(judged)}" if judged else "no chain has a profile that changes numerics"
+    return Check("accuracy data", Status.PASS, detail)
+
+
 CHECKS = (
     check_instruction_set, check_torch_version, check_contiguous_inputs, check_onednn, check_threads,
     check_eval_mode, check_governor, check_smt, check_numa, check_memory, check_cgroup_cpu, check_affinity,
-    check_cpu_latency,
+    check_cpu_latency, check_accuracy_data,
 )  # fmt: skip
 
 

@@ -1,6 +1,8 @@
-"""The precision-budget trade (seed 2, section 4) on measured rows: rank, judge against the SLA, write the chain.
+"""The precision-budget trade (seed 2, section 4) on measured rows: rank, choose a profile and a layout, judge
+against the SLA, write the chain and the layout.
 
-Torch-free: the rows come from `python -m worker.bench` children; this module only decides.
+Torch-free: the rows and points come from `python -m worker.bench` children (sweep.py) and the
+final check from a real daemon (check.py); this module only decides.
 """
 
 from __future__ import annotations
@@ -10,17 +12,22 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.accuracy import cosine_text
 from common.profiles import REFERENCE_PROFILE
+from supervisor.toolkit.check import DaemonCheck
 from supervisor.toolkit.constraints import Accuracy, Sla
+from supervisor.toolkit.sweep import Point
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether the SLA holds on this box, with which profile, and why not otherwise."""
+    """Whether the SLA holds on this box, with which profile and layout, and why not otherwise."""
 
     met: bool
     profile: str | None
     reasons: list[str]
+    #: "WxC" of the layout that meets it (None when none does).
+    layout: str | None = None
 
 
 def within_budget(row: dict[str, Any], budget: Accuracy) -> str | None:
@@ -28,7 +35,7 @@ def within_budget(row: dict[str, Any], budget: Accuracy) -> str | None:
     if "p50_ms" not in row:
         return f"not available here: {row.get('skipped', 'unknown')}"
     if row["cosine"] < budget.min_cosine:
-        return f"cosine {row['cosine']:.5f} < {budget.min_cosine}"
+        return f"worst-row cosine {cosine_text(row['cosine'], budget.min_cosine)} < {budget.min_cosine}"
     if budget.max_abs_error is not None and row["max_abs_error"] > budget.max_abs_error:
         return f"max abs error {row['max_abs_error']:.3g} > {budget.max_abs_error}"
     if budget.top1 and not row.get("top1", True):
@@ -36,35 +43,74 @@ def within_budget(row: dict[str, Any], budget: Accuracy) -> str | None:
     return None
 
 
-def rank(rows: list[dict[str, Any]], budget: Accuracy) -> list[dict[str, Any]]:
-    """The rows inside the budget, fastest P99 first (the SLA is written in P99)."""
-    return sorted((r for r in rows if within_budget(r, budget) is None), key=lambda r: (r["p99_ms"], r["p50_ms"]))
+def _cold_ms(row: dict[str, Any]) -> float:
+    return 1000.0 * (row.get("restart_s") or row.get("cold_start_s") or 0.0)
 
 
-def judge(ranked: list[dict[str, Any]], sla: Sla, workers: int) -> Verdict:
-    """The first ranked profile that meets P99, QPS (all workers together) and cold start; else why none does."""
-    if not ranked:
-        return Verdict(False, None, ["no profile stays within the accuracy budget"])
-    reasons: list[str] = []
-    for row in ranked:
-        misses = []
-        if row["p99_ms"] > sla.p99_ms:
-            misses.append(f"P99 {row['p99_ms']:.2f} ms > {sla.p99_ms:g} ms")
-        if row["qps"] * workers < sla.min_qps:
-            misses.append(f"{row['qps'] * workers:.1f} QPS with {workers} worker(s) < {sla.min_qps:g}")
-        cold_ms = 1000.0 * (row.get("restart_s") or row.get("cold_start_s") or 0.0)
-        if cold_ms > sla.cold_start_ms:
-            misses.append(f"cold start {cold_ms:.0f} ms > {sla.cold_start_ms:g} ms")
-        if not misses:
-            return Verdict(True, row["profile"], [])
-        reasons.append(f"{row['profile']}: {'; '.join(misses)}")
-    return Verdict(False, None, reasons)
+def misses(point: Point, row: dict[str, Any], sla: Sla) -> list[str]:
+    """What of the SLA one profile at one layout misses, as measured in process (empty: it meets it)."""
+    found = []
+    if point.p99_ms > sla.p99_ms:
+        found.append(f"P99 {point.p99_ms:.2f} ms > {sla.p99_ms:g} ms")
+    if point.qps < sla.min_qps:
+        found.append(f"{point.qps:.1f} QPS with {point.layout} < {sla.min_qps:g}")
+    if _cold_ms(row) > sla.cold_start_ms:
+        found.append(f"cold start {_cold_ms(row):.0f} ms > {sla.cold_start_ms:g} ms")
+    return found
 
 
-def chain_of(ranked: list[dict[str, Any]]) -> list[str]:
-    """The fallback chain to serve: every profile inside the budget, fastest first, eager last."""
-    chain = [r["profile"] for r in ranked if r["profile"] != REFERENCE_PROFILE]
-    return [*chain, REFERENCE_PROFILE]
+def _best(points: list[Point], sla: Sla) -> Point:
+    """The P99 bound first, then throughput: the most QPS among the points within the P99 bound, else the lowest P99."""
+    within = [p for p in points if p.p99_ms <= sla.p99_ms]
+    if within:
+        return max(within, key=lambda p: (p.qps, -p.p99_ms))
+    return min(points, key=lambda p: (p.p99_ms, -p.qps))
+
+
+def choose(
+    points: list[Point], rows: dict[str, dict[str, Any]], sla: Sla, budget: Accuracy
+) -> tuple[Point | None, Verdict]:
+    """The profile and layout to serve, and whether they meet the SLA (in process); None when no profile is in budget.
+
+    Among the points that meet everything, the most QPS; when none does, the best effort by the
+    same order (the P99 bound first, then QPS), with each profile's reasons.
+    """
+    inside = [p for p in points if within_budget(rows[p.profile], budget) is None]
+    if not inside:
+        return None, Verdict(False, None, ["no profile stays within the accuracy budget"])
+    meeting = [p for p in inside if not misses(p, rows[p.profile], sla)]
+    if meeting:
+        best = _best(meeting, sla)
+        return best, Verdict(True, best.profile, [], str(best.layout))
+    reasons = []
+    for profile in dict.fromkeys(p.profile for p in inside):
+        own = _best([p for p in inside if p.profile == profile], sla)
+        reasons.append(f"{profile} (best at {own.layout}): {'; '.join(misses(own, rows[profile], sla))}")
+    return _best(inside, sla), Verdict(False, None, reasons)
+
+
+def judge_check(verdict: Verdict, result: DaemonCheck, sla: Sla) -> Verdict:
+    """The verdict once the daemon has served the choice: its P99 under the paced load and its saturated QPS count."""
+    reasons = []
+    if result.p99_ms > sla.p99_ms:
+        reasons.append(f"through the daemon at {result.qps:g} QPS: P99 {result.p99_ms:.2f} ms > {sla.p99_ms:g} ms")
+    if result.saturated_qps < sla.min_qps:
+        reasons.append(f"through the daemon: {result.saturated_qps:.1f} QPS at saturation < {sla.min_qps:g}")
+    if result.errors:
+        reasons.append(f"through the daemon: {result.errors} failed requests under {result.qps:g} QPS")
+    if not reasons:
+        return verdict
+    return Verdict(False, None, [*verdict.reasons, *reasons])
+
+
+def chain_at(points: list[Point], rows: dict[str, dict[str, Any]], budget: Accuracy, chosen: Point) -> list[str]:
+    """The fallback chain: the chosen profile, then every other in budget by P99 at the chosen layout, eager last."""
+    here = sorted(
+        (p for p in points if p.layout == chosen.layout and within_budget(rows[p.profile], budget) is None),
+        key=lambda p: (p.p99_ms, p.p50_ms),
+    )
+    chain = dict.fromkeys([chosen.profile, *(p.profile for p in here)])
+    return [*(name for name in chain if name != REFERENCE_PROFILE), REFERENCE_PROFILE]
 
 
 def rewrite(text: str, model: str, changes: dict[str, Any]) -> tuple[str, str]:

@@ -9,7 +9,10 @@ AOTInductor package) and bf16 (autocast). Packages are cached on disk; see cache
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +24,19 @@ import torch
 from common.profiles import PROFILE_NAMES, PROFILES
 from protocol.tensors import TensorSpec
 from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
-from worker.profiles.calibration import Inputs, load_calibration, random_calibration
-from worker.profiles.export import ExportError, ShapeDispatch, compile_package, export, load_package, quantize
+from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+from worker.profiles.export import (
+    BatchBuckets,
+    ExportError,
+    ShapeDispatch,
+    at_batch,
+    batch_only,
+    buckets_for,
+    compile_package,
+    export,
+    load_package,
+    quantize,
+)
 from worker.profiles.flags import apply_global_flags
 
 
@@ -44,6 +58,8 @@ class BuildContext:
     calibration: Path | None = None
     #: Only part of the fastest-pick decision's key: the profiles were checked on it.
     validation: Path | None = None
+    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
+    served_batches: tuple[int, ...] = ()
 
 
 @dataclass
@@ -112,16 +128,19 @@ def _autocast_bf16(module: Any) -> Callable[..., Any]:
 def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
     if context.calibration is None:
         notes.append("calibrated on seeded random inputs (no calibration set configured)")
-        return random_calibration(context.example), "random"
+        return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
     return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
 
 
 def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> Built:
     """Export (and quantize) the module into AOTInductor packages, or load the cached ones.
 
-    With a dynamic dim in the spec there are two packages: one compiled for exactly the example's
-    shapes (batch 1) and one for any size. Measured here, int8 ResNet-50 at batch 1 took 11 ms from
-    a static package and 106 ms from a dynamic one: the dynamic one is only the fallback.
+    A batch-only dynamic spec gets one static package per batch bucket (export.BATCH_BUCKETS), each
+    its own cache entry. A spec with another dynamic dim gets two: one for exactly the example's
+    shapes and one for any size (int8 ResNet-50 took 11 ms at batch 1 from a static package, 106 ms
+    from a dynamic one, so the dynamic one is only the fallback). A quantized profile is quantized
+    once, on the spec's own export, and every package is compiled from that one graph: batch 1 and
+    batch 8 answer a row with the same scales.
     """
     notes: list[str] = []
     calibration: list[Inputs] = []
@@ -131,34 +150,78 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
     if context.cache is None:
         raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
     cache = context.cache
-    static_specs = tuple(
-        TensorSpec(s.name, s.dtype, tuple(t.shape), s.allow_non_finite)
-        for s, t in zip(context.specs, context.example, strict=True)
-    )
+    quantized: list[torch.fx.GraphModule] = []
 
-    def package(specs: tuple[TensorSpec, ...], shapes: str) -> Any:
+    def program(example: Inputs, specs: tuple[TensorSpec, ...]) -> Any:
+        if quantization is _Quantization.NONE:
+            return export(context.module, example, specs)
+        if not quantized:  # only when some package is not cached yet
+            dynamic = quantization is _Quantization.DYNAMIC
+            whole = export(context.module, context.example, context.specs)
+            quantized.append(quantize(whole, calibration or [context.example], dynamic=dynamic))
+        return quantized[0]
+
+    def package(example: Inputs, specs: tuple[TensorSpec, ...], shapes: str) -> tuple[Any, Path]:
         options = {"channels_last": context.channels_last, "calibration": calibration_id, "shapes": shapes}
         key = artifact_key(context.digest, name, specs, options)
-
-        def build(path: Path) -> None:
-            program = export(context.module, context.example, specs)
-            if quantization is _Quantization.NONE:
-                compile_package(program, context.example, specs, path)
-                return
-            dynamic = quantization is _Quantization.DYNAMIC
-            quantized = quantize(program, calibration or [context.example], dynamic=dynamic)
-            compile_package(quantized, context.example, specs, path)
-
         path = cache.path_for(name, key)
-        hit = cache.get_or_build(path, key, build)
+        hit = cache.get_or_build(path, key, lambda into: compile_package(program(example, specs), example, specs, into))
         notes.append(f"{'loaded cached' if hit else 'compiled and cached'} package {path.name} ({shapes} shapes)")
-        return load_package(path)
+        return load_package(path), path
 
-    static = package(static_specs, "static")
+    if batch_only(context.specs):
+        built: dict[int, Any] = {}
+        path = Path()
+        for size in buckets_for(context.specs):
+            example = at_batch(context.example, size)
+            built[size], path = package(example, _static_specs(context.specs, example), f"batch {size}")
+        costs, remembered = _bucket_costs(path.with_suffix(".buckets.json"), built, context.example)
+        buckets = BatchBuckets(built, costs)
+        notes.append(_buckets_note(buckets, remembered))
+        return Built(buckets, notes)
+    static_specs = _static_specs(context.specs, context.example)
+    static, _ = package(context.example, static_specs, "static")
     if static_specs == context.specs:
         return Built(static, notes)
-    dynamic = package(context.specs, "dynamic")
+    dynamic, _ = package(context.example, context.specs, "dynamic")
     return Built(ShapeDispatch(static, [tuple(t.shape) for t in context.example], dynamic, context.specs), notes)
+
+
+def _static_specs(specs: tuple[TensorSpec, ...], example: Inputs) -> tuple[TensorSpec, ...]:
+    return tuple(dataclasses.replace(s, shape=tuple(t.shape), bounds=()) for s, t in zip(specs, example, strict=True))
+
+
+def _bucket_costs(path: Path, packages: dict[int, Any], example: Inputs) -> tuple[dict[int, float], bool]:
+    """Each bucket's cost per call at this thread count: remembered beside its package, else measured and kept.
+
+    Measured once per package and thread count, so a restart neither pays the timing nor decides
+    on a noisier one.
+    """
+    threads = str(torch.get_num_threads())
+    known: dict[str, Any] = {}
+    try:
+        loaded = json.loads(path.read_text())
+        known = loaded if isinstance(loaded, dict) else {}
+        costs = {int(size): float(ms) for size, ms in known[threads].items()}
+        if sorted(costs) == sorted(packages):
+            return costs, True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    costs = BatchBuckets.measure(packages, example)
+    known[threads] = {str(size): round(ms, 5) for size, ms in costs.items()}
+    try:
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(known))
+        os.replace(temporary, path)
+    except OSError:  # a read-only cache costs the next start another measurement, nothing else
+        pass
+    return costs, False
+
+
+def _buckets_note(buckets: BatchBuckets, remembered: bool) -> str:
+    costs = ", ".join(f"batch {size} {ms:.3g} ms" for size, ms in sorted(buckets.costs_ms.items()))
+    plans = ", ".join(f"{rows} as {'+'.join(map(str, buckets.plan(rows)))}" for rows in (2, 4, 8, 12))
+    return f"batch buckets ({costs} a call, {'remembered' if remembered else 'measured'}): runs {plans}"
 
 
 @builds("eager")

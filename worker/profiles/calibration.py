@@ -1,7 +1,8 @@
-"""The inputs static int8 quantization observes: a configured .npz set, or seeded random inputs."""
+"""The inputs static int8 quantization observes: a configured .npz set, or seeded synthetic inputs."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from protocol.tensors import TensorSpec
+from worker.synthetic import draw
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -51,14 +53,18 @@ def load_calibration(path: Path, specs: Sequence[TensorSpec]) -> list[Inputs]:
     ]
 
 
-def random_calibration(example: Inputs) -> list[Inputs]:
-    """Seeded random inputs shaped like the example (floats N(0,1), integer inputs kept as they are).
+def random_calibration(example: Inputs, specs: Sequence[TensorSpec] | None = None) -> list[Inputs]:
+    """Seeded synthetic inputs shaped like the example, drawn as each spec declares (worker/synthetic.py).
 
-    Seeds differ from the golden inputs' so validation is not scored on the data that set the scales.
+    Without specs: floats N(0,1), integer inputs kept as they are. Seeds 1..16 differ from the golden
+    inputs' (0, 1001, ...) so validation is not scored on the data that set the scales.
     """
     samples: list[Inputs] = []
     for seed in range(1, RANDOM_SAMPLES + 1):
         generator = torch.Generator().manual_seed(seed)
+        if specs is not None:
+            samples.append(tuple(draw(s, t.shape, generator) for s, t in zip(specs, example, strict=True)))
+            continue
         samples.append(
             tuple(
                 torch.randn(t.shape, generator=generator).to(t.dtype) if t.is_floating_point() else t.clone()
@@ -66,3 +72,9 @@ def random_calibration(example: Inputs) -> list[Inputs]:
             )
         )
     return samples
+
+
+def random_calibration_id(specs: Sequence[TensorSpec]) -> str:
+    """What identifies the synthetic calibration data in a package's key: "random", plus any declared distribution."""
+    declared = {s.name: s.synthetic.to_config() for s in specs if s.synthetic is not None}
+    return "random" if not declared else "random:" + json.dumps(declared, sort_keys=True)

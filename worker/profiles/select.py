@@ -2,8 +2,10 @@
 
 pick "first": the first such profile of the chain serves (the chain is the operator's order of
 preference, and later entries are the fallbacks). pick "fastest": every profile of the chain is
-built, validated and timed, and the fastest serves; that decision is kept in the artifact cache so
-a restarted worker builds only the winner.
+built and validated, the ones that pass are timed in interleaved rounds at the batch sizes the
+model serves (timing.py), and a later profile serves instead of an earlier one only when it is
+faster by more than the measured noise; that decision is kept in the artifact cache so a restarted
+worker builds only the winner.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
@@ -24,21 +25,34 @@ import torch
 from common.cpuinfo import CpuCaps
 from common.profiles import REFERENCE_PROFILE, cpu_refusal
 from protocol.constants import StartPhase
+from protocol.tensors import TensorSpec
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
+from worker.profiles.export import batch_only, batch_range, buckets_for
 from worker.profiles.flags import apply_global_flags, reset_global_flags
-from worker.profiles.validate import Tolerance, compare
+from worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
+from worker.profiles.validate import Tolerance, compare, worst_of
 from worker.progress import NoProgress, Progress
 from worker.runner import ModelRunner
+from worker.synthetic import describe as describe_synthetic
 
 log = structlog.get_logger("worker")
 
-#: Validation samples checked one by one when the batch dim is fixed.
-_MAX_CASES = 16
-#: Timing a candidate for pick "fastest": at least this many runs, and more until this long has passed.
-_TIMING_RUNS = 5
-_TIMING_S = 0.5
+#: The largest batch the full golden set is checked in (larger sets are checked in batches of this many).
+_MAX_GOLDEN_BATCH = 32
+#: Without a validation set: synthetic samples drawn with these seeds (0 is the warm-up and canary input;
+#: the int8 calibration fallback draws 1..16).
+_SYNTHETIC_SEEDS = (0, 1001, 1002)
+#: A batched check has at least this many rows when the bounds allow: packages are exported at 2, so only
+#: another size shows a batch baked into the graph.
+_MIN_BATCHED_ROWS = 3
+#: Timing for pick "fastest": interleaved rounds until this long has passed, at least and at most so many.
+_TIMING_S = 5.0
+_MIN_ROUNDS = 6
+_MAX_ROUNDS = 60
+#: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
+_PICK_FORMAT = 2
 
 
 @dataclass
@@ -58,37 +72,118 @@ class _Candidate:
     built: Built
     cosine: float
     build_ms: float
-    median_ms: float = 0.0
+    #: What the gate measured: the worst row's cosine and error, where they were, and what was checked.
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    """One input the gate runs through eager and the candidate: what it is called, and which sample each row is."""
+
+    label: str
+    inputs: dict[str, torch.Tensor]
+    #: The sample behind each row of the batch (an index into the golden samples).
+    rows: tuple[int, ...]
+    #: What a sample is called (`validation sample`, `synthetic sample`).
+    kind: str = "sample"
+
+    def where(self, row: int) -> str:
+        """Names row `row` (-1: the input as a whole), e.g. `validation sample 3 in a batch of 8 (row 3)`."""
+        if len(self.rows) == 1:
+            return self.label
+        if not 0 <= row < len(self.rows):
+            return f"{self.label} (samples {_rows_text(self.rows)})"
+        return f"{self.kind} {self.rows[row]} in {self.label} (row {row})"
+
+
+@dataclass(frozen=True)
+class GoldenSet:
+    """Every input a profile is checked on, and what they are in one phrase (for the notes and refusals)."""
+
+    cases: list[GoldenCase]
+    checked: str
+
+
+def _batch_range(runner: ModelRunner) -> tuple[int, int | None] | None:
+    """The batch sizes every input takes (its first dim, open in each), or None when the batch is not dynamic."""
+    if not all(spec.shape and spec.shape[0] is None for spec in runner.specs):
+        return None
+    ranges = [spec.dim_range(0) for spec in runner.specs]
+    highs = [high for _, high in ranges if high is not None]
+    return max(low for low, _ in ranges), min(highs) if highs else None
+
+
+def _batched_sizes(count: int, batch: tuple[int, int | None], bounded: bool, served: Sequence[int] = ()) -> list[int]:
+    """The batch sizes all `count` samples are checked at together: the whole set (in chunks when it is larger
+    than the model takes or than _MAX_GOLDEN_BATCH), at least _MIN_BATCHED_ROWS rows, a bounded batch at its
+    bounds, and each batch size the broker joins requests into (`served`, samples cycled to fill it)."""
+    low, high = batch
+    largest = min(high, _MAX_GOLDEN_BATCH) if high is not None else _MAX_GOLDEN_BATCH
+    size = max(low, min(count, largest), min(_MIN_BATCHED_ROWS, high if high is not None else _MIN_BATCHED_ROWS))
+    sizes = [size] * max(1, -(-count // size))
+    if bounded:
+        sizes += [bound for bound in (low, high) if bound is not None and bound > 1 and bound not in sizes]
+    sizes += [n for n in served if n > 1 and n not in sizes and (high is None or n <= high)]
+    return sizes
+
+
+def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()) -> GoldenSet:
+    """The inputs every profile is checked on against eager: each sample alone (batch 1), and all of them batched.
+
+    The samples are the model's validation set when one is configured (synthetic inputs say little about
+    a quantized model with real weights), else synthetic samples drawn as the inputs declare. With a
+    dynamic batch they are also checked together, at the batch sizes the model serves (_batched_sizes):
+    tracing can bake batch 1 into a graph, packages keep a batch-1 variant, and a kernel's numerics
+    can differ between batch sizes, so neither alone speaks for the other. The gate takes the worst row
+    of them all.
+    """
+    names = [spec.name for spec in runner.specs]
+    batch = _batch_range(runner)
+    if validation:
+        kind = "validation sample"
+        samples = [dict(zip(names, sample, strict=True)) for sample in validation]
+        what = f"{len(samples)} validation samples"
+    else:
+        kind = "synthetic sample"
+        seeds = _SYNTHETIC_SEEDS if batch is None or batch[0] == 1 else _SYNTHETIC_SEEDS[:1]
+        samples = [runner.example_inputs(batch=1, seed=seed) for seed in seeds]
+        what = f"{len(samples)} {describe_synthetic(runner.specs)}"  # e.g. "3 synthetic samples (x: uniform 0..1)"
+    if batch is None:
+        if any(d is None for spec in runner.specs for d in spec.shape) and not validation:
+            # A dynamic dim that is not a batch (a sequence length): checked at another size too.
+            larger = GoldenCase(f"a synthetic input at size {_MIN_BATCHED_ROWS}",
+                                runner.example_inputs(batch=_MIN_BATCHED_ROWS), (0,))  # fmt: skip
+            return GoldenSet(
+                [*_alone(samples, kind), larger], f"{what}, each alone and once at size {_MIN_BATCHED_ROWS}"
+            )
+        return GoldenSet(_alone(samples, kind), f"{what}, each alone")
+    bounded = any(spec.bounds and spec.bounds[0] is not None for spec in runner.specs)
+    sizes = _batched_sizes(len(samples), batch, bounded, served)
+    cases = _alone(samples, kind) if batch[0] == 1 else []
+    start = 0
+    for size in sizes:
+        rows = tuple((start + i) % len(samples) for i in range(size))
+        start = (start + size) % len(samples) if size < len(samples) else 0
+        inputs = {name: torch.cat([samples[r][name] for r in rows]) for name in names}
+        cases.append(GoldenCase(f"a batch of {size}", inputs, rows, kind))
+    alone = "each alone and " if batch[0] == 1 else ""
+    return GoldenSet(cases, f"{what}, {alone}batched at {', '.join(str(n) for n in sizes)}")
+
+
+def _alone(samples: list[dict[str, torch.Tensor]], kind: str) -> list[GoldenCase]:
+    return [GoldenCase(f"{kind} {i} alone", sample, (i,), kind) for i, sample in enumerate(samples)]
+
+
+def _rows_text(rows: tuple[int, ...]) -> str:
+    """`0-7`, or `0-7 cycled` when samples repeat."""
+    if list(rows) == list(range(rows[0], rows[0] + len(rows))):
+        return f"{rows[0]}-{rows[-1]}" if len(rows) > 1 else str(rows[0])
+    return f"{min(rows)}-{max(rows)} cycled"
 
 
 def golden_cases(runner: ModelRunner, validation: Sequence[Inputs] | None) -> list[dict[str, torch.Tensor]]:
-    """The inputs every profile is checked on: batch 1, and a batch of several when the batch dim is dynamic.
-
-    Seeded random inputs by default; the model's validation set when one is configured (random
-    inputs say little about a quantized model with real weights). A dynamic batch is checked at
-    more than 1 as well: tracing can bake batch 1 into a graph, and packages keep a batch-1 variant.
-    """
-    names = [spec.name for spec in runner.specs]
-    dynamic = any(d is None for spec in runner.specs for d in spec.shape)
-    if not validation:
-        # 3, not 2: packages are exported at 2, so only another size shows a batch baked into the graph.
-        batches = [1, 3] if dynamic else [1]
-        return [runner.example_inputs(batch=b) for b in batches]
-    samples = [dict(zip(names, sample, strict=True)) for sample in validation[:_MAX_CASES]]
-    if not dynamic:
-        return samples
-    together = {name: torch.cat([sample[name] for sample in samples]) for name in names}
-    return [samples[0], together] if len(samples) > 1 else [samples[0]]
-
-
-def _median_ms(run: Callable[[], Any]) -> float:
-    times: list[float] = []
-    stop = time.perf_counter() + _TIMING_S
-    while len(times) < _TIMING_RUNS or (time.perf_counter() < stop and len(times) < 200):
-        started = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - started) * 1000.0)
-    return sorted(times)[len(times) // 2]
+    """The inputs of golden_set, in its order."""
+    return [case.inputs for case in golden_set(runner, validation).cases]
 
 
 class _Trial:
@@ -111,7 +206,8 @@ class _Trial:
         self.tolerance = tolerance
         self.caps = caps
         self.eager = runner.module
-        self.cases = golden_cases(runner, validation)
+        self.golden = golden_set(runner, validation, context.served_batches)
+        self.cases = [case.inputs for case in self.golden.cases]
         self.reference = [[a for _, a in runner.forward(case)] for case in self.cases]
 
     def attempt(self, name: str) -> _Candidate | str:
@@ -131,12 +227,12 @@ class _Trial:
                 self.runner.module = built.callable
                 self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
                 self.progress.phase(StartPhase.CHECKING, name)
-                failure = None
-                cosine = 1.0
-                for case, reference in zip(self.cases, self.reference, strict=True):
-                    agreement = compare(reference, [a for _, a in self.runner.forward(case)])
-                    cosine = min(cosine, agreement.cosine)
-                    failure = failure or agreement.failure(self.tolerance)
+                agreements = [
+                    (compare(reference, [a for _, a in self.runner.forward(case.inputs)]), case.where)
+                    for case, reference in zip(self.golden.cases, self.reference, strict=True)
+                ]
+                result = worst_of(agreements, self.golden.checked)
+                failure = result.failure(self.tolerance)
         except ProfileError as exc:
             failure, outcome = str(exc), StartPhase.FAILED
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
@@ -146,17 +242,28 @@ class _Trial:
             self.progress.phase(outcome, name, failure)
             self.reset()
             return failure
-        candidate = _Candidate(name, built, cosine, (time.perf_counter() - started) * 1000.0)
+        summary = result.summary(self.tolerance.min_cosine)
+        candidate = _Candidate(name, built, result.cosine, (time.perf_counter() - started) * 1000.0, summary=summary)
         self.progress.phase(StartPhase.PASSED, name, "; ".join([*built.notes, _built_in(candidate)]))
         return candidate
 
-    def time(self, candidate: _Candidate) -> float:
-        """Median batch-1 latency of the candidate, installed on the runner for the measurement."""
-        self.runner.module = candidate.built.callable
-        apply_global_flags(candidate.name)
-        golden = self.cases[0]
-        with self.attempts.attempting(candidate.name, "being timed"):
-            return _median_ms(lambda: self.runner.forward(golden))
+    def time(self, candidates: Sequence[_Candidate]) -> Decision:
+        """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""
+        batches = served_batches(self.runner.specs, self.context.served_batches)
+        inputs = {b: self.runner.example_inputs(batch=b) for b in batches}
+
+        def contender(candidate: _Candidate) -> Contender:
+            runs = {b: (lambda case=inputs[b]: self.runner.forward(case)) for b in batches}
+            return Contender(candidate.name, lambda: self.install(candidate), runs)
+
+        rounds = run_rounds(
+            [contender(c) for c in candidates],
+            _TIMING_S,
+            _MIN_ROUNDS,
+            _MAX_ROUNDS,
+            guard=lambda name: self.attempts.attempting(name, "being timed"),
+        )
+        return decide([c.name for c in candidates], rounds)
 
     def reset(self) -> None:
         """Back to eager, with every process-wide flag a profile switches off."""
@@ -169,10 +276,30 @@ class _Trial:
         apply_global_flags(candidate.name)
 
 
-def _decision_path(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+def served_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) -> tuple[int, ...]:
+    """The batch sizes a fastest pick times: the smallest the model takes, the packages' buckets, and the sizes
+    the broker joins requests into (`configured`), all within the batch's bounds; when the batch is not the only
+    dynamic dim, the example's size alone (other dims would change with it)."""
+    if not batch_only(specs):
+        return (1,)
+    low, high = batch_range(specs)
+    inside = {size for size in configured if low <= size and (high is None or size <= high)}
+    return tuple(sorted({*buckets_for(specs), *inside}))
+
+
+def remembered_pick(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
+    """Where a fastest pick of this chain for this model, machine and thread count is remembered (None: no cache)."""
+    return _decision_path(context, chain, tolerance, served_batches(context.specs, context.served_batches))
+
+
+def _decision_path(
+    context: BuildContext, chain: Sequence[str], tolerance: Tolerance, batches: Sequence[int]
+) -> Path | None:
     if context.cache is None:
         return None
     key = {
+        "format": _PICK_FORMAT,
+        "batches": list(batches),
         "model": context.digest,
         "chain": list(chain),
         "tolerance": asdict(tolerance),
@@ -226,63 +353,76 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
-    path = _decision_path(context, chain, tolerance)
+    path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
     if path is None or not path.exists():
         return None
     try:
         decision = json.loads(path.read_text())
-        name, timings = str(decision["profile"]), dict(decision["timings_ms"])
+        name, summary = str(decision["profile"]), str(decision["summary"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     outcome = trial.attempt(name)
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
         return None
-    notes = [
-        *outcome.built.notes,
-        _built_in(outcome),
-        f"fastest of {_timing_text(timings)} (decided earlier, {path.name})",
-    ]
+    notes = [*outcome.built.notes, _built_in(outcome), f"{summary} (decided earlier, {path.name})"]
     log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
     return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
 
 
 def _built_in(candidate: _Candidate) -> str:
-    return f"built and checked against eager in {candidate.build_ms:.0f} ms (cosine {candidate.cosine:.5f})"
-
-
-def _timing_text(timings: dict[str, float]) -> str:
-    return ", ".join(f"{n} {ms:.3g} ms" for n, ms in sorted(timings.items(), key=lambda item: item[1]))
+    return f"built and checked against eager in {candidate.build_ms:.0f} ms: {candidate.summary}"
 
 
 def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection:
+    """Build and check every profile of the chain, time those that pass together, serve what the timing decides.
+
+    Every passing candidate stays alive until the decision (interleaving needs them all at once), so
+    the pick briefly holds each one's weights or packages; the losers are dropped before serving.
+    """
     skipped: list[str] = []
-    slower: list[str] = []
-    timings: dict[str, float] = {}
-    best: _Candidate | None = None
+    passed: list[_Candidate] = []
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
-            trial.progress.phase(StartPhase.TIMING, name)
-            outcome.median_ms = trial.time(outcome)
-            timings[name] = round(outcome.median_ms, 4)
-            # Only the fastest so far stays alive: every candidate holds its own weights (or packages).
-            loser = outcome if best is not None and outcome.median_ms >= best.median_ms else best
-            best = outcome if loser is not outcome else best
-            if loser is not None:
-                slower.append(f"{loser.name}: passed (cosine {loser.cosine:.5f}), {loser.median_ms:.3g} ms (slower)")
+            passed.append(outcome)
         else:
             skipped.append(f"{name}: {outcome}")
         trial.reset()
-    if best is None:
+    if not passed:
         return _last_resort(trial, chain, skipped)
-    skipped += slower
+    batches = served_batches(trial.runner.specs, context.served_batches)
+    record: dict[str, object] = {"threads": torch.get_num_threads(), "batches": list(batches)}
+    if len(passed) == 1:
+        (best,) = passed
+        summary = f"fastest pick: {best.name} is the only profile of the chain that passed (not timed)"
+    else:
+        trial.progress.phase(StartPhase.TIMING, ", ".join(c.name for c in passed))
+        decision = trial.time(passed)
+        best = next(c for c in passed if c.name == decision.profile)
+        summary = describe(decision, torch.get_num_threads())
+        served = decision.ratios[best.name]
+        skipped += [
+            f"{c.name}: passed (cosine {c.cosine:.5f}), not picked: x{decision.ratios[c.name] / served:.3f} the "
+            f"per-sample time of {best.name}{' (within the noise)' if decision.ratios[c.name] < served else ''}"
+            for c in passed
+            if c is not best
+        ]
+        record.update(
+            fastest=decision.fastest,
+            rounds=decision.rounds,
+            per_sample_ms={n: {str(b): round(ms, 5) for b, ms in v.items()} for n, v in decision.per_sample_ms.items()},
+            ratios={n: round(r, 4) for n, r in decision.ratios.items()},
+            noise={n: round(x, 4) for n, x in decision.noise.items()},
+            reason=decision.reason,
+        )
+    passed.clear()  # the losers' weights and packages go with their last reference
+    trial.reset()
     trial.install(best)
-    _remember(
-        _decision_path(context, chain, tolerance), {"profile": best.name, "timings_ms": timings, "skipped": skipped}
-    )
-    notes = [*best.built.notes, _built_in(best), f"fastest of {_timing_text(timings)}"]
-    log.info("profile_selected", profile=best.name, pick="fastest", timings_ms=timings, skipped=skipped)
+    record.update(profile=best.name, summary=summary, skipped=skipped)
+    _remember(_decision_path(context, chain, tolerance, batches), record)
+    notes = [*best.built.notes, _built_in(best), summary]
+    log.info("profile_selected", profile=best.name, pick="fastest", decision=record.get("reason"), skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)
 
 

@@ -1,0 +1,21 @@
+"""How an agreement with eager is printed: both sides (the worker's gate, `infervisor optimize`) use the same digits."""
+
+from __future__ import annotations
+
+import math
+
+
+def cosine_text(cosine: float, min_cosine: float | None = None) -> str:
+    """A cosine with six significant digits after its leading nines (7 to 12 decimals), and more when fewer would
+    print it on the other side of `min_cosine`: 0.99989999 is never shown as 0.9999000 against 0.9999."""
+    if not math.isfinite(cosine):
+        return str(cosine)
+    text = f"{abs(cosine):.17f}"
+    nines = len(text[2:]) - len(text[2:].lstrip("9")) if text.startswith("0.") else 0
+    decimals = min(12, max(7, nines + 6))
+    shown = f"{cosine:.{decimals}f}"
+    if min_cosine is not None:
+        while decimals < 17 and (float(shown) < min_cosine) != (cosine < min_cosine):
+            decimals += 1
+            shown = f"{cosine:.{decimals}f}"
+    return shown

@@ -1,0 +1,76 @@
+"""Dynamic batching: which queued requests of a model go to a worker together, and when.
+
+Requests are joined along dimension 0 only when everything else about their inputs matches (names,
+dtypes, the other dims, and the spec that admitted them); each keeps its own id, deadline, retries
+and reply. A batch is taken from the head of the model's queue, oldest first, up to
+`max_batch_size` rows; with `preferred_batch_sizes` it is cut to the largest preferred size it
+reaches. When fewer rows wait than a full (or preferred) batch, the oldest request may wait up to
+`max_queue_delay_us` for companions; at 0 a batch goes as soon as a worker is free.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protocol.constants import MAX_BATCH_REQUESTS
+from supervisor.config import BatchingConfig
+from supervisor.pending import PendingRequest
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with the head of a queue now: send these requests, or wait until `wait_until`."""
+
+    batch: list[PendingRequest]
+    wait_until: float | None = None
+
+
+def joinable(a: PendingRequest, b: PendingRequest) -> bool:
+    """True when two requests' inputs may be joined along dim 0 (same names, dtypes, other dims and spec)."""
+    return a.spec is b.spec and a.shape_key == b.shape_key
+
+
+def take(queue: collections.deque[PendingRequest], policy: BatchingConfig, now: float) -> Decision:
+    """The batch to send from the head of `queue` (removed from it), or until when the head may still wait.
+
+    Requests that cannot join the head stay in line, in order, for a later batch.
+    """
+    head = queue[0]
+    # A batch that killed its worker was split: its halves never grow back (the broker bisects them).
+    limit = min(head.batch_limit or MAX_BATCH_REQUESTS, MAX_BATCH_REQUESTS)
+    members: list[int] = []
+    rows = 0
+    for index, request in enumerate(queue):
+        if len(members) >= limit or rows >= policy.max_batch_size:
+            break
+        if index and not joinable(head, request):
+            continue
+        if members and rows + request.rows > policy.max_batch_size:
+            break
+        members.append(index)
+        rows += request.rows
+    full = rows >= policy.max_batch_size or len(members) >= limit
+    at_preferred = rows in policy.preferred_batch_sizes
+    deadline = head.accepted_at + policy.max_queue_delay_us / 1e6
+    if not full and not at_preferred and now < deadline:
+        return Decision([], deadline)
+    chosen = _cut(members, [queue[i].rows for i in members], policy.preferred_batch_sizes)
+    batch = [queue[i] for i in chosen]
+    taken = set(chosen)
+    kept = [r for i, r in enumerate(queue) if i not in taken]
+    queue.clear()
+    queue.extend(kept)
+    return Decision(batch)
+
+
+def _cut(members: list[int], rows: list[int], preferred: Sequence[int]) -> list[int]:
+    """The longest prefix of the members whose rows add up to the largest preferred size reached, else all."""
+    target = max((p for p in preferred if p <= sum(rows)), default=0)
+    total = 0
+    for count, size in enumerate(rows, start=1):
+        total += size
+        if total == target:
+            return members[:count]
+    return members

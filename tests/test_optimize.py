@@ -1,0 +1,143 @@
+"""`infervisor optimize`'s layout sweep: which layouts fit, how the choice is made, and the check through a daemon."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import Config, parse_config
+from supervisor.toolkit.constraints import Accuracy, Sla
+from supervisor.toolkit.layouts import Layout, layouts, placement
+from supervisor.toolkit.optimize import chain_at, choose
+from supervisor.toolkit.sweep import Point
+from supervisor.topology import LogicalCpu, Topology
+from tests.conftest import ROOT, TINY_INPUTS, Daemon
+
+INF = float("inf")
+BUDGET = Accuracy(0.99, None, False)
+
+
+def _topology(cores: int, smt: bool = False) -> Topology:
+    """One NUMA node of `cores` physical cores; with SMT, cpu c and c + cores are siblings."""
+    cpus = []
+    for core in range(cores):
+        siblings = (core, core + cores) if smt else (core,)
+        cpus += [LogicalCpu(cpu, 0, core, 0, siblings) for cpu in siblings]
+    return Topology(tuple(sorted(cpus, key=lambda c: c.cpu)))
+
+
+def _config(**other: int) -> Config:
+    """A config with model `m` and, when given, a model `a` of `workers` x `cores_per_worker` placed before it."""
+    entry = {"source": {"builtin": "tiny"}, "inputs": TINY_INPUTS}
+    models = {"a": {**entry, **other}} if other else {}
+    return parse_config(json.dumps({"models": {**models, "m": entry}}), Path("."))
+
+
+def test_layouts_are_every_workers_x_cores_that_fits_beside_the_other_models() -> None:
+    """4 cores: 1-4 one-core workers, 1-2 two-core ones, one of 3 or 4; a 1-core neighbour takes one core away."""
+    four = _topology(4)
+    assert [str(x) for x in layouts(_config(), "m", four, range(4))] == [
+        "1x1", "2x1", "3x1", "4x1", "1x2", "2x2", "1x3", "1x4",
+    ]  # fmt: skip
+    beside = layouts(_config(workers=1, cores_per_worker=1), "m", four, range(4))
+    assert [str(x) for x in beside] == ["1x1", "2x1", "3x1", "1x2", "1x3"]
+    assert placement(_config(workers=1, cores_per_worker=1), "m", Layout(1, 2), four, range(4)) == [(1, 2)]
+    # The cpuset decides, not the machine: two allowed cpus of four.
+    assert [str(x) for x in layouts(_config(), "m", four, [2, 3])] == ["1x1", "2x1", "1x2"]
+    assert [str(x) for x in layouts(_config(), "m", four, range(4), cores=[2])] == ["1x2", "2x2"]
+
+
+def test_layouts_count_physical_cores_not_smt_siblings() -> None:
+    """2 cores with SMT siblings: the same three layouts as without (a worker gets whole cores)."""
+    assert [str(x) for x in layouts(_config(), "m", _topology(2, smt=True), range(4))] == ["1x1", "2x1", "1x2"]
+    with pytest.raises(ValueError, match="at least one worker"):
+        Layout.parse("0x2")
+    assert Layout.parse("2X1") == Layout(2, 1)
+
+
+def _point(profile: str, layout: str, p99: float, qps: float) -> Point:
+    return Point(profile, Layout.parse(layout), p99 * 0.9, p99, qps, p99 * 1.2)
+
+
+def _rows(**cosines: float) -> dict[str, dict[str, object]]:
+    return {
+        name: {"profile": name, "p50_ms": 1.0, "cosine": cosine, "max_abs_error": 0.0, "cold_start_s": 1.0}
+        for name, cosine in cosines.items()
+    }
+
+
+#: The measured trade of the issue: eager resnet18 on a 2-core box.
+RESNET18 = [_point("eager", "2x1", 50.0, 39.0), _point("eager", "1x2", 33.0, 32.0), _point("eager", "1x1", 50.0, 20.0)]
+
+
+def test_the_p99_bound_decides_first_then_throughput() -> None:
+    """Without a P99 bound two 1-core workers win on QPS; with 40 ms one 2-core worker does."""
+    rows = _rows(eager=1.0)
+    free, verdict = choose(RESNET18, rows, Sla(INF, INF, 0.0, 0.0, BUDGET), BUDGET)
+    assert free is not None and str(free.layout) == "2x1" and verdict.met and verdict.layout == "2x1"
+    bound, verdict = choose(RESNET18, rows, Sla(INF, 40.0, 0.0, 0.0, BUDGET), BUDGET)
+    assert bound is not None and str(bound.layout) == "1x2" and verdict.met
+
+
+def test_a_missed_sla_names_each_profiles_best_layout_and_still_chooses_the_best_effort() -> None:
+    """P99 40 ms and 35 QPS: nothing meets both; 1x2 (within the bound) is the best effort, and the reason says why."""
+    chosen, verdict = choose(RESNET18, _rows(eager=1.0), Sla(INF, 40.0, 35.0, 0.0, BUDGET), BUDGET)
+    assert chosen is not None and str(chosen.layout) == "1x2"
+    assert not verdict.met and verdict.reasons == ["eager (best at 1x2): 32.0 QPS with 1x2 < 35"]
+
+
+def test_a_profile_outside_the_accuracy_budget_is_never_chosen_nor_chained() -> None:
+    """int8 twice as fast but below the budget's cosine: eager serves and int8 is not in the chain."""
+    points = [*RESNET18, _point("int8_static", "2x1", 12.0, 160.0), _point("jit", "2x1", 40.0, 45.0)]
+    rows = _rows(eager=1.0, int8_static=0.95, jit=1.0)
+    chosen, _ = choose(points, rows, Sla(INF, INF, 0.0, 0.0, BUDGET), BUDGET)
+    assert chosen is not None and (chosen.profile, str(chosen.layout)) == ("jit", "2x1")
+    assert chain_at(points, rows, BUDGET, chosen) == ["jit", "eager"]
+
+
+def _optimize(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "optimize", *argv],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
+    )  # fmt: skip
+
+
+def test_optimize_sweeps_the_layouts_checks_the_choice_through_a_daemon_and_writes_both(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """tiny on this box: a point per layout, a daemon check under probe's load, workers and cores written; the
+    probe command it prints runs against a daemon serving the written config."""
+    config = tmp_path / "config.json"
+    entry = {"source": {"builtin": "tiny"}, "inputs": TINY_INPUTS, "workers": 1, "cores_per_worker": 1}
+    config.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"tiny": entry}}, indent=2))
+    report = tmp_path / "report.json"
+    done = _optimize("--model", "tiny", "--config", str(config), "--profiles", "eager", "--layouts", "1x1,2x1",
+                     "--seconds", "0.3", "--check-seconds", "2", "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert [(p["layout"], p["profile"]) for p in result["layouts"]] == [("1x1", "eager"), ("2x1", "eager")]
+    assert all(p["qps"] > 0 and p["busy_p99_ms"] > 0 for p in result["layouts"])
+    chosen = result["layout"]
+    check = result["check"]
+    assert check["profiles"] == ["eager"] * chosen["workers"] and check["errors"] == 0
+    assert check["p99_ms"] >= check["p50_ms"] > 0 and check["samples"] > 0
+    written = parse_config(config.read_text(), tmp_path).models["tiny"]
+    assert (written.workers, written.cores_per_worker) == (chosen["workers"], chosen["cores_per_worker"])
+    (command,) = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if "infervisor probe" in line]
+    argv = shlex.split(command)
+    assert argv[:4] == ["infervisor", "probe", "--model", "tiny"] and float(argv[5]) == check["qps"]
+    daemon = start_daemon(json.loads(config.read_text()))
+    daemon.wait_ready()
+    probed = subprocess.run(
+        [sys.executable, "-m", "supervisor", *argv[1:], "--runtime-dir", str(daemon.runtime_dir),
+         "--profile-requests", "5", "--json", str(tmp_path / "probe.json")],
+        capture_output=True, text=True, cwd=ROOT, timeout=180, check=False,
+    )  # fmt: skip
+    assert probed.returncode == 0, probed.stdout + probed.stderr
+    assert json.loads((tmp_path / "probe.json").read_text())["samples"] > 0
