@@ -106,8 +106,11 @@ def test_client_install_has_no_torch_and_is_served(
 
 #: The arguments each subcommand cannot run without; a new subcommand fails the test until it is added here.
 REQUIRED_ARGS: dict[str, list[str]] = {
-    **{name: [] for name in ("serve", "status", "metrics", "restart", "reload", "demo", "bench", "doctor", "report")},
-    **{name: ["--model", "tiny"] for name in ("optimize", "probe", "harden")},
+    **{
+        name: []
+        for name in ("serve", "status", "metrics", "restart", "reload", "build", "demo", "bench", "doctor", "report")
+    },
+    **{name: ["--model", "tiny"] for name in ("optimize", "probe", "harden", "fallback")},
     "infer": ["--model", "tiny", "--random"],
 }
 
