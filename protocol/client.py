@@ -36,9 +36,18 @@ class Client:
         context: zmq.Context[Any] | None = None,
         server_public_key: bytes | None = None,
         client_keys: tuple[bytes, bytes] | None = None,
+        max_frame_bytes: int | None = None,
     ) -> None:
-        """Connect to `endpoint`; a CURVE tcp endpoint needs the server's public key and our (public, secret) keys."""
+        """Connect to `endpoint`; a CURVE tcp endpoint needs the server's public key and our (public, secret) keys.
+
+        `max_frame_bytes` is the daemon's limit (status `limits.max_frame_bytes`): when given, an input over it
+        raises INVALID_INPUT here instead of being sent (far over it, the daemon drops the connection and the
+        request would only time out). None: no check.
+        """
+        if max_frame_bytes is not None and (type(max_frame_bytes) is not int or max_frame_bytes < 1):
+            raise ValueError(f"max_frame_bytes must be a positive integer or None, got {max_frame_bytes!r}")
         self.endpoint = endpoint
+        self.max_frame_bytes = max_frame_bytes
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -90,6 +99,15 @@ class Client:
                     tensor_frames.append(array)
         except ProtocolError as exc:
             raise InferenceError(exc.code, exc.message, request_id) from exc
+        limit = self.max_frame_bytes
+        if limit is not None:
+            for desc in descs:  # shared-memory inputs too: the daemon holds them to the same limit
+                if desc.nbytes > limit:
+                    raise InferenceError(
+                        ErrorCode.INVALID_INPUT,
+                        f"input {desc.name!r} is {desc.nbytes} bytes, over the daemon's max_frame_bytes of {limit}",
+                        request_id,
+                    )
         # By default the server's deadline is our timeout: it must not start work we will not wait for.
         budget = deadline_ms if deadline_ms is not None else min(MAX_DEADLINE_MS, max(1, int(timeout * 1000)))
         header = encode_infer(InferRequest(request_id, model, tuple(descs), budget))

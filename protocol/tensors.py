@@ -215,14 +215,23 @@ def parse_descs(
     if len(raw) > MAX_TENSORS:
         raise _bad(f"{what} has {len(raw)} tensors, limit {MAX_TENSORS}")
     descs: list[TensorDesc] = []
-    # Exact type checks: msgpack only makes plain dict/list/str/int, and `type(x) is int` also
-    # refuses bool (an int subclass), so a true/false dim is malformed, not 1/0.
+    #: The names of the elements before this one, made at the second element (most requests have one input).
+    earlier: set[str] | None = None
+    # Element by element, each in the order of docs/protocol.md section 5: map, name, a name used before,
+    # dtype, shape, dims, shm. Exact type checks: msgpack only makes plain dict/list/str/int, and
+    # `type(x) is int` also refuses bool (an int subclass), so a true/false dim is malformed, not 1/0.
     for index, item in enumerate(raw):
         if type(item) is not dict:
             raise _bad(f"{what}[{index}] must be a map")
         name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
         if type(name) is not str or not 0 < len(name) <= MAX_NAME_LEN:
             raise _bad(f"{what}[{index}].name must be a string of 1..{MAX_NAME_LEN} characters")
+        if index:
+            if earlier is None:
+                earlier = {descs[0].name}
+            if name in earlier:
+                raise _bad(f"{what}[{index}].name {shown(name)} appears twice")
+            earlier.add(name)
         if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
             raise ProtocolError(
                 ErrorCode.INVALID_INPUT,
@@ -243,12 +252,6 @@ def parse_descs(
             descs.append(TensorDesc(name, dtype, tuple(shape), parse_shm(shm_raw, f"{what}[{index}]")))
         else:
             raise _bad(f"{what}[{index}] ({shown(name)}) cannot lie in shared memory")
-    if len(descs) > 1 and len({d.name for d in descs}) != len(descs):
-        seen: set[str] = set()
-        for index, desc in enumerate(descs):
-            if desc.name in seen:
-                raise _bad(f"{what}[{index}].name {shown(desc.name)} appears twice")
-            seen.add(desc.name)
     return tuple(descs)
 
 

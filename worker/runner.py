@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from protocol.arrays import check_finite
-from protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS
+from protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS, ErrorCode
+from protocol.errors import ProtocolError
 from protocol.tensors import TensorDesc, TensorSpec
 from worker.synthetic import TORCH_DTYPES, synthetic_inputs
 
@@ -109,11 +110,44 @@ class ModelRunner:
             name = names[index] if names is not None else key or ("output" if index == 0 else f"output_{index}")
             if tensor.dim() > MAX_RANK or any(name == other for other, _ in named):
                 raise TypeError(f"output {name!r} has rank {tensor.dim()} (max {MAX_RANK}) or a duplicate name")
-            tensor = tensor.detach()
-            if str(tensor.dtype).removeprefix("torch.") not in DTYPE_ITEMSIZE:
-                tensor = tensor.float()  # bf16 and friends have no wire dtype
-            named.append((name, tensor.contiguous().numpy()))
+            named.append((name, wire_array(name, tensor.detach())))
         return named
+
+
+#: Output dtypes the wire has no name for but whose every value a wider wire dtype holds exactly: the worker
+#: sends them widened (docs/protocol.md section 5). Any other dtype off the wire's list is refused.
+EXACT_WIDENING: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.float32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    **{
+        getattr(torch, name): torch.float32
+        for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+        if hasattr(torch, name)
+    },
+}
+
+#: The torch dtypes the wire carries as they are.
+_WIRE_TORCH_DTYPES = frozenset(TORCH_DTYPES[name] for name in DTYPE_ITEMSIZE)
+
+
+def wire_array(name: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """Output `name` as an array of a wire dtype, widened only where every value survives (EXACT_WIDENING).
+
+    ProtocolError INTERNAL for any other dtype (complex, uint64, quantized, ...): converting it would lose
+    values without a word, so the request gets an error naming the output and its dtype instead.
+    """
+    dtype = tensor.dtype
+    if dtype not in _WIRE_TORCH_DTYPES:
+        wider = EXACT_WIDENING.get(dtype)
+        if wider is None:
+            raise ProtocolError(
+                ErrorCode.INTERNAL,
+                f"output {name!r} has dtype {str(dtype).removeprefix('torch.')}, which the wire cannot carry "
+                f"exactly (wire dtypes: {', '.join(DTYPE_ITEMSIZE)}); convert it in the model",
+            )
+        tensor = tensor.to(wider)
+    return tensor.contiguous().numpy()
 
 
 def timed_ms(start: float) -> float:

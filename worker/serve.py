@@ -212,16 +212,17 @@ class WorkerLoop:
             self.reply_error(request.request_id, exc.code, exc.message)
             return
         queue_ms = request.queue_ms
+        # Rounded to 0.001 ms as docs/protocol.md section 6 says: finer digits are noise, and cost header bytes.
         timing = {
-            "queue_ms": queue_ms,
+            "queue_ms": round(queue_ms, 3),
             # Broker dispatch to this worker's receive, including any wait behind earlier requests in its pipeline.
-            "dispatch_ms": (received - request.accepted_at) * 1000.0 - queue_ms,
-            "decode_ms": decode_ms,
-            "model_ms": model_ms,
-            "encode_ms": timed_ms(encode_started),
-            "total_ms": (time.monotonic() - request.accepted_at) * 1000.0,
+            "dispatch_ms": round((received - request.accepted_at) * 1000.0 - queue_ms, 3),
+            "decode_ms": round(decode_ms, 3),
+            "model_ms": round(model_ms, 3),
+            "encode_ms": round(timed_ms(encode_started), 3),
+            "total_ms": round((time.monotonic() - request.accepted_at) * 1000.0, 3),
             # The broker's accept on the host's CLOCK_MONOTONIC: a same-host client splits its round trip with it.
-            "accepted_clock_ms": request.accepted_at * 1000.0,
+            "accepted_clock_ms": round(request.accepted_at * 1000.0, 3),
         }
         header = encode_result(prepared.infer.request_id, prepared.infer.model, descs, timing)
         self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
@@ -278,13 +279,18 @@ class WorkerLoop:
             self.send_result(request, prepared, own, received, decode_ms, model_ms)
 
     def output_descs(self, outputs: list[tuple[str, np.ndarray[Any, Any]]]) -> list[TensorDesc]:
-        """The outputs' descriptors; ProtocolError for an output longer than a link frame may be."""
+        """The outputs' descriptors; ProtocolError for an output over a link frame's limit or of no wire dtype."""
         limit = self.launch.max_frame_bytes
+        descs: list[TensorDesc] = []
         for name, array in outputs:
             if array.nbytes > limit:
                 # The supervisor reads a longer frame as a garbled link; the request gets a clear error instead.
                 raise ProtocolError(ErrorCode.INTERNAL, f"output {name!r} is {array.nbytes} bytes, limit {limit}")
-        return [TensorDesc(name, wire_dtype(array.dtype) or array.dtype.name, array.shape) for name, array in outputs]
+            dtype = wire_dtype(array.dtype)
+            if dtype is None:  # the runner refuses these already (runner.wire_array); never send a name off the list
+                raise ProtocolError(ErrorCode.INTERNAL, f"output {name!r} has dtype {array.dtype}, not a wire dtype")
+            descs.append(TensorDesc(name, dtype, array.shape))
+        return descs
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:
         """Answer a request with an error code."""

@@ -164,7 +164,7 @@ def run_infer(args: argparse.Namespace) -> int:
     except MemoryError:  # the size check leaves little room for this, but a busy box can still run short
         print("infervisor infer: not enough memory to make the inputs; use a smaller --batch", file=sys.stderr)
         return 2
-    with Client(f"ipc://{Path(runtime_dir) / CLIENT_SOCKET_NAME}") as client:
+    with Client(f"ipc://{Path(runtime_dir) / CLIENT_SOCKET_NAME}", max_frame_bytes=frame_limit(status)) as client:
         started = time.perf_counter()
         try:
             outputs, timing = client.infer_with_timing(args.model, inputs, timeout=args.timeout)

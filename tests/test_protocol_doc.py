@@ -1,0 +1,285 @@
+"""docs/protocol.md held to the daemon: its examples and tables are read from the file and checked against the code
+and against a real daemon serving the built-in `tiny`."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from protocol.client import Client
+from protocol.client_messages import InferRequest, encode_infer
+from protocol.constants import TIMING_KEYS, ErrorCode
+from protocol.errors import InferenceError, ProtocolError
+from protocol.tensors import TensorDesc, TensorSpec
+from supervisor.health import DaemonState, ModelHealth
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
+from worker.runner import EXACT_WIDENING, ModelRunner
+
+DOC = (ROOT / "docs" / "protocol.md").read_text()
+
+#: The shared daemon's frame limit: small, so that an input over it is cheap to make.
+MAX_FRAME_BYTES = 2**20
+
+
+def section(number: str) -> str:
+    """The text of section `number` (e.g. "11") of docs/protocol.md, up to the next top-level section."""
+    match = re.search(rf"^## {re.escape(number)}\. .*?(?=^## )", DOC, re.S | re.M)
+    if match is None:
+        raise AssertionError(f"docs/protocol.md has no section {number}")
+    return match.group(0)
+
+
+def code_block_after(text: str, marker: str) -> str:
+    """The first fenced block after `marker` in `text`."""
+    start = text.index(marker)
+    match = re.search(r"```\n(.*?)```", text[start:], re.S)
+    if match is None:
+        raise AssertionError(f"no code block after {marker!r}")
+    return match.group(1)
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The body rows of the markdown table whose header row starts with `header`, as lists of stripped cells."""
+    lines = text[text.index(header) :].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def ticked(cell: str) -> list[str]:
+    """The `code spans` of a table cell."""
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def doc_keys(block: str) -> dict[tuple[str, ...], set[str]]:
+    """The map keys of the status document's pseudo-JSON, by path (a list's maps are under the list's key)."""
+    text = "\n".join(line.split("#", 1)[0] for line in block.splitlines())
+    tokens = re.findall(r'"[^"]*"|[A-Za-z_][\w|]*|\.\.\.|[{}\[\]:,]|\S', text)
+    keys: dict[tuple[str, ...], set[str]] = {}
+    # Open brackets: the bracket, its path, and the last key read in it.
+    stack: list[list[Any]] = []
+    previous = ""
+    for token in tokens:
+        if token in ("{", "["):
+            path: tuple[str, ...] = ()
+            if stack:
+                _, parent, last_key = stack[-1]
+                path = (*parent, last_key) if previous == ":" and last_key else parent
+            stack.append([token, path, None])
+        elif token in ("}", "]"):
+            stack.pop()
+        elif stack and stack[-1][0] == "{" and previous in ("{", ",") and re.fullmatch(r"[A-Za-z_][\w|]*", token):
+            stack[-1][2] = token
+            keys.setdefault(stack[-1][1], set()).update(token.split("|"))
+        previous = token
+    return keys
+
+
+def exchange(endpoint: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+    """Send `frames` from a fresh DEALER; the reply's decoded header and its tensor frames."""
+    socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    try:
+        socket.send_multipart(frames)
+        if not socket.poll(10_000):
+            raise AssertionError("no reply within 10 s")
+        reply = socket.recv_multipart()
+    finally:
+        socket.close()
+    assert reply[0] == b"", "every reply starts with the empty delimiter"
+    header: dict[str, Any] = msgpack.unpackb(reply[1])
+    return header, reply[2:]
+
+
+def worked_example() -> tuple[dict[str, Any], bytes, bytes, dict[str, Any], int]:
+    """Section 11: the header as a map, frame 1's bytes, frame 2's bytes, the reply header and its frame length."""
+    text = section("11")
+    header = json.loads(code_block_after(text, "Header as a map"))
+    frames = code_block_after(text, "Frames sent by a DEALER")
+    declared = re.search(r"frame 1 \((\d+) bytes\):(.*?)frame 2", frames, re.S)
+    assert declared is not None
+    header_bytes = bytes.fromhex("".join(re.findall(r"\b[0-9a-f]{2}\b", declared.group(2))))
+    assert len(header_bytes) == int(declared.group(1)), "frame 1's stated length is its hex's"
+    tensor = re.search(r"frame 2 \((\d+) bytes\):\s+((?:[0-9a-f]{2} )+)\s*× (\d+)", frames)
+    assert tensor is not None
+    tensor_bytes = bytes.fromhex(tensor.group(2).replace(" ", "")) * int(tensor.group(3))
+    assert len(tensor_bytes) == int(tensor.group(1)), "frame 2's stated length is its bytes'"
+    reply = json.loads(code_block_after(text, "A successful reply is"))
+    followed = re.search(r"followed by a (\d+)-byte frame", text)
+    assert followed is not None
+    return header, header_bytes, tensor_bytes, reply, int(followed.group(1))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon serving the built-in tiny as section 11 configures it, with a 1 MiB frame limit."""
+    config = {"max_frame_bytes": MAX_FRAME_BYTES, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    running = Daemon(tmp_path_factory.mktemp("protocol_doc"), config)
+    try:
+        running.wait_ready(timeout=120)
+        yield running
+    finally:
+        running.stop()
+
+
+def test_worked_example_bytes_are_the_header_the_doc_shows() -> None:
+    """Section 11's hex decodes to its header map and is exactly what the protocol package encodes for it."""
+    header, header_bytes, tensor_bytes, _, _ = worked_example()
+    assert msgpack.unpackb(header_bytes) == header
+    (x,) = header["inputs"]
+    request = InferRequest(header["id"], header["model"], (TensorDesc(x["name"], x["dtype"], tuple(x["shape"])),), 5000)
+    assert encode_infer(request) == header_bytes
+    assert np.array_equal(np.frombuffer(tensor_bytes, "<f4"), np.ones(16, np.float32))
+
+
+def test_worked_example_gets_the_documented_reply(daemon: Daemon) -> None:
+    """The doc's request bytes, sent to a daemon serving builtin tiny, get the doc's reply header and frame length."""
+    _, header_bytes, tensor_bytes, want, frame_length = worked_example()
+    assert daemon.status()["models"]["tiny"]["inputs"][0]["shape"] == [None, 16], "configured as section 11 says"
+    reply, frames = exchange(daemon.endpoint, [b"", header_bytes, tensor_bytes])
+    assert {k: v for k, v in reply.items() if k != "timing"} == {k: v for k, v in want.items() if k != "timing"}
+    assert list(reply["timing"]) == list(want["timing"]) == list(TIMING_KEYS)
+    assert [len(f) for f in frames] == [frame_length]
+    assert np.frombuffer(frames[0], "<f4").shape == (16,)
+
+
+def test_timing_values_are_rounded_as_section_6_says(daemon: Daemon) -> None:
+    """Every timing value of real replies, and of the doc's example, is a float rounded to 3 decimals."""
+    assert "rounded to 3 decimals (`round(ms, 3)`" in section("6")
+    _, _, _, example, _ = worked_example()
+    with daemon.client() as client:
+        timings = [client.infer_with_timing("tiny", {"x": np.ones((1, 16), np.float32)})[1] for _ in range(5)]
+    for timing in [example["timing"], *timings]:
+        assert set(timing) == set(TIMING_KEYS)
+        for key, value in timing.items():
+            assert isinstance(value, float) and round(value, 3) == value, (key, value)
+
+
+def test_error_table_is_the_error_code_enum() -> None:
+    """Section 8's table lists exactly the codes of protocol.constants.ErrorCode, in their order."""
+    rows = table_rows(section("8"), "| Code |")
+    assert [ticked(row[0])[0] for row in rows] == [code.value for code in ErrorCode]
+
+
+def test_descriptor_check_order_examples(daemon: Daemon) -> None:
+    """Each `inputs` example of section 5's check-order table gets the code the table gives it from a real daemon."""
+    rows = table_rows(section("5"), "| `inputs` | Reply |")
+    assert len(rows) >= 2
+    for row in rows:
+        inputs = json.loads(ticked(row[0])[0])
+        header = {"v": 1, "type": "infer", "id": 11, "model": "tiny", "inputs": inputs}
+        reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb(header)])
+        assert reply["type"] == "error" and reply["code"] == ticked(row[1])[0], (inputs, reply)
+        assert reply["id"] == 11
+
+
+def test_required_keys_missing_or_nil_get_the_documented_code(daemon: Daemon) -> None:
+    """Each key section 4 marks required, dropped or sent as nil, gets the code of its row (id nil for `id`)."""
+    rows = [row for row in table_rows(section("4"), "| Key | Required |") if row[0]]
+    required = {ticked(row[0])[0]: ticked(row[4])[0] for row in rows if row[1] == "yes"}
+    assert set(required) == {"v", "type", "id", "model", "inputs"}
+    base, header_bytes, tensor_bytes, _, _ = worked_example()
+    assert exchange(daemon.endpoint, [b"", header_bytes, tensor_bytes])[0]["type"] == "result"
+    for key, code in required.items():
+        for header in ({k: v for k, v in base.items() if k != key}, {**base, key: None}):
+            reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb(header), tensor_bytes])
+            assert reply["type"] == "error" and reply["code"] == code, (key, header, reply)
+            assert reply["id"] == (None if key == "id" else base["id"]), (key, reply)
+
+
+def test_status_document_keys_match_a_real_status(daemon: Daemon) -> None:
+    """The keys of section 9's status document are those of a real status: top level, sections, a model, a worker."""
+    block = code_block_after(section("9"), "Status document")
+    documented = doc_keys(block)
+    status = daemon.status()
+    model = status["models"]["tiny"]
+    assert documented[()] == set(status)
+    for part in ("cpu_latency", "config", "limits", "rollout", "endpoints", "thermal"):
+        assert documented[(part,)] == set(status[part]), part
+    assert documented[("models", "NAME")] == set(model)
+    assert documented[("models", "NAME", "workers")] - {"role"} == set(model["workers"][0])
+    assert status["limits"]["max_frame_bytes"] == MAX_FRAME_BYTES
+
+
+def test_state_and_health_values_are_the_code_s(daemon: Daemon) -> None:
+    """Section 9's state and health tables list exactly DaemonState and ModelHealth; a fully serving daemon is ready."""
+    text = section("9")
+    states = [ticked(row[0])[0] for row in table_rows(text, "| `state` | When |")]
+    healths = [ticked(row[0])[0] for row in table_rows(text, "| `health` | When |")]
+    assert set(states) == {s.value for s in DaemonState}
+    assert set(healths) == {h.value for h in ModelHealth}
+    block = code_block_after(text, "Status document")
+    for key, values in (("state", states), ("health", healths)):
+        listed = re.search(rf"\b{key}: (\S+)", block)
+        assert listed is not None and set(re.findall(r'"(\w+)"', listed.group(1))) == set(values), key
+    status = daemon.status()
+    assert status["state"] == "ready" and status["models"]["tiny"]["health"] == "serving"
+
+
+def test_client_refuses_an_input_over_a_known_frame_limit(daemon: Daemon) -> None:
+    """A client told the daemon's max_frame_bytes raises INVALID_INPUT for a larger input without sending it."""
+    limit = daemon.status()["limits"]["max_frame_bytes"]
+    over = np.zeros((limit // 64 + 1, 16), np.float32)
+    with Client(daemon.endpoint, max_frame_bytes=limit) as client:
+        with pytest.raises(InferenceError) as caught:
+            client.infer("tiny", {"x": over}, timeout=30)
+        assert caught.value.code is ErrorCode.INVALID_INPUT
+        assert f"over the daemon's max_frame_bytes of {limit}" in caught.value.message
+        assert client.infer("tiny", {"x": np.ones((limit // 64, 16), np.float32)})["y"].shape == (limit // 64, 16)
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="max_frame_bytes"):
+            Client(daemon.endpoint, max_frame_bytes=bad)
+
+
+class _Returns(torch.nn.Module):
+    """A model returning its input converted to one dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).to(self.dtype)
+
+
+def _runner(dtype: torch.dtype) -> ModelRunner:
+    return ModelRunner(_Returns(dtype), [TensorSpec("x", "float32", (1, 4))], ["y"])
+
+
+def test_output_widening_table_is_the_runner_s() -> None:
+    """Section 5's output dtype table names exactly the runner's exact widenings, and the runner keeps every value."""
+    rows = table_rows(section("5"), "| torch output dtype | sent as | exact |")
+    widened = {name: ticked(row[1])[0] for row in rows if row[2] == "yes" and ticked(row[1]) for name in ticked(row[0])}
+    available = {name: target for name, target in widened.items() if hasattr(torch, name)}
+    assert {getattr(torch, n): getattr(torch, t) for n, t in available.items()} == EXACT_WIDENING
+    x = torch.tensor([[1.0, 2.0, 5.0, 40.0]])
+    for source, target in EXACT_WIDENING.items():
+        ((name, array),) = _runner(source).forward({"x": x})
+        assert name == "y" and str(array.dtype) == str(target).removeprefix("torch.")
+        assert np.array_equal(array, (x * 3).to(source).to(target).numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint64], ids=str)
+def test_output_the_wire_cannot_carry_is_refused_as_documented(dtype: torch.dtype) -> None:
+    """An output of a dtype with no exact wire form is INTERNAL with section 5's message, not converted."""
+    documented = " ".join(section("5").split())
+    assert "A refused output makes the request fail with `INTERNAL`" in documented
+    template = re.search(r"the message `(output 'NAME' has dtype DTYPE, [^`]+)`", documented)
+    assert template is not None
+    head, tail = template.group(1).replace("NAME", "y").replace("DTYPE", str(dtype).removeprefix("torch.")).split("...")
+    with pytest.raises(ProtocolError) as caught:
+        _runner(dtype).forward({"x": torch.ones(1, 4)})
+    assert caught.value.code is ErrorCode.INTERNAL
+    assert caught.value.message.startswith(head) and caught.value.message.endswith(tail), caught.value.message
