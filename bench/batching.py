@@ -4,7 +4,8 @@
                              [--delay-us 0] [--max-batch 32] [--json out.json]
 
 Each pair starts a daemon without batching, measures every client count, stops it, then does the
-same with `batching` on, so both see the same machine within minutes. Both daemons serve the model
+same with `batching` on (the next pair in the other order), so both see the same machine within
+minutes. Both daemons serve the model
 the same way (workers, cores, profiles); only `batching` differs. Per row: req/s, p50, p99, and
 the mean batch size the daemon formed; the summary gives the median on/off ratio over the pairs.
 `resnet50` serves as configs/default.json configures it (its first start compiles packages into
@@ -187,7 +188,8 @@ def main() -> int:
     print(f"{'model':<9} {'clients':>7} {'batching':>8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>6}  pair")
     for model in args.models.split(","):
         for pair in range(args.pairs):
-            for policy in (None, batching):
+            # ABBA: whichever side runs second in a pair sees the machine a minute later; alternate it.
+            for policy in (None, batching) if pair % 2 == 0 else (batching, None):
                 for n, figures in run_daemon(model, policy, folder, clients, args.seconds, cache).items():
                     row = {"model": model, "clients": n, "batching": policy is not None, "pair": pair, **figures}
                     rows.append(row)

@@ -20,7 +20,7 @@ STAGE_MEANING = {
     "send": "client send -> broker accept",
     "queue": "waiting in the broker's queue",
     "dispatch": "broker -> worker receive (and its pipeline)",
-    "decode": "worker: checks, tensor views, reply header start",
+    "decode": "worker: checks and tensor views",
     "model": "worker: forward pass",
     "encode": "worker: output descriptors",
     "reply": "worker -> broker -> client receive",
