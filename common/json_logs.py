@@ -91,7 +91,9 @@ def configure_json_logs(stream: TextIO, level: int) -> None:
     structlog.configure(
         processors=[*_shared(), structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write per line (PrintLogger writes the newline separately): the supervisor and its workers share
+        # one output, and a long line written in two parts lets another process's line land inside it.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     root = logging.getLogger()
