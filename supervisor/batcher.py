@@ -57,6 +57,8 @@ def take(queue: collections.deque[PendingRequest], policy: BatchingConfig, now: 
     if not full and not at_preferred and now < deadline:
         return Decision([], deadline)
     chosen = _cut(members, [queue[i].rows for i in members], policy.preferred_batch_sizes)
+    if chosen[-1] == len(chosen) - 1:  # the usual case: the batch is the head of the line
+        return Decision([queue.popleft() for _ in chosen])
     batch = [queue[i] for i in chosen]
     taken = set(chosen)
     kept = [r for i, r in enumerate(queue) if i not in taken]

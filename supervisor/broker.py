@@ -229,13 +229,19 @@ class Broker:
         )
         self.next_id += 1
         self.ledger.take(client, cost)
-        if model.batching is not None:
-            # Through the queue even with a worker free: the batcher decides whether to wait for companions.
-            pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
-            self.enqueue_or_refuse(queue, pending)
-            self.dispatch(request.model)
-            return
         slot = self.pick_worker(request.model, spec)
+        if model.batching is not None:
+            pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
+            if slot is None or queue.waiting or model.batching.max_queue_delay_us:
+                # The batcher decides: join it to those in line, or let it wait for companions.
+                self.enqueue_or_refuse(queue, pending)
+                self.dispatch(request.model)
+            else:
+                # Alone in line, a worker free, no wait allowed: the batcher would send it alone at once.
+                self.send_batch(slot, [pending], now)
+                if queue.waiting:
+                    self.dispatch(request.model)  # that worker is gone; it went back in line for another
+            return
         if slot is not None and not queue.waiting:
             if not self.send_to_worker(slot, pending):
                 self.dispatch(request.model)  # that worker is gone; it went back in line for another
