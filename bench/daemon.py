@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.control import ControlError, control_request
+from supervisor.control import DaemonNotReady, await_status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,16 +42,13 @@ def start_daemon(
         stderr=subprocess.STDOUT,
         env=env,
     )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2)
-            workers = [w for m in status["models"].values() for w in m["workers"]]
-            if all(w["state"] == "serving" for w in workers):
-                return process
-        except ControlError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"daemon exited with {process.returncode}; see {log.name}")
-        time.sleep(0.1)
-    raise SystemExit("daemon not ready in 300 s")
+
+    def every_worker_serving(status: dict[str, Any]) -> bool | None:
+        workers = [w for m in status["models"].values() for w in m["workers"]]
+        return True if all(w["state"] == "serving" for w in workers) else None
+
+    try:
+        await_status(process, runtime_dir, every_worker_serving, 300, "not every worker serving")
+    except DaemonNotReady as exc:
+        raise SystemExit(f"{exc}; see {log.name}") from None
+    return process

@@ -5,7 +5,9 @@ dtypes, the other dims, and the spec that admitted them); each keeps its own id,
 and reply. A batch is taken from the head of the model's queue, oldest first, up to
 `max_batch_size` rows; with `preferred_batch_sizes` it is cut to the largest preferred size it
 reaches. When fewer rows wait than a full (or preferred) batch, the oldest request may wait up to
-`max_queue_delay_us` for companions; at 0 a batch goes as soon as a worker is free.
+`max_queue_delay_us` for companions; at 0 a batch goes as soon as a worker is free. While several
+workers of the model are idle, a batch takes at most its share of the line (the broker's `share`)
+and goes at once: a core left idle costs more than a batch made bigger.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ def joinable(a: PendingRequest, b: PendingRequest) -> bool:
     return a.spec is b.spec and a.shape_key == b.shape_key
 
 
-def take(queue: collections.deque[PendingRequest], policy: BatchingConfig, now: float) -> Decision:
+def take(
+    queue: collections.deque[PendingRequest], policy: BatchingConfig, now: float, share: int | None = None
+) -> Decision:
     """The batch to send from the head of `queue` (removed from it), or until when the head may still wait.
 
-    Requests that cannot join the head stay in line, in order, for a later batch.
+    Requests that cannot join the head stay in line, in order, for a later batch. `share` caps the
+    requests taken: a batch that reaches it is full, and goes at once.
     """
     head = queue[0]
     # A batch that killed its worker was split: its halves never grow back (the broker bisects them).
-    limit = min(head.batch_limit or MAX_BATCH_REQUESTS, MAX_BATCH_REQUESTS)
+    limit = min(head.batch_limit or MAX_BATCH_REQUESTS, MAX_BATCH_REQUESTS, share or MAX_BATCH_REQUESTS)
     members: list[int] = []
     rows = 0
     for index, request in enumerate(queue):

@@ -366,7 +366,7 @@ class Broker:
             if policy is not None:
                 now = time.monotonic()
                 self.batch_due.pop(model, None)
-                decision = batcher.take(queue.waiting, policy, now)
+                decision = batcher.take(queue.waiting, policy, now, self.share_of_line(model, len(queue.waiting)))
                 if decision.wait_until is not None:
                     self.batch_due[model] = decision.wait_until
                     return
@@ -378,6 +378,11 @@ class Broker:
                 continue
             # A worker found gone is no longer picked (its link is closed): the next one is tried.
             self.send_to_worker(slot, request)
+
+    def share_of_line(self, model: str, waiting: int) -> int | None:
+        """With several of the model's workers idle, the requests each may take: the line divided among them."""
+        idle = sum(1 for slot in self.members.get(model, ()) if slot.can_take(1))
+        return -(-waiting // idle) if idle > 1 else None
 
     def dispatch_due(self, now: float) -> None:
         """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""

@@ -6,9 +6,11 @@ import errno
 import os
 import pwd
 import socket as unix_socket
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import structlog
@@ -23,6 +25,7 @@ from supervisor.socket_group import SocketGroup, bind_ipc
 log = structlog.get_logger("supervisor")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+Found = TypeVar("Found")
 
 #: Commands answered per loop turn: a flood of them must not hold the loop that routes requests.
 _BATCH = 16
@@ -215,3 +218,32 @@ def model_status(runtime_dir: Path, model: str) -> dict[str, Any]:
         raise ControlError(f"no model {model!r}; serving {sorted(models)}")
     entry: dict[str, Any] = models[model]
     return entry
+
+
+class DaemonNotReady(ControlError):
+    """A daemon this process started exited, or did not reach the awaited state in time."""
+
+
+def await_status(
+    process: subprocess.Popen[bytes],
+    runtime_dir: Path,
+    found: Callable[[dict[str, Any]], Found | None],
+    timeout: float,
+    awaited: str,
+) -> Found:
+    """Poll the status of a daemon this process started until `found` returns something, and return that.
+
+    DaemonNotReady when the daemon exits first or `timeout` seconds pass (`awaited` says what was waited for).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise DaemonNotReady(f"the daemon exited with {process.returncode}")
+        try:
+            result = found(control_request(runtime_dir, {"cmd": "status"}, timeout=2.0))
+        except ControlError:  # not listening yet, or busy starting
+            result = None
+        if result is not None:
+            return result
+        time.sleep(0.05)
+    raise DaemonNotReady(f"{awaited} within {timeout:.0f} s")

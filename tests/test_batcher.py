@@ -67,3 +67,11 @@ def test_a_split_batchs_half_never_grows_back() -> None:
     queue = _queue(*[WIDE] * 6)
     queue[0].batch_limit = 2
     assert [r.internal_id for r in take(queue, _policy(), now=1.0).batch] == [0, 1]
+
+
+def test_a_share_caps_the_batch_and_a_batch_at_its_share_goes_without_waiting() -> None:
+    """With a share of 3 (several idle workers), three go at once despite the delay; the rest wait for the next."""
+    queue = _queue(*[WIDE] * 5)
+    decision = take(queue, _policy(delay_us=10_000_000), now=0.01, share=3)
+    assert [r.internal_id for r in decision.batch] == [0, 1, 2] and decision.wait_until is None
+    assert [r.internal_id for r in queue] == [3, 4]

@@ -58,11 +58,12 @@ class BrokenLinks:
 
 
 class Rig:
-    """A broker with two serving slots whose far link ends the test holds, and a DEALER client."""
+    """A broker with serving slots (two unless told) whose far link ends the test holds, and a DEALER client."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, workers: int = 2, batching: dict[str, Any] | None = None) -> None:
         model = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
-        config = parse_config(json.dumps({"models": {"tiny": {**model, "workers": 2, "prefetch": 1}}}), tmp)
+        entry = {**model, "workers": workers, "prefetch": 1, "batching": batching}
+        config = parse_config(json.dumps({"models": {"tiny": entry}}), tmp)
         self.context: zmq.Context[Any] = zmq.Context()
         self.loop = EventLoop()
         anomalies = Anomalies()
@@ -72,7 +73,7 @@ class Rig:
         self.broker = Broker(self.endpoints, self.loop, self.links, ServingConfig(config), self.events, anomalies)
         self.slots: list[WorkerSlot] = []
         self.workers: list[Link] = []
-        for index in range(2):
+        for index in range(workers):
             slot = WorkerSlot(config.models["tiny"], Assignment("tiny", index, (index,), 0, 1, False))
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             slot.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
@@ -162,3 +163,17 @@ def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig
     assert rig.slots[other].inflight and not rig.slots[first].inflight
     assert not rig.broker.queues["tiny"].waiting
     assert rig.events.broken == [(rig.slots[first].name, "worker link closed")], "reported, not acted on"
+
+
+def test_with_two_idle_workers_batches_split_the_line_and_do_not_wait_for_companions(tmp_path: Path) -> None:
+    """A 10 s batching delay, both workers idle: one request goes at once; with one busy, the next two wait."""
+    rig = Rig(tmp_path, workers=2, batching={"max_batch_size": 8, "max_queue_delay_us": 10_000_000})
+    try:
+        rig.send_request(1)
+        busy = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+        assert rig.request_at(busy).request_id > 0, "sent alone at once: an idle worker beats a bigger batch"
+        rig.send_request(2)  # one worker idle now: the only idle one, so it waits for companions
+        assert len(rig.broker.queues["tiny"].waiting) == 1 and not rig.slots[1 - busy].inflight
+        assert rig.broker.next_batch_due is not None
+    finally:
+        rig.close()

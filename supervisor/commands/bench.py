@@ -28,7 +28,7 @@ from supervisor.cache_dir import resolve_cache_dir
 from supervisor.commands.infer import random_inputs
 from supervisor.config import ConfigError, load_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
-from supervisor.control import ControlError, control_request
+from supervisor.control import DaemonNotReady, await_status, control_request
 from supervisor.status import percentile
 from supervisor.toolkit.models import Measured, UnknownModel, resolve
 
@@ -59,20 +59,13 @@ def _serving(
     process: subprocess.Popen[bytes], runtime_dir: Path, old_pid: int | None, timeout: float
 ) -> dict[str, Any]:
     """The one worker once it serves (a different process than old_pid)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {process.returncode}")
-        try:
-            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2.0)
-        except ControlError:
-            status = None
-        workers = [w for m in (status or {}).get("models", {}).values() for w in m["workers"]]
+
+    def new_worker(status: dict[str, Any]) -> dict[str, Any] | None:
+        workers = [w for m in status.get("models", {}).values() for w in m["workers"]]
         ready = [w for w in workers if w["state"] == "serving" and w["pid"] != old_pid]
-        if ready:
-            return dict(ready[0])
-        time.sleep(0.05)
-    raise RuntimeError(f"no serving worker within {timeout:.0f} s")
+        return dict(ready[0]) if ready else None
+
+    return await_status(process, runtime_dir, new_worker, timeout, "no serving worker")
 
 
 def through_daemon(
@@ -211,7 +204,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 if args.daemon:
                     try:
                         row.update(through_daemon(target, row["profile"], threads, args, cache_dir))
-                    except RuntimeError as exc:  # one profile the daemon could not serve is a note, not the end
+                    except (RuntimeError, DaemonNotReady) as exc:  # a profile the daemon could not serve is a note
                         row["daemon_error"] = str(exc)[:300]
                         print(f"{target.name} {row['profile']}: daemon: {exc}", file=sys.stderr, flush=True)
                 rows.append(row)

@@ -14,14 +14,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from protocol.constants import CLIENT_SOCKET_NAME
 from supervisor.commands.infer import random_inputs
-from supervisor.control import ControlError, control_request
+from supervisor.control import DaemonNotReady, await_status
 from supervisor.toolkit.load import closed_loop, paced_load
 from supervisor.toolkit.probe import quantile
 
@@ -49,19 +48,17 @@ class DaemonCheck:
 
 def _wait_serving(process: subprocess.Popen[bytes], runtime_dir: Path, model: str, timeout: float) -> list[str]:
     """The profiles of the model's workers once every one of them serves."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise CheckFailed(f"the daemon exited with {process.returncode}")
-        try:
-            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2.0)
-        except ControlError:
-            status = None
-        workers = (status or {}).get("models", {}).get(model, {}).get("workers", [])
+
+    def profiles(status: dict[str, Any]) -> list[str] | None:
+        workers = status.get("models", {}).get(model, {}).get("workers", [])
         if workers and all(w["state"] == "serving" for w in workers):
             return [str(w["profile"]) for w in workers]
-        time.sleep(0.1)
-    raise CheckFailed(f"{model} was not served by every worker within {timeout:.0f} s")
+        return None
+
+    try:
+        return await_status(process, runtime_dir, profiles, timeout, f"{model} was not served by every worker")
+    except DaemonNotReady as exc:
+        raise CheckFailed(str(exc)) from None
 
 
 def serving_config(raw: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
