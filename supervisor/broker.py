@@ -229,10 +229,12 @@ class Broker:
         )
         self.next_id += 1
         self.ledger.take(client, cost)
-        slot = self.pick_worker(request.model, spec)
+        # Straight to a worker only when nothing waits before it and (batching) it may not wait for companions.
+        may_wait = model.batching is not None and model.batching.max_queue_delay_us > 0
+        slot = None if queue.waiting or may_wait else self.pick_worker(request.model, spec)
         if model.batching is not None:
             pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
-            if slot is None or queue.waiting or model.batching.max_queue_delay_us:
+            if slot is None:
                 # The batcher decides: join it to those in line, or let it wait for companions.
                 self.enqueue_or_refuse(queue, pending)
                 self.dispatch(request.model)
@@ -242,7 +244,7 @@ class Broker:
                 if queue.waiting:
                     self.dispatch(request.model)  # that worker is gone; it went back in line for another
             return
-        if slot is not None and not queue.waiting:
+        if slot is not None:
             if not self.send_to_worker(slot, pending):
                 self.dispatch(request.model)  # that worker is gone; it went back in line for another
         else:
