@@ -1,15 +1,16 @@
-"""Dynamic batching against none: 1, 8 and 32 client processes per model, the two daemons in alternating runs.
+"""Dynamic batching against none: 1, 8 and 32 client processes per model, two live daemons in alternating runs.
 
-    python bench/batching.py [--models tiny,encoder,resnet50] [--clients 1,8,32] [--seconds 8] [--pairs 2]
-                             [--delay-us 0] [--max-batch 32] [--json out.json]
+    python bench/batching.py [--models tiny,encoder,resnet50] [--clients 1,8,32] [--seconds 5]
+                             [--pairs 1] [--rounds 3] [--delay-us 0 | MODEL=D,...] [--max-batch 32]
+                             [--set MODEL.KEY=JSON ...] [--json out.json]
 
-Each pair starts a daemon without batching, measures every client count, stops it, then does the
-same with `batching` on (the next pair in the other order), so both see the same machine within
-minutes. Both daemons serve the model
-the same way (workers, cores, profiles); only `batching` differs. Per row: req/s, p50, p99, and
-the mean batch size the daemon formed; the summary gives the median on/off ratio over the pairs.
-`resnet50` serves as configs/default.json configures it (its first start compiles packages into
-the cache directory, which later starts load).
+Each pair starts two daemons of the model, one without batching and one with it, which serve it
+the same way (workers, cores, profiles; `--set` changes both); only `batching` differs. Both stay
+up while every round measures each client count on one and then the other, in alternating order,
+so each on/off ratio compares two runs seconds apart on the same two daemons. Per row: req/s,
+p50, p99, and the mean batch size the daemon formed; the summary gives the median on/off ratio
+over the rounds with its range. `resnet50` serves as configs/default.json configures it (its first
+start compiles packages into the cache directory, which later starts load).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,8 +113,22 @@ def _batch_sizes(runtime_dir: Path, model: str) -> dict[str, int]:
     return sizes
 
 
-def measure(runtime_dir: Path, model: str, clients: int, seconds: float) -> dict[str, Any]:
-    """req/s, p50, p99 and the mean batch size of `clients` client processes for `seconds`."""
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process, all its threads, and its child processes (the workers), so far."""
+    total = 0.0
+    children: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+            children += [int(c) for c in (task / "children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0  # it exited between the listing and the read
+    return total / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(child) for child in children)
+
+
+def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_pid: int) -> dict[str, Any]:
+    """req/s, p50, p99, the mean batch size, and the daemon's CPU per request of `clients` client processes."""
     before = _batch_sizes(runtime_dir, model)
     ctx = multiprocessing.get_context("spawn")
     endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
@@ -125,6 +142,7 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float) -> dict
     for pipe in pipes:  # every client started and warm: however long spawning took, they all start together
         pipe.recv()
     start_at = time.time() + 0.5
+    cpu_before = cpu_seconds(daemon_pid)
     for pipe in pipes:
         pipe.send(start_at)
     latencies: list[float] = []
@@ -133,6 +151,7 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float) -> dict
         got, errs = pipe.recv()
         latencies.extend(got)
         errors += errs
+    cpu_used = cpu_seconds(daemon_pid) - cpu_before
     for proc in procs:
         proc.join(30)
     after = _batch_sizes(runtime_dir, model)
@@ -144,64 +163,117 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float) -> dict
         "p99_ms": percentile(latencies, 99),
         "errors": errors,
         "mean_batch": round(sum(k * v for k, v in batches.items()) / formed, 2) if formed else None,
+        # Supervisor and workers together: what a request costs the daemon, steadier than req/s on a shared box.
+        "cpu_us": round(cpu_used * 1e6 / len(latencies), 1) if latencies else None,
     }
 
 
-def run_daemon(model: str, batching: dict[str, Any] | None, folder: Path, clients: list[int], seconds: float,
-               cache: Path) -> dict[int, dict[str, Any]]:  # fmt: skip
-    """Start one daemon (with or without batching), measure every client count, stop it."""
-    entry = {**MODELS[model][1], "batching": batching}
-    config = {"log_level": "warning", "cache_dir": str(cache), "models": {model: entry}}
+def start_side(model: str, entry: dict[str, Any], batching: dict[str, Any] | None, folder: Path,
+               cache: Path) -> tuple[subprocess.Popen[bytes], Path]:  # fmt: skip
+    """Start one daemon of `model` (with or without batching) and wait until it serves."""
+    config = {"log_level": "warning", "cache_dir": str(cache), "models": {model: {**entry, "batching": batching}}}
     runtime_dir = folder / f"{model}-{'on' if batching else 'off'}-{time.monotonic_ns()}"
-    daemon = start_daemon(config, runtime_dir)
-    try:
-        return {n: measure(runtime_dir, model, n, seconds) for n in clients}
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
+    return start_daemon(config, runtime_dir), runtime_dir
 
 
-def ratio(rows: list[dict[str, Any]], key: str) -> float | None:
-    """Median over the pairs of `key` with batching on over off (rows of one model and client count)."""
-    offs = [r for r in rows if not r["batching"]]
-    ons = [r for r in rows if r["batching"]]
-    pairs = [(on[key], off[key]) for off, on in zip(offs, ons, strict=True) if on[key] and off[key]]
-    return round(statistics.median(a / b for a, b in pairs), 3) if pairs else None
+def ratio(rows: list[dict[str, Any]], key: str) -> tuple[float, float, float] | None:
+    """Median, lowest and highest over the rounds of `key` with batching on over off (one model and client count)."""
+    offs = {(r["pair"], r["round"]): r[key] for r in rows if not r["batching"]}
+    ratios = [
+        r[key] / offs[(r["pair"], r["round"])]
+        for r in rows
+        if r["batching"] and r[key] and offs.get((r["pair"], r["round"]))
+    ]
+    return (round(statistics.median(ratios), 3), round(min(ratios), 3), round(max(ratios), 3)) if ratios else None
+
+
+def per_model(text: str, models: list[str]) -> dict[str, int]:
+    """`2000` (every model) or `encoder=2000,tiny=0` (the rest 0) as a value per model."""
+    if "=" not in text:
+        return dict.fromkeys(models, int(text))
+    given = {name: int(value) for name, value in (item.split("=", 1) for item in text.split(","))}
+    return {model: given.get(model, 0) for model in models}
+
+
+def entry_of(model: str, sets: list[str]) -> dict[str, Any]:
+    """The model's config entry without batching, with `--set MODEL.KEY=JSON` overrides (both sides get them)."""
+    entry = dict(MODELS[model][1])
+    for item in sets:
+        target, value = item.split("=", 1)
+        name, key = target.split(".", 1)
+        if name == model:
+            entry[key] = json.loads(value)
+    return entry
+
+
+def print_row(row: dict[str, Any]) -> None:
+    """One measurement as a line of the table."""
+    print(
+        f"{row['model']:<9} {row['clients']:>7} {'on' if row['batching'] else 'off':>8} {row['req_s']:>9.1f} "
+        f"{row['p50_ms'] or 0:>9.2f} {row['p99_ms'] or 0:>9.2f} {row['mean_batch'] or '-':>6} "
+        f"{row['cpu_us'] or 0:>7.0f}  {row['pair']}.{row['round']}",
+        flush=True,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,encoder,resnet50")
     parser.add_argument("--clients", default="1,8,32")
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--pairs", type=int, default=2, help="off/on runs alternated per model")
-    parser.add_argument("--delay-us", type=int, default=0, help="max_queue_delay_us of the batching daemon")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--pairs", type=int, default=1, help="off/on daemon pairs started per model")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating measurements per pair and client count")
+    parser.add_argument("--delay-us", default="0", help="max_queue_delay_us of the batching daemon: D, or MODEL=D,...")
     parser.add_argument("--max-batch", type=int, default=32, help="max_batch_size (rows) of the batching daemon")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=JSON",
+                        help="override a key of a model's entry on both sides, e.g. encoder.workers=1")  # fmt: skip
+    parser.add_argument("--control", action="store_true", help="A/A: the 'on' daemon runs without batching too")
     parser.add_argument("--cache-dir", help="compiled packages (default: a folder kept under the temp dir)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
+    models = args.models.split(",")
     clients = [int(c) for c in args.clients.split(",")]
-    batching = {"max_batch_size": args.max_batch, "max_queue_delay_us": args.delay_us}
+    delays = per_model(args.delay_us, models)
     folder = Path(tempfile.mkdtemp(prefix="infervisor-batching-"))
     cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.gettempdir()) / "infervisor-bench-cache"
     rows: list[dict[str, Any]] = []
-    print(f"{'model':<9} {'clients':>7} {'batching':>8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>6}  pair")
-    for model in args.models.split(","):
+    print(f"{'model':<9} {'clients':>7} {'batching':>8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>6}", end="")
+    print(f" {'cpu us':>7}  round")
+    for model in models:
+        entry = entry_of(model, args.set)
+        batching = {"max_batch_size": args.max_batch, "max_queue_delay_us": delays[model]}
         for pair in range(args.pairs):
-            # ABBA: whichever side runs second in a pair sees the machine a minute later; alternate it.
-            for policy in (None, batching) if pair % 2 == 0 else (batching, None):
-                for n, figures in run_daemon(model, policy, folder, clients, args.seconds, cache).items():
-                    row = {"model": model, "clients": n, "batching": policy is not None, "pair": pair, **figures}
-                    rows.append(row)
-                    print(f"{model:<9} {n:>7} {'on' if policy else 'off':>8} {figures['req_s']:>9.1f} "
-                          f"{figures['p50_ms'] or 0:>9.2f} {figures['p99_ms'] or 0:>9.2f} "
-                          f"{figures['mean_batch'] or '-':>6}  {pair}", flush=True)  # fmt: skip
-    print("\nmedian on/off over the pairs (req/s: >1 is a gain; p50: <1 is a gain)")
-    for model in args.models.split(","):
+            # Both daemons stay up for the whole pair, and each round runs them back to back in
+            # alternating order: a ratio then compares two runs seconds apart, not two daemon starts.
+            sides = {False: start_side(model, entry, None, folder, cache)}
+            try:
+                sides[True] = start_side(model, entry, None if args.control else batching, folder, cache)
+                for round_ in range(args.rounds):
+                    for n in clients:
+                        order = (False, True) if (pair + round_ + n) % 2 == 0 else (True, False)
+                        for on in order:
+                            figures = measure(sides[on][1], model, n, args.seconds, sides[on][0].pid)
+                            row = {
+                                "model": model,
+                                "clients": n,
+                                "batching": on,
+                                "pair": pair,
+                                "round": round_,
+                                **figures,
+                            }
+                            rows.append(row)
+                            print_row(row)
+            finally:
+                for daemon, _ in sides.values():
+                    daemon.terminate()
+                for daemon, _ in sides.values():
+                    daemon.wait(60)
+    print("\non/off over the rounds: median (lowest-highest); req/s >1 is a gain; p50, p99 and cpu <1 are")
+    for model in models:
         for n in clients:
             same = [r for r in rows if r["model"] == model and r["clients"] == n]
-            ratios = {key: ratio(same, key) for key in ("req_s", "p50_ms", "p99_ms")}
-            text = "  ".join(f"{key} x{value}" for key, value in ratios.items())
+            ratios = {key: ratio(same, key) for key in ("req_s", "p50_ms", "p99_ms", "cpu_us")}
+            text = "  ".join(f"{key} x{v[0]} ({v[1]}-{v[2]})" for key, v in ratios.items() if v)
             print(f"{model:<9} {n:>3} clients: {text}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

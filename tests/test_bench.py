@@ -35,6 +35,19 @@ def test_cold_path_prints_every_step_after_the_forward_pass_and_warm() -> None:
     assert all(row.endswith("x") for row in rows)
 
 
+def test_batching_bench_alternates_two_live_daemons_and_sums_their_cpu(tmp_path: Path) -> None:
+    """bench/batching.py on tiny, 2 rounds: each round measures both daemons, in turn, with their CPU and batches."""
+    out = _bench(
+        "bench/batching.py", "--models", "tiny", "--clients", "2", "--rounds", "2", "--seconds", "0.5",
+        "--json", str(tmp_path / "rows.json"),
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["round"], r["batching"]) for r in rows] == [(0, False), (0, True), (1, True), (1, False)]
+    assert all(r["req_s"] > 0 and r["cpu_us"] > 0 and r["errors"] == 0 for r in rows)
+    assert all((r["mean_batch"] is not None) == r["batching"] for r in rows)
+    assert "tiny        2 clients: req_s x" in out and "cpu_us x" in out
+
+
 def test_link_bench_times_both_paths() -> None:
     """bench/link.py with a 600 KB payload: a row for ZeroMQ, a row for the link, and their ratio."""
     out = _bench("bench/link.py", "--count", "20", "--size", "602112")
