@@ -2,15 +2,17 @@
 
     python bench/batching.py [--models tiny,encoder,resnet50] [--clients 1,8,32] [--seconds 5]
                              [--pairs 1] [--rounds 3] [--delay-us 0 | MODEL=D,...] [--max-batch 32]
-                             [--set MODEL.KEY=JSON ...] [--json out.json]
+                             [--set MODEL.KEY=JSON ...] [--control] [--json out.json]
 
 Each pair starts two daemons of the model, one without batching and one with it, which serve it
 the same way (workers, cores, profiles; `--set` changes both); only `batching` differs. Both stay
 up while every round measures each client count on one and then the other, in alternating order,
 so each on/off ratio compares two runs seconds apart on the same two daemons. Per row: req/s,
-p50, p99, and the mean batch size the daemon formed; the summary gives the median on/off ratio
-over the rounds with its range. `resnet50` serves as configs/default.json configures it (its first
-start compiles packages into the cache directory, which later starts load).
+p50, p99, the mean batch size the daemon formed, and the CPU time per request of the daemon
+(supervisor and workers) and of the clients; the summary gives the median on/off ratio over the
+rounds with its range. `--control` runs both daemons without batching: its ratios are the noise.
+`resnet50` serves as configs/default.json configures it (its first start compiles packages into
+the cache directory, which later starts load).
 """
 
 from __future__ import annotations
@@ -97,14 +99,16 @@ def client(endpoint: str, model: str, seconds: float, pipe: Any) -> None:
     start_at = pipe.recv()
     while time.time() < start_at:
         time.sleep(0.001)
+    cpu_started = time.process_time()
     while time.time() < start_at + seconds:
         started = time.perf_counter()
         if call():
             latencies.append((time.perf_counter() - started) * 1000.0)
         else:
             errors += 1
+    cpu_used = time.process_time() - cpu_started
     socket.close()
-    pipe.send((latencies, errors))
+    pipe.send((latencies, errors, cpu_used))
 
 
 def _batch_sizes(runtime_dir: Path, model: str) -> dict[str, int]:
@@ -113,18 +117,18 @@ def _batch_sizes(runtime_dir: Path, model: str) -> dict[str, int]:
     return sizes
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of a process, all its threads, and its child processes (the workers), so far."""
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """CPU time (user + system) of a process and all its threads so far, with its child processes' (the workers)."""
     total = 0.0
-    children: list[int] = []
+    kids: list[int] = []
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])
-            children += [int(c) for c in (task / "children").read_text().split()]
+            kids += [int(c) for c in (task / "children").read_text().split()] if children else []
     except (FileNotFoundError, ProcessLookupError):
         return 0.0  # it exited between the listing and the read
-    return total / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(child) for child in children)
+    return total / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(kid) for kid in kids)
 
 
 def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_pid: int) -> dict[str, Any]:
@@ -142,16 +146,19 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_
     for pipe in pipes:  # every client started and warm: however long spawning took, they all start together
         pipe.recv()
     start_at = time.time() + 0.5
-    cpu_before = cpu_seconds(daemon_pid)
+    cpu_before, supervisor_before = cpu_seconds(daemon_pid), cpu_seconds(daemon_pid, children=False)
     for pipe in pipes:
         pipe.send(start_at)
     latencies: list[float] = []
     errors = 0
+    clients_cpu = 0.0
     for pipe in pipes:
-        got, errs = pipe.recv()
+        got, errs, cpu = pipe.recv()
         latencies.extend(got)
         errors += errs
+        clients_cpu += cpu
     cpu_used = cpu_seconds(daemon_pid) - cpu_before
+    supervisor_used = cpu_seconds(daemon_pid, children=False) - supervisor_before
     for proc in procs:
         proc.join(30)
     after = _batch_sizes(runtime_dir, model)
@@ -165,6 +172,10 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_
         "mean_batch": round(sum(k * v for k, v in batches.items()) / formed, 2) if formed else None,
         # Supervisor and workers together: what a request costs the daemon, steadier than req/s on a shared box.
         "cpu_us": round(cpu_used * 1e6 / len(latencies), 1) if latencies else None,
+        # The clients' own: with the daemon's, what bounds req/s once clients and daemon fill the box's cores.
+        "supervisor_cpu_us": round(supervisor_used * 1e6 / len(latencies), 1) if latencies else None,
+        "client_cpu_us": round(clients_cpu * 1e6 / len(latencies), 1) if latencies else None,
+        "total_cpu_us": round((cpu_used + clients_cpu) * 1e6 / len(latencies), 1) if latencies else None,
     }
 
 
@@ -206,12 +217,17 @@ def entry_of(model: str, sets: list[str]) -> dict[str, Any]:
     return entry
 
 
+#: The figures whose on/off ratios the summary gives.
+SUMMARY_KEYS = ("req_s", "p50_ms", "p99_ms", "cpu_us", "supervisor_cpu_us", "total_cpu_us")
+
+
 def print_row(row: dict[str, Any]) -> None:
     """One measurement as a line of the table."""
     print(
         f"{row['model']:<9} {row['clients']:>7} {'on' if row['batching'] else 'off':>8} {row['req_s']:>9.1f} "
         f"{row['p50_ms'] or 0:>9.2f} {row['p99_ms'] or 0:>9.2f} {row['mean_batch'] or '-':>6} "
-        f"{row['cpu_us'] or 0:>7.0f}  {row['pair']}.{row['round']}",
+        f"{row['cpu_us'] or 0:>9.0f} {row['supervisor_cpu_us'] or 0:>9.0f} {row['client_cpu_us'] or 0:>9.0f}  "
+        f"{row['pair']}.{row['round']}",
         flush=True,
     )
 
@@ -238,7 +254,7 @@ def main() -> int:
     cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.gettempdir()) / "infervisor-bench-cache"
     rows: list[dict[str, Any]] = []
     print(f"{'model':<9} {'clients':>7} {'batching':>8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>6}", end="")
-    print(f" {'cpu us':>7}  round")
+    print(f" {'daemon us':>9} {'of it sup':>9} {'client us':>9}  round")
     for model in models:
         entry = entry_of(model, args.set)
         batching = {"max_batch_size": args.max_batch, "max_queue_delay_us": delays[model]}
@@ -269,10 +285,11 @@ def main() -> int:
                 for daemon, _ in sides.values():
                     daemon.wait(60)
     print("\non/off over the rounds: median (lowest-highest); req/s >1 is a gain; p50, p99 and cpu <1 are")
+    print("(cpu_us: the daemon's CPU per request; total_cpu_us: with the clients', which bounds req/s on a full box)")
     for model in models:
         for n in clients:
             same = [r for r in rows if r["model"] == model and r["clients"] == n]
-            ratios = {key: ratio(same, key) for key in ("req_s", "p50_ms", "p99_ms", "cpu_us")}
+            ratios = {key: ratio(same, key) for key in SUMMARY_KEYS}
             text = "  ".join(f"{key} x{v[0]} ({v[1]}-{v[2]})" for key, v in ratios.items() if v)
             print(f"{model:<9} {n:>3} clients: {text}")
     if args.json:

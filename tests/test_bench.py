@@ -43,7 +43,7 @@ def test_batching_bench_alternates_two_live_daemons_and_sums_their_cpu(tmp_path:
     )  # fmt: skip
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["round"], r["batching"]) for r in rows] == [(0, False), (0, True), (1, True), (1, False)]
-    assert all(r["req_s"] > 0 and r["cpu_us"] > 0 and r["errors"] == 0 for r in rows)
+    assert all(r["req_s"] > 0 and r["cpu_us"] > 0 and r["client_cpu_us"] > 0 and r["errors"] == 0 for r in rows)
     assert all((r["mean_batch"] is not None) == r["batching"] for r in rows)
     assert "tiny        2 clients: req_s x" in out and "cpu_us x" in out
 
