@@ -163,6 +163,10 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_
         proc.join(30)
     after = _batch_sizes(runtime_dir, model)
     batches = {int(k): after.get(k, 0) - before.get(k, 0) for k in after}
+
+    def per_request(cpu: float) -> float | None:
+        return round(cpu * 1e6 / len(latencies), 1) if latencies else None
+
     formed = sum(batches.values())
     return {
         "req_s": round(len(latencies) / seconds, 1),
@@ -170,12 +174,12 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_
         "p99_ms": percentile(latencies, 99),
         "errors": errors,
         "mean_batch": round(sum(k * v for k, v in batches.items()) / formed, 2) if formed else None,
-        # Supervisor and workers together: what a request costs the daemon, steadier than req/s on a shared box.
-        "cpu_us": round(cpu_used * 1e6 / len(latencies), 1) if latencies else None,
+        # Supervisor and workers together: what a request costs the daemon.
+        "cpu_us": per_request(cpu_used),
+        "supervisor_cpu_us": per_request(supervisor_used),
         # The clients' own: with the daemon's, what bounds req/s once clients and daemon fill the box's cores.
-        "supervisor_cpu_us": round(supervisor_used * 1e6 / len(latencies), 1) if latencies else None,
-        "client_cpu_us": round(clients_cpu * 1e6 / len(latencies), 1) if latencies else None,
-        "total_cpu_us": round((cpu_used + clients_cpu) * 1e6 / len(latencies), 1) if latencies else None,
+        "client_cpu_us": per_request(clients_cpu),
+        "total_cpu_us": per_request(cpu_used + clients_cpu),
     }
 
 
