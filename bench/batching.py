@@ -2,7 +2,7 @@
 
     python bench/batching.py [--models tiny,encoder,resnet50] [--clients 1,8,32] [--seconds 5]
                              [--pairs 1] [--rounds 3] [--delay-us 0 | MODEL=D,...] [--max-batch 32]
-                             [--set MODEL.KEY=JSON ...] [--control] [--json out.json]
+                             [--set MODEL.KEY=JSON ...] [--set-on MODEL.KEY=JSON ...] [--control] [--json out.json]
 
 Each pair starts two daemons of the model, one without batching and one with it, which serve it
 the same way (workers, cores, profiles; `--set` changes both); only `batching` differs. Both stay
@@ -133,7 +133,6 @@ def cpu_seconds(pid: int, children: bool = True) -> float:
 
 def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_pid: int) -> dict[str, Any]:
     """req/s, p50, p99, the mean batch size, and the daemon's CPU per request of `clients` client processes."""
-    before = _batch_sizes(runtime_dir, model)
     ctx = multiprocessing.get_context("spawn")
     endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
     pipes, procs = [], []
@@ -145,6 +144,7 @@ def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_
         procs.append(proc)
     for pipe in pipes:  # every client started and warm: however long spawning took, they all start together
         pipe.recv()
+    before = _batch_sizes(runtime_dir, model)  # after the clients' warm-up calls, which go one at a time
     start_at = time.time() + 0.5
     cpu_before, supervisor_before = cpu_seconds(daemon_pid), cpu_seconds(daemon_pid, children=False)
     for pipe in pipes:
@@ -210,9 +210,9 @@ def per_model(text: str, models: list[str]) -> dict[str, int]:
     return {model: given.get(model, 0) for model in models}
 
 
-def entry_of(model: str, sets: list[str]) -> dict[str, Any]:
-    """The model's config entry without batching, with `--set MODEL.KEY=JSON` overrides (both sides get them)."""
-    entry = dict(MODELS[model][1])
+def entry_of(model: str, sets: list[str], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The model's config entry (`base`, else without batching) with the `MODEL.KEY=JSON` overrides of `sets`."""
+    entry = dict(MODELS[model][1] if base is None else base)
     for item in sets:
         target, value = item.split("=", 1)
         name, key = target.split(".", 1)
@@ -247,6 +247,8 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=32, help="max_batch_size (rows) of the batching daemon")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=JSON",
                         help="override a key of a model's entry on both sides, e.g. encoder.workers=1")  # fmt: skip
+    parser.add_argument("--set-on", action="append", default=[], metavar="MODEL.KEY=JSON",
+                        help="as --set, for the batching daemon only, e.g. tiny.prefetch=2")  # fmt: skip
     parser.add_argument("--control", action="store_true", help="A/A: the 'on' daemon runs without batching too")
     parser.add_argument("--cache-dir", help="compiled packages (default: a folder kept under the temp dir)")
     parser.add_argument("--json", help="also write the rows here")
@@ -261,13 +263,14 @@ def main() -> int:
     print(f" {'daemon us':>9} {'of it sup':>9} {'client us':>9}  round")
     for model in models:
         entry = entry_of(model, args.set)
+        entry_on = entry_of(model, args.set_on, entry)
         batching = {"max_batch_size": args.max_batch, "max_queue_delay_us": delays[model]}
         for pair in range(args.pairs):
             # Both daemons stay up for the whole pair, and each round runs them back to back in
             # alternating order: a ratio then compares two runs seconds apart, not two daemon starts.
             sides = {False: start_side(model, entry, None, folder, cache)}
             try:
-                sides[True] = start_side(model, entry, None if args.control else batching, folder, cache)
+                sides[True] = start_side(model, entry_on, None if args.control else batching, folder, cache)
                 for round_ in range(args.rounds):
                     for n in clients:
                         order = (False, True) if (pair + round_ + n) % 2 == 0 else (True, False)

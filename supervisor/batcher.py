@@ -5,9 +5,10 @@ dtypes, the other dims, and the spec that admitted them); each keeps its own id,
 and reply. A batch is taken from the head of the model's queue, oldest first, up to
 `max_batch_size` rows; with `preferred_batch_sizes` it is cut to the largest preferred size it
 reaches. When fewer rows wait than a full (or preferred) batch, the oldest request may wait up to
-`max_queue_delay_us` for companions; at 0 a batch goes as soon as a worker is free. While several
-workers of the model are idle, a batch takes at most its share of the line (the broker's `share`)
-and goes at once: a core left idle costs more than a batch made bigger.
+`max_queue_delay_us` for companions; at 0 a batch goes as soon as a worker is free. A batch takes
+at most its share of the line (the broker's `share`: the line divided among idle workers, or a
+long line's fair share among all of them) and goes at once when it reaches it: a core left idle
+costs more than a batch made bigger.
 """
 
 from __future__ import annotations

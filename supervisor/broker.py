@@ -382,9 +382,24 @@ class Broker:
             self.send_to_worker(slot, request)
 
     def share_of_line(self, model: str, waiting: int) -> int | None:
-        """With several of the model's workers idle, the requests each may take: the line divided among them."""
-        idle = sum(1 for slot in self.members.get(model, ()) if slot.can_take(1))
-        return -(-waiting // idle) if idle > 1 else None
+        """The most requests the next batch may take, so that a line is spread over the model's workers (None: all).
+
+        With several workers idle, each takes the line divided among them. With one, a line longer
+        than its fair share (the model's requests, waiting and held, divided among its serving
+        workers) is cut there: otherwise under load the first worker to free up takes the whole
+        line, and from then on one worker runs a huge batch while the others serve the few
+        requests that come back meanwhile, one by one (a convoy: encoder int8, 2 workers, 32
+        clients, batches of 30 beside batches of 1, p99 1.3 s).
+        """
+        slots = self.members.get(model, ())
+        idle = sum(1 for slot in slots if slot.can_take(1))
+        if idle > 1:
+            return -(-waiting // idle)
+        serving = [slot for slot in slots if slot.state is SlotState.SERVING]
+        if len(serving) < 2:
+            return None
+        fair = -(-(waiting + sum(len(slot.inflight) for slot in serving)) // len(serving))
+        return fair if fair < waiting else None
 
     def dispatch_due(self, now: float) -> None:
         """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""

@@ -177,3 +177,35 @@ def test_with_two_idle_workers_batches_split_the_line_and_do_not_wait_for_compan
         assert rig.broker.next_batch_due is not None
     finally:
         rig.close()
+
+
+def test_a_long_line_is_cut_at_its_fair_share_so_one_worker_never_takes_it_all(tmp_path: Path) -> None:
+    """Two workers, 10 waiting: the first to free up takes 6 (11 requests over 2), the other the remaining 4."""
+    rig = Rig(tmp_path, workers=2, batching={"max_batch_size": 32, "max_queue_delay_us": 0})
+    try:
+        rig.send_request(1)
+        first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+        lone = rig.request_at(first)
+        rig.send_request(2)
+        second = rig.request_at(1 - first)
+        for client_id in range(3, 13):
+            rig.send_request(client_id)
+        assert len(rig.broker.queues["tiny"].waiting) == 10
+        rig.reply(first, lone, 1)
+        link = rig.slots[first].link
+        assert link is not None and link.wait_readable(5.0) and rig.links.read(rig.slots[first])
+        assert rig.workers[first].wait_readable(5.0)
+        (frames,) = rig.workers[first].receive()
+        batch = wm.decode(frames[0])
+        assert isinstance(batch, wm.Batch) and len(batch.frame_counts) == 6, "its share, not the whole line"
+        assert len(rig.broker.queues["tiny"].waiting) == 4
+        rig.reply(1 - first, second, 2)
+        link = rig.slots[1 - first].link
+        assert link is not None and link.wait_readable(5.0) and rig.links.read(rig.slots[1 - first])
+        assert rig.workers[1 - first].wait_readable(5.0)
+        (frames,) = rig.workers[1 - first].receive()
+        batch = wm.decode(frames[0])
+        assert isinstance(batch, wm.Batch) and len(batch.frame_counts) == 4
+        assert not rig.broker.queues["tiny"].waiting
+    finally:
+        rig.close()
