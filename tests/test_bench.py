@@ -48,6 +48,16 @@ def test_batching_bench_alternates_two_live_daemons_and_sums_their_cpu(tmp_path:
     assert "tiny        2 clients: req_s x" in out and "cpu_us x" in out
 
 
+def test_batching_bench_sets_a_key_on_both_sides_or_on_the_batching_side_alone() -> None:
+    """--set changes the entry both daemons get; --set-on changes it again for the batching daemon only."""
+    from bench.batching import MODELS, entry_of
+
+    both = entry_of("tiny", ["tiny.prefetch=2", "encoder.workers=1"])
+    on = entry_of("tiny", ["tiny.prefetch=1", "tiny.workers=2"], both)
+    assert (both["prefetch"], both["workers"]) == (2, MODELS["tiny"][1]["workers"])
+    assert (on["prefetch"], on["workers"]) == (1, 2)
+
+
 def test_link_bench_times_both_paths() -> None:
     """bench/link.py with a 600 KB payload: a row for ZeroMQ, a row for the link, and their ratio."""
     out = _bench("bench/link.py", "--count", "20", "--size", "602112")
