@@ -107,6 +107,21 @@ class Rig:
         header = encode_result(client_id, "tiny", DESC, {"model_ms": 0.1})
         self.workers[worker].send(wm.encode(wm.Reply(request.request_id, None, ""), [header, X]))
 
+    def answer_and_read(self, worker: int, request: wm.Request, client_id: int) -> None:
+        """Worker `worker` answers `request`, and the broker reads the answer (dispatching what may follow)."""
+        self.reply(worker, request, client_id)
+        link = self.slots[worker].link
+        assert link is not None and link.wait_readable(5.0) and self.links.read(self.slots[worker])
+
+    def batch_at(self, worker: int) -> wm.Batch:
+        """The BATCH the broker sent to worker `worker`."""
+        link = self.workers[worker]
+        assert link.wait_readable(5.0)
+        (frames,) = link.receive()
+        message = wm.decode(frames[0])
+        assert isinstance(message, wm.Batch)
+        return message
+
     def client_reply(self) -> dict[str, Any]:
         """The next reply header the client receives."""
         assert self.client.poll(5000)
@@ -191,21 +206,11 @@ def test_a_long_line_is_cut_at_its_fair_share_so_one_worker_never_takes_it_all(t
         for client_id in range(3, 13):
             rig.send_request(client_id)
         assert len(rig.broker.queues["tiny"].waiting) == 10
-        rig.reply(first, lone, 1)
-        link = rig.slots[first].link
-        assert link is not None and link.wait_readable(5.0) and rig.links.read(rig.slots[first])
-        assert rig.workers[first].wait_readable(5.0)
-        (frames,) = rig.workers[first].receive()
-        batch = wm.decode(frames[0])
-        assert isinstance(batch, wm.Batch) and len(batch.frame_counts) == 6, "its share, not the whole line"
+        rig.answer_and_read(first, lone, 1)
+        assert len(rig.batch_at(first).frame_counts) == 6, "its share, not the whole line"
         assert len(rig.broker.queues["tiny"].waiting) == 4
-        rig.reply(1 - first, second, 2)
-        link = rig.slots[1 - first].link
-        assert link is not None and link.wait_readable(5.0) and rig.links.read(rig.slots[1 - first])
-        assert rig.workers[1 - first].wait_readable(5.0)
-        (frames,) = rig.workers[1 - first].receive()
-        batch = wm.decode(frames[0])
-        assert isinstance(batch, wm.Batch) and len(batch.frame_counts) == 4
+        rig.answer_and_read(1 - first, second, 2)
+        assert len(rig.batch_at(1 - first).frame_counts) == 4
         assert not rig.broker.queues["tiny"].waiting
     finally:
         rig.close()
