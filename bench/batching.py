@@ -5,10 +5,11 @@
                              [--set MODEL.KEY=JSON ...] [--set-on MODEL.KEY=JSON ...] [--control] [--json out.json]
 
 Each pair starts two daemons of the model, one without batching and one with it, which serve it
-the same way (workers, cores, profiles; `--set` changes both); only `batching` differs. Both stay
-up while every round measures each client count on one and then the other, in alternating order,
-so each on/off ratio compares two runs seconds apart on the same two daemons. Per row: req/s,
-p50, p99, the mean batch size the daemon formed, and the CPU time per request of the daemon
+the same way (workers, cores, profiles): only `batching` differs, and what `--set-on` sets on the
+batching one (`--set` sets a key on both). Both stay up while every round measures each client
+count on one and then the other, in alternating order, so each on/off ratio compares two runs
+seconds apart on the same two daemons. Per row: req/s, p50, p99, the mean batch size the daemon
+formed (over the measured requests), and the CPU time per request of the daemon
 (supervisor and workers) and of the clients; the summary gives the median on/off ratio over the
 rounds with its range. `--control` runs both daemons without batching: its ratios are the noise.
 `resnet50` serves as configs/default.json configures it (its first start compiles packages into
