@@ -93,12 +93,16 @@ class Rig:
         assert self.endpoints.ipc.poll(5000)
         self.broker.handle_clients(self.endpoints.ipc)
 
-    def request_at(self, worker: int) -> wm.Request:
-        """The REQUEST the broker sent to worker `worker`."""
+    def message_at(self, worker: int) -> wm.WorkerMessage:
+        """The one message the broker sent to worker `worker` since the last look."""
         link = self.workers[worker]
         assert link.wait_readable(5.0)
         (frames,) = link.receive()
-        message = wm.decode(frames[0])
+        return wm.decode(frames[0])
+
+    def request_at(self, worker: int) -> wm.Request:
+        """The REQUEST the broker sent to worker `worker`."""
+        message = self.message_at(worker)
         assert isinstance(message, wm.Request)
         return message
 
@@ -115,10 +119,7 @@ class Rig:
 
     def batch_at(self, worker: int) -> wm.Batch:
         """The BATCH the broker sent to worker `worker`."""
-        link = self.workers[worker]
-        assert link.wait_readable(5.0)
-        (frames,) = link.receive()
-        message = wm.decode(frames[0])
+        message = self.message_at(worker)
         assert isinstance(message, wm.Batch)
         return message
 
