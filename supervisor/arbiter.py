@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import signal
 import time
@@ -204,8 +203,8 @@ class Arbiter:
         due = self.broker.next_batch_due
         if due is None:
             return _HOUSEKEEPING_MS
-        # The poll's resolution is 1 ms: a batch delay is met to within that.
-        return max(0, min(_HOUSEKEEPING_MS, math.ceil((due - time.monotonic()) * 1000)))
+        # The poll's resolution is 1 ms: the nearest one, since a batch within half of it is due (batcher.DUE_EARLY_S).
+        return max(0, min(_HOUSEKEEPING_MS, round((due - time.monotonic()) * 1000)))
 
     def housekeeping(self, now: float) -> None:
         """The timer-driven steps, each named for what it does."""

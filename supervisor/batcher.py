@@ -4,11 +4,12 @@ Requests are joined along dimension 0 only when everything else about their inpu
 dtypes, the other dims, and the spec that admitted them); each keeps its own id, deadline, retries
 and reply. A batch is taken from the head of the model's queue, oldest first, up to
 `max_batch_size` rows; with `preferred_batch_sizes` it is cut to the largest preferred size it
-reaches. When fewer rows wait than a full (or preferred) batch, the oldest request may wait up to
-`max_queue_delay_us` for companions; at 0 a batch goes as soon as a worker is free. A batch takes
-at most its share of the line (the broker's `share`: the line divided among idle workers, or a
-long line's fair share among all of them) and goes at once when it reaches it: a core left idle
-costs more than a batch made bigger.
+reaches. A worker with nothing in hand takes what waits at once: a core left idle costs more than a
+batch made bigger. Only a batch headed for a worker that is already running one (with `prefetch`
+above 1) waits, when it is short of a full (or preferred) batch, until its oldest request has waited
+`max_queue_delay_us` for companions. A batch takes at most its share of the line (the broker's
+`share`: the line divided among idle workers, or a long line's fair share among all of them) and
+goes at once when it reaches it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 from protocol.constants import MAX_BATCH_REQUESTS
 from supervisor.config import BatchingConfig
 from supervisor.pending import PendingRequest
+
+#: The supervisor's loop waits in whole milliseconds: a batch due within half of one goes now, so a delay
+#: is kept to about ±0.5 ms (rounding each wait up to a whole millisecond made 1000 us last about 1.5 ms).
+DUE_EARLY_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,18 @@ def joinable(a: PendingRequest, b: PendingRequest) -> bool:
 
 
 def take(
-    queue: collections.deque[PendingRequest], policy: BatchingConfig, now: float, share: int | None = None
+    queue: collections.deque[PendingRequest],
+    policy: BatchingConfig,
+    now: float,
+    share: int | None = None,
+    *,
+    worker_busy: bool,
 ) -> Decision:
     """The batch to send from the head of `queue` (removed from it), or until when the head may still wait.
 
     Requests that cannot join the head stay in line, in order, for a later batch. `share` caps the
-    requests taken: a batch that reaches it is full, and goes at once.
+    requests taken: a batch that reaches it is full, and goes at once. Only a batch for a busy
+    worker (`worker_busy`: it already holds one) may wait for companions.
     """
     head = queue[0]
     # A batch that killed its worker was split: its halves never grow back (the broker bisects them).
@@ -60,7 +71,7 @@ def take(
     full = rows >= policy.max_batch_size or len(members) >= limit
     at_preferred = rows in policy.preferred_batch_sizes
     deadline = head.accepted_at + policy.max_queue_delay_us / 1e6
-    if not full and not at_preferred and now < deadline:
+    if not full and not at_preferred and worker_busy and now < deadline - DUE_EARLY_S:
         return Decision([], deadline)
     chosen = _cut(members, [queue[i].rows for i in members], policy.preferred_batch_sizes)
     if chosen[-1] == len(chosen) - 1:  # the usual case: the batch is the head of the line

@@ -229,17 +229,16 @@ class Broker:
         )
         self.next_id += 1
         self.ledger.take(client, cost)
-        # Straight to a worker only when nothing waits before it and (batching) it may not wait for companions.
-        may_wait = model.batching is not None and model.batching.max_queue_delay_us > 0
-        slot = None if queue.waiting or may_wait else self.pick_worker(request.model, spec)
+        # Straight to a worker only when nothing waits before it.
+        slot = None if queue.waiting else self.pick_worker(request.model, spec)
         if model.batching is not None:
             pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
-            if slot is None:
+            if slot is None or (slot.inflight and model.batching.max_queue_delay_us > 0):
                 # The batcher decides: join it to those in line, or let it wait for companions.
                 self.enqueue_or_refuse(queue, pending)
                 self.dispatch(request.model)
             else:
-                # Alone in line, a worker free, no wait allowed: the batcher would send it alone at once.
+                # Alone in line, for an idle worker or with no delay: the batcher would send it alone at once.
                 self.send_batch(slot, [pending], now)
                 if queue.waiting:
                     self.dispatch(request.model)  # that worker is gone; it went back in line for another
@@ -368,7 +367,8 @@ class Broker:
             if policy is not None:
                 now = time.monotonic()
                 self.batch_due.pop(model, None)
-                decision = batcher.take(queue.waiting, policy, now, self.share_of_line(model, len(queue.waiting)))
+                share = self.share_of_line(model, len(queue.waiting))
+                decision = batcher.take(queue.waiting, policy, now, share, worker_busy=bool(slot.inflight))
                 if decision.wait_until is not None:
                     self.batch_due[model] = decision.wait_until
                     return
@@ -403,7 +403,7 @@ class Broker:
 
     def dispatch_due(self, now: float) -> None:
         """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""
-        for model in [m for m, due in self.batch_due.items() if now >= due]:
+        for model in [m for m, due in self.batch_due.items() if now >= due - batcher.DUE_EARLY_S]:
             self.dispatch(model)
 
     @property

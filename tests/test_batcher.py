@@ -27,7 +27,7 @@ def _policy(max_batch: int = 8, delay_us: int = 0, preferred: tuple[int, ...] = 
 def test_the_head_of_the_line_goes_together_up_to_the_maximum_and_the_rest_waits_in_order() -> None:
     """Ten joinable single-row requests and a maximum of 8: the oldest 8 go, the other 2 keep their order."""
     queue = _queue(*[WIDE] * 10)
-    decision = take(queue, _policy(max_batch=8), now=1.0)
+    decision = take(queue, _policy(max_batch=8), now=1.0, worker_busy=True)
     assert [r.internal_id for r in decision.batch] == list(range(8)) and decision.wait_until is None
     assert [r.internal_id for r in queue] == [8, 9]
 
@@ -35,43 +35,51 @@ def test_the_head_of_the_line_goes_together_up_to_the_maximum_and_the_rest_waits
 def test_requests_that_cannot_join_the_head_stay_in_line_in_their_order() -> None:
     """Other dims than the head's are skipped, not reordered: they lead the next batch."""
     queue = _queue(WIDE, NARROW, WIDE, NARROW, WIDE)
-    decision = take(queue, _policy(), now=1.0)
+    decision = take(queue, _policy(), now=1.0, worker_busy=True)
     assert [r.internal_id for r in decision.batch] == [0, 2, 4]
     assert [r.internal_id for r in queue] == [1, 3]
-    assert [r.internal_id for r in take(queue, _policy(), now=1.0).batch] == [1, 3] and not queue
+    assert [r.internal_id for r in take(queue, _policy(), now=1.0, worker_busy=True).batch] == [1, 3] and not queue
 
 
 def test_a_batch_is_cut_to_the_largest_preferred_size_it_reaches() -> None:
     """Six waiting with preferred sizes 2 and 4: four go (the largest reached), two stay for the next batch."""
     queue = _queue(*[WIDE] * 6)
-    decision = take(queue, _policy(preferred=(2, 4)), now=1.0)
+    decision = take(queue, _policy(preferred=(2, 4)), now=1.0, worker_busy=True)
     assert len(decision.batch) == 4 and len(queue) == 2
 
 
 def test_rows_count_against_the_maximum_not_requests() -> None:
     """Requests of 3 rows each and a maximum of 8 rows: two go together (6 rows), a third would make 9."""
     queue = _queue(WIDE, WIDE, WIDE, rows=3)
-    assert len(take(queue, _policy(max_batch=8), now=1.0).batch) == 2 and len(queue) == 1
+    assert len(take(queue, _policy(max_batch=8), now=1.0, worker_busy=True).batch) == 2 and len(queue) == 1
 
 
-def test_short_of_a_full_batch_the_oldest_waits_its_delay_then_goes_with_what_is_there() -> None:
-    """Two waiting, a maximum of 8 and 2 ms of delay: wait until the oldest's 2 ms are up, then send both."""
+def test_short_of_a_full_batch_for_a_busy_worker_the_oldest_waits_its_delay_then_goes_with_what_is_there() -> None:
+    """Two waiting, a maximum of 8, 2 ms of delay, a busy worker: they wait until the oldest's 2 ms are up, then go."""
     queue = _queue(WIDE, WIDE)
-    waiting = take(queue, _policy(delay_us=2000), now=0.0015)
+    waiting = take(queue, _policy(delay_us=2000), now=0.001, worker_busy=True)
     assert waiting.batch == [] and waiting.wait_until == 0.002 and len(queue) == 2
-    assert len(take(queue, _policy(delay_us=2000), now=0.002).batch) == 2 and not queue
+    # The loop polls in whole milliseconds: within half of one of its due time, a batch is due.
+    assert len(take(queue, _policy(delay_us=2000), now=0.0016, worker_busy=True).batch) == 2 and not queue
+
+
+def test_a_worker_with_nothing_in_hand_takes_what_waits_without_waiting_out_the_delay() -> None:
+    """The same two and a 10 s delay, but the worker is idle: both go at once, an idle core beats a bigger batch."""
+    queue = _queue(WIDE, WIDE)
+    decision = take(queue, _policy(delay_us=10_000_000), now=0.001, worker_busy=False)
+    assert [r.internal_id for r in decision.batch] == [0, 1] and decision.wait_until is None and not queue
 
 
 def test_a_split_batchs_half_never_grows_back() -> None:
     """A request whose batch killed a worker carries a limit: it goes with at most that many, however many wait."""
     queue = _queue(*[WIDE] * 6)
     queue[0].batch_limit = 2
-    assert [r.internal_id for r in take(queue, _policy(), now=1.0).batch] == [0, 1]
+    assert [r.internal_id for r in take(queue, _policy(), now=1.0, worker_busy=True).batch] == [0, 1]
 
 
 def test_a_share_caps_the_batch_and_a_batch_at_its_share_goes_without_waiting() -> None:
     """With a share of 3 (several idle workers), three go at once despite the delay; the rest wait for the next."""
     queue = _queue(*[WIDE] * 5)
-    decision = take(queue, _policy(delay_us=10_000_000), now=0.01, share=3)
+    decision = take(queue, _policy(delay_us=10_000_000), now=0.01, share=3, worker_busy=True)
     assert [r.internal_id for r in decision.batch] == [0, 1, 2] and decision.wait_until is None
     assert [r.internal_id for r in queue] == [3, 4]

@@ -71,6 +71,19 @@ class Burst:
         self.socket.close()
 
 
+#: The id of the request that keeps a worker busy while a test's requests gather in line behind it.
+BLOCKER = 1000
+
+
+def occupy_rows_worker(burst: Burst, seconds: float = 1.0) -> None:
+    """Keep the one `rows` worker busy for `seconds`: what comes next waits in line and leaves as one batch.
+
+    An idle worker takes a request at once, alone; one busy with a batch (prefetch 1) takes the whole
+    line when it is done. The blocker is 4 wide, so it never joins a test's 2- or 3-wide requests.
+    """
+    burst.send(BLOCKER, "rows", {"x": np.array([[SLEEP, seconds, 0.0, 0.0]], np.float32)})
+
+
 def _batches(daemon: Daemon, model: str) -> dict[str, int]:
     sizes: dict[str, int] = daemon.status()["models"][model]["batching"]["batch_sizes"]
     return sizes
@@ -82,7 +95,7 @@ def _rows(*values: float) -> np.ndarray:
 
 def test_joined_rows_are_bit_identical_to_serving_each_request_alone(start_daemon: Callable[..., Daemon]) -> None:
     """Eight encoder requests joined into one forward pass get exactly the bits each gets when sent alone."""
-    batching = {"max_batch_size": 8, "max_queue_delay_us": 200_000}
+    batching = {"max_batch_size": 8, "max_queue_delay_us": 0}
     encoder = model_entry({"builtin": "encoder"}, ENCODER_INPUTS, batching=batching)
     daemon = start_daemon({"models": {"encoder": encoder}})
     daemon.wait_ready(180)
@@ -92,13 +105,16 @@ def test_joined_rows_are_bit_identical_to_serving_each_request_alone(start_daemo
         for _ in range(8)
     ]
     together = Burst(daemon)
+    # 32 rows keep the idle worker busy (about a second) while the eight gather in line behind them.
+    blocker = {"input_ids": np.zeros((32, 128), np.int64), "attention_mask": np.ones((32, 128), np.int64)}
+    together.send(BLOCKER, "encoder", blocker)
     for request_id, request in enumerate(inputs):
         together.send(request_id, "encoder", request)
-    together.collect(8)
-    assert _batches(daemon, "encoder") == {"8": 1}, "the eight were joined"
+    together.collect(9)
+    assert _batches(daemon, "encoder") == {"32": 1, "8": 1}, "the eight were joined"
     families = {f.name: f for f in text_string_to_metric_families(daemon.control({"cmd": "metrics"})["text"])}
     (count,) = [s.value for s in families["infervisor_batch_size_rows"].samples if s.name.endswith("_count")]
-    assert count == 1
+    assert count == 2
     with daemon.client() as client:
         for request_id, request in enumerate(inputs):
             alone = client.infer("encoder", request, timeout=60)["embedding"]
@@ -107,32 +123,35 @@ def test_joined_rows_are_bit_identical_to_serving_each_request_alone(start_daemo
 
 
 def test_an_expired_request_leaves_its_batch_and_the_batch_goes_on(start_daemon: Callable[..., Daemon]) -> None:
-    """Waiting for companions, a request with a 30 ms deadline expires; the others are served in one batch."""
-    batching = {"max_batch_size": 4, "max_queue_delay_us": 400_000}
+    """Waiting in line behind a busy worker, a request with a 30 ms deadline expires; the others go as one batch."""
+    batching = {"max_batch_size": 4, "max_queue_delay_us": 0}
     daemon = start_daemon({"models": {"rows": model_entry(ROWFAULTY, ROW_INPUTS, batching=batching)}}, env=ENV)
     daemon.wait_ready()
     burst = Burst(daemon)
+    occupy_rows_worker(burst)
     burst.send(0, "rows", {"x": _rows(1.0)}, deadline_ms=30)
     for request_id in (1, 2):
         burst.send(request_id, "rows", {"x": _rows(float(request_id))})
-    burst.collect(3)
+    burst.collect(4)
     assert burst.code(0) == "DEADLINE_EXCEEDED"
     assert [burst.result(i)[0, 0] for i in (1, 2)] == [2.0, 3.0]
-    assert _batches(daemon, "rows") == {"2": 1}
+    assert _batches(daemon, "rows") == {"1": 1, "2": 1}, "the blocker alone, then the two left of three"
     burst.close()
 
 
 def test_a_bad_input_fails_alone_and_its_neighbours_are_served(start_daemon: Callable[..., Daemon]) -> None:
     """A NaN input in a batch of four is answered INVALID_INPUT; the three others get their own rows back."""
-    batching = {"max_batch_size": 4, "max_queue_delay_us": 400_000}
+    batching = {"max_batch_size": 4, "max_queue_delay_us": 0}
     daemon = start_daemon({"models": {"rows": model_entry(ROWFAULTY, ROW_INPUTS, batching=batching)}}, env=ENV)
     daemon.wait_ready()
     burst = Burst(daemon)
+    occupy_rows_worker(burst)
     for request_id in range(4):
         burst.send(request_id, "rows", {"x": _rows(float("nan") if request_id == 2 else float(request_id))})
-    burst.collect(4)
+    burst.collect(5)
     assert burst.code(2) == "INVALID_INPUT"
     assert [burst.result(i)[0, 0] for i in (0, 1, 3)] == [1.0, 2.0, 4.0]
+    assert _batches(daemon, "rows") == {"1": 1, "4": 1}, "the four went to the worker as one batch"
     burst.close()
 
 
@@ -140,14 +159,15 @@ def test_a_poison_request_in_a_batch_is_found_by_splitting_and_answered_alone(
     start_daemon: Callable[..., Daemon],
 ) -> None:
     """A request that kills its worker, batched with seven others: the batch is halved until it runs alone."""
-    batching = {"max_batch_size": 8, "max_queue_delay_us": 400_000}
+    batching = {"max_batch_size": 8, "max_queue_delay_us": 0}
     model = model_entry(ROWFAULTY, ROW_INPUTS, batching=batching, max_retries=1)
     daemon = start_daemon({"models": {"rows": model}}, env=ENV)
     daemon.wait_ready()
     burst = Burst(daemon)
+    occupy_rows_worker(burst)
     for request_id in range(8):
         burst.send(request_id, "rows", {"x": _rows(SEGFAULT if request_id == 5 else float(request_id))})
-    burst.collect(8, timeout_s=240)
+    burst.collect(9, timeout_s=240)
     assert burst.code(5) == "WORKER_LOST"
     assert all(burst.code(i) == "result" and burst.result(i)[0, 0] == i + 1 for i in range(8) if i != 5)
     splits = [e for e in daemon.log_events() if e["event"] == "batch_split"]
@@ -206,16 +226,17 @@ def test_a_worker_killed_with_a_batch_in_flight_loses_and_duplicates_nothing(
 
 def test_requests_whose_other_dims_differ_are_never_joined(start_daemon: Callable[..., Daemon]) -> None:
     """[1, 2] and [1, 3] inputs of one model go in separate batches, each answered with its own shape."""
-    batching = {"max_batch_size": 4, "max_queue_delay_us": 200_000}
+    batching = {"max_batch_size": 4, "max_queue_delay_us": 0}
     daemon = start_daemon({"models": {"rows": model_entry(ROWFAULTY, ROW_INPUTS, batching=batching)}}, env=ENV)
     daemon.wait_ready()
     burst = Burst(daemon)
+    occupy_rows_worker(burst)
     burst.send(0, "rows", {"x": np.zeros((1, 2), np.float32)})
     burst.send(1, "rows", {"x": np.zeros((1, 3), np.float32)})
     burst.send(2, "rows", {"x": np.zeros((2, 2), np.float32)})
-    burst.collect(3)
+    burst.collect(4)
     assert burst.result(0).shape == (1, 2) and burst.result(1).shape == (1, 3) and burst.result(2).shape == (2, 2)
-    assert _batches(daemon, "rows") == {"3": 1, "1": 1}, "the two [*, 2] requests joined (3 rows), [1, 3] alone"
+    assert _batches(daemon, "rows") == {"3": 1, "1": 2}, "the two [*, 2] requests joined (3 rows), [1, 3] alone"
     burst.close()
 
 

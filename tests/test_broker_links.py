@@ -60,9 +60,11 @@ class BrokenLinks:
 class Rig:
     """A broker with serving slots (two unless told) whose far link ends the test holds, and a DEALER client."""
 
-    def __init__(self, tmp: Path, workers: int = 2, batching: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, tmp: Path, workers: int = 2, batching: dict[str, Any] | None = None, prefetch: int = 1
+    ) -> None:
         model = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
-        entry = {**model, "workers": workers, "prefetch": 1, "batching": batching}
+        entry = {**model, "workers": workers, "prefetch": prefetch, "batching": batching}
         config = parse_config(json.dumps({"models": {"tiny": entry}}), tmp)
         self.context: zmq.Context[Any] = zmq.Context()
         self.loop = EventLoop()
@@ -181,16 +183,21 @@ def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig
     assert rig.events.broken == [(rig.slots[first].name, "worker link closed")], "reported, not acted on"
 
 
-def test_with_two_idle_workers_batches_split_the_line_and_do_not_wait_for_companions(tmp_path: Path) -> None:
-    """A 10 s batching delay, both workers idle: one request goes at once; with one busy, the next two wait."""
-    rig = Rig(tmp_path, workers=2, batching={"max_batch_size": 8, "max_queue_delay_us": 10_000_000})
+def test_idle_workers_never_wait_for_companions_and_only_a_busy_workers_next_batch_does(tmp_path: Path) -> None:
+    """10 s of delay, prefetch 2: each idle worker takes a request at once; with both busy the next waits."""
+    batching = {"max_batch_size": 8, "max_queue_delay_us": 10_000_000}
+    rig = Rig(tmp_path, workers=2, batching=batching, prefetch=2)
     try:
         rig.send_request(1)
-        busy = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
-        assert rig.request_at(busy).request_id > 0, "sent alone at once: an idle worker beats a bigger batch"
-        rig.send_request(2)  # one worker idle now: the only idle one, so it waits for companions
-        assert len(rig.broker.queues["tiny"].waiting) == 1 and not rig.slots[1 - busy].inflight
-        assert rig.broker.next_batch_due is not None
+        first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+        lone = rig.request_at(first)
+        rig.send_request(2)
+        assert rig.request_at(1 - first).request_id > 0, "the other idle worker took it at once"
+        rig.send_request(3)  # both run one: a second batch in a worker's hands waits for companions or its delay
+        assert len(rig.broker.queues["tiny"].waiting) == 1 and rig.broker.next_batch_due is not None
+        rig.answer_and_read(first, lone, 1)
+        assert rig.request_at(first).request_id > 0, "a worker with nothing in hand takes the line at once"
+        assert not rig.broker.queues["tiny"].waiting
     finally:
         rig.close()
 
