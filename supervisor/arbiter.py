@@ -203,7 +203,7 @@ class Arbiter:
         due = self.broker.next_batch_due
         if due is None:
             return _HOUSEKEEPING_MS
-        # The poll's resolution is 1 ms: the nearest one, since a batch within half of it is due (batcher.DUE_EARLY_S).
+        # The poll's resolution is 1 ms: the nearest one, since a batch within half of it is due (batcher.is_due).
         return max(0, min(_HOUSEKEEPING_MS, round((due - time.monotonic()) * 1000)))
 
     def housekeeping(self, now: float) -> None:

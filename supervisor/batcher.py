@@ -24,7 +24,12 @@ from supervisor.pending import PendingRequest
 
 #: The supervisor's loop waits in whole milliseconds: a batch due within half of one goes now, so a delay
 #: is kept to about ±0.5 ms (rounding each wait up to a whole millisecond made 1000 us last about 1.5 ms).
-DUE_EARLY_S = 0.0005
+_DUE_EARLY_S = 0.0005
+
+
+def is_due(wait_until: float, now: float) -> bool:
+    """True once a waiting batch may go: its due time is reached, or less than _DUE_EARLY_S away."""
+    return now >= wait_until - _DUE_EARLY_S
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ def take(
     full = rows >= policy.max_batch_size or len(members) >= limit
     at_preferred = rows in policy.preferred_batch_sizes
     deadline = head.accepted_at + policy.max_queue_delay_us / 1e6
-    if not full and not at_preferred and worker_busy and now < deadline - DUE_EARLY_S:
+    if not full and not at_preferred and worker_busy and not is_due(deadline, now):
         return Decision([], deadline)
     chosen = _cut(members, [queue[i].rows for i in members], policy.preferred_batch_sizes)
     if chosen[-1] == len(chosen) - 1:  # the usual case: the batch is the head of the line

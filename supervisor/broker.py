@@ -403,7 +403,7 @@ class Broker:
 
     def dispatch_due(self, now: float) -> None:
         """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""
-        for model in [m for m, due in self.batch_due.items() if now >= due - batcher.DUE_EARLY_S]:
+        for model in [m for m, due in self.batch_due.items() if batcher.is_due(due, now)]:
             self.dispatch(model)
 
     @property
