@@ -1,7 +1,7 @@
 """Dynamic batching against none: 1, 8 and 32 client processes per model, two live daemons in alternating runs.
 
     python bench/batching.py [--models tiny,encoder,resnet50] [--clients 1,8,32] [--seconds 5]
-                             [--pairs 1] [--rounds 3] [--delay-us 0 | MODEL=D,...] [--max-batch 32]
+                             [--pairs 1] [--rounds 3] [--delay-us 0 | MODEL=D,...] [--max-batch 32] [--tokens 128]
                              [--set MODEL.KEY=JSON ...] [--set-on MODEL.KEY=JSON ...] [--control] [--json out.json]
 
 Each pair starts two daemons of the model, one without batching and one with it, which serve it
@@ -12,7 +12,8 @@ seconds apart on the same two daemons. Per row: req/s, p50, p99, the mean batch 
 formed (over the measured requests), and the CPU time per request of the daemon
 (supervisor and workers) and of the clients; the summary gives the median on/off ratio over the
 rounds with its range. `--control` runs both daemons without batching: its ratios are the noise.
-`resnet50` serves as configs/default.json configures it (its first start compiles packages into
+Each encoder client sends a sentence of its own length (token ids, then padding) padded to
+`--tokens`. `resnet50` serves as configs/default.json configures it (its first start compiles packages into
 the cache directory, which later starts load).
 """
 
@@ -61,24 +62,41 @@ MODELS: dict[str, tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Any]]]
     ),
 }  # fmt: skip
 
-
-def _inputs(model: str) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    made: dict[str, np.ndarray] = {}
-    for name, (dtype, shape) in MODELS[model][0].items():
-        integers = dtype == "int64"  # token ids of the encoder
-        made[name] = (rng.integers(0, 1000, shape) if integers else rng.standard_normal(shape)).astype(dtype)
-    return made
+#: The encoder's vocabulary: token ids a real tokenizer could give (0 is its padding id).
+_VOCAB = 30522
 
 
-def client(endpoint: str, model: str, seconds: float, pipe: Any) -> None:
+def with_tokens(model: str, tokens: int) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Any]]:
+    """The model's inputs and entry, the encoder's padded to `tokens` (its clients pad every sentence to them)."""
+    shapes, entry = MODELS[model]
+    if model != "encoder":
+        return shapes, entry
+    inputs = [{**spec, "shape": [None, tokens]} for spec in entry["inputs"]]
+    return {name: (dtype, (1, tokens)) for name, (dtype, _) in shapes.items()}, {**entry, "inputs": inputs}
+
+
+def _inputs(shapes: dict[str, tuple[str, tuple[int, ...]]], seed: int) -> dict[str, np.ndarray]:
+    """One request's inputs: for the encoder a sentence of its own length, then padding; else normal floats."""
+    rng = np.random.default_rng(seed)
+    if "input_ids" in shapes:
+        tokens = shapes["input_ids"][1][1]
+        mask = (np.arange(tokens) < rng.integers(max(1, tokens // 4), tokens + 1))[None, :]
+        return {
+            "input_ids": np.where(mask, rng.integers(1000, _VOCAB, (1, tokens)), 0).astype(np.int64),
+            "attention_mask": mask.astype(np.int64),
+        }
+    return {name: rng.standard_normal(shape).astype(dtype) for name, (dtype, shape) in shapes.items()}
+
+
+def client(endpoint: str, model: str, shapes: dict[str, tuple[str, tuple[int, ...]]], seed: int, seconds: float,
+           pipe: Any) -> None:  # fmt: skip
     """One client process: warm, say so, wait for the common start, then back-to-back requests; send latencies home."""
     import zmq
 
     from protocol.client_messages import InferRequest, encode_infer
     from protocol.tensors import TensorDesc
 
-    inputs = _inputs(model)
+    inputs = _inputs(shapes, seed)
     descs = tuple(TensorDesc(name, array.dtype.name, array.shape) for name, array in inputs.items())
     socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -132,14 +150,15 @@ def cpu_seconds(pid: int, children: bool = True) -> float:
     return total / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(kid) for kid in kids)
 
 
-def measure(runtime_dir: Path, model: str, clients: int, seconds: float, daemon_pid: int) -> dict[str, Any]:
+def measure(runtime_dir: Path, model: str, shapes: dict[str, tuple[str, tuple[int, ...]]], clients: int,
+            seconds: float, daemon_pid: int) -> dict[str, Any]:  # fmt: skip
     """req/s, p50, p99, the mean batch size, and the daemon's CPU per request of `clients` client processes."""
     ctx = multiprocessing.get_context("spawn")
     endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
     pipes, procs = [], []
-    for _ in range(clients):
+    for seed in range(clients):
         ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=client, args=(endpoint, model, seconds, theirs))
+        proc = ctx.Process(target=client, args=(endpoint, model, shapes, seed, seconds, theirs))
         proc.start()
         pipes.append(ours)
         procs.append(proc)
@@ -245,6 +264,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=1, help="off/on daemon pairs started per model")
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurements per pair and client count")
     parser.add_argument("--delay-us", default="0", help="max_queue_delay_us of the batching daemon: D, or MODEL=D,...")
+    parser.add_argument("--tokens", type=int, default=128, help="the encoder's sequence length (every sentence padded)")
     parser.add_argument("--max-batch", type=int, default=32, help="max_batch_size (rows) of the batching daemon")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=JSON",
                         help="override a key of a model's entry on both sides, e.g. encoder.workers=1")  # fmt: skip
@@ -263,7 +283,8 @@ def main() -> int:
     print(f"{'model':<9} {'clients':>7} {'batching':>8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>6}", end="")
     print(f" {'daemon us':>9} {'of it sup':>9} {'client us':>9}  round")
     for model in models:
-        entry = entry_of(model, args.set)
+        shapes, plain = with_tokens(model, args.tokens)
+        entry = entry_of(model, args.set, plain)
         entry_on = entry_of(model, args.set_on, entry)
         batching = {"max_batch_size": args.max_batch, "max_queue_delay_us": delays[model]}
         for pair in range(args.pairs):
@@ -276,7 +297,7 @@ def main() -> int:
                     for n in clients:
                         order = (False, True) if (pair + round_ + n) % 2 == 0 else (True, False)
                         for on in order:
-                            figures = measure(sides[on][1], model, n, args.seconds, sides[on][0].pid)
+                            figures = measure(sides[on][1], model, shapes, n, args.seconds, sides[on][0].pid)
                             row = {
                                 "model": model,
                                 "clients": n,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tests.conftest import ROOT
@@ -56,6 +57,23 @@ def test_batching_bench_sets_a_key_on_both_sides_or_on_the_batching_side_alone()
     on = entry_of("tiny", ["tiny.prefetch=1", "tiny.workers=2"], both)
     assert (both["prefetch"], both["workers"]) == (2, MODELS["tiny"][1]["workers"])
     assert (on["prefetch"], on["workers"]) == (1, 2)
+
+
+def test_batching_bench_pads_each_encoder_clients_sentence_to_the_tokens_asked() -> None:
+    """--tokens 32: the encoder declares [None, 32] inputs; each client's ids end in padding where its mask does."""
+    from bench.batching import MODELS, _inputs, with_tokens
+
+    shapes, entry = with_tokens("encoder", 32)
+    assert [spec["shape"] for spec in entry["inputs"]] == [[None, 32], [None, 32]]
+    sentences = [_inputs(shapes, seed) for seed in range(8)]
+    for inputs in sentences:
+        mask, ids = inputs["attention_mask"][0], inputs["input_ids"][0]
+        length = int(mask.sum())
+        assert inputs["input_ids"].shape == (1, 32) and inputs["input_ids"].dtype == np.int64
+        assert 8 <= length <= 32 and (mask[:length] == 1).all() and (mask[length:] == 0).all()
+        assert (ids[:length] >= 1000).all() and (ids[length:] == 0).all()
+    assert len({int(inputs["attention_mask"].sum()) for inputs in sentences}) > 1
+    assert with_tokens("tiny", 32) == MODELS["tiny"]
 
 
 def test_link_bench_times_both_paths() -> None:

@@ -60,9 +60,7 @@ class BrokenLinks:
 class Rig:
     """A broker with serving slots (two unless told) whose far link ends the test holds, and a DEALER client."""
 
-    def __init__(
-        self, tmp: Path, workers: int = 2, batching: dict[str, Any] | None = None, prefetch: int = 1
-    ) -> None:
+    def __init__(self, tmp: Path, workers: int = 2, batching: dict[str, Any] | None = None, prefetch: int = 1) -> None:
         model = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
         entry = {**model, "workers": workers, "prefetch": prefetch, "batching": batching}
         config = parse_config(json.dumps({"models": {"tiny": entry}}), tmp)
