@@ -12,9 +12,9 @@ seconds apart on the same two daemons. Per row: req/s, p50, p99, the mean batch 
 formed (over the measured requests), and the CPU time per request of the daemon
 (supervisor and workers) and of the clients; the summary gives the median on/off ratio over the
 rounds with its range. `--control` runs both daemons without batching: its ratios are the noise.
-Each encoder client sends a sentence of its own length (token ids, then padding) padded to
-`--tokens`. `resnet50` serves as configs/default.json configures it (its first start compiles packages into
-the cache directory, which later starts load).
+Each encoder client sends a sentence of its own length, padded to `--tokens`. `resnet50` serves
+as configs/default.json configures it (its first start compiles packages into the cache
+directory, which later starts load).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def with_tokens(model: str, tokens: int) -> tuple[dict[str, tuple[str, tuple[int
     return {name: (dtype, (1, tokens)) for name, (dtype, _) in shapes.items()}, {**entry, "inputs": inputs}
 
 
-def _inputs(shapes: dict[str, tuple[str, tuple[int, ...]]], seed: int) -> dict[str, np.ndarray]:
+def request_inputs(shapes: dict[str, tuple[str, tuple[int, ...]]], seed: int) -> dict[str, np.ndarray]:
     """One request's inputs: for the encoder a sentence of its own length, then padding; else normal floats."""
     rng = np.random.default_rng(seed)
     if "input_ids" in shapes:
@@ -96,7 +96,7 @@ def client(endpoint: str, model: str, shapes: dict[str, tuple[str, tuple[int, ..
     from protocol.client_messages import InferRequest, encode_infer
     from protocol.tensors import TensorDesc
 
-    inputs = _inputs(shapes, seed)
+    inputs = request_inputs(shapes, seed)
     descs = tuple(TensorDesc(name, array.dtype.name, array.shape) for name, array in inputs.items())
     socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)

@@ -61,11 +61,11 @@ def test_batching_bench_sets_a_key_on_both_sides_or_on_the_batching_side_alone()
 
 def test_batching_bench_pads_each_encoder_clients_sentence_to_the_tokens_asked() -> None:
     """--tokens 32: the encoder declares [None, 32] inputs; each client's ids end in padding where its mask does."""
-    from bench.batching import MODELS, _inputs, with_tokens
+    from bench.batching import MODELS, request_inputs, with_tokens
 
     shapes, entry = with_tokens("encoder", 32)
     assert [spec["shape"] for spec in entry["inputs"]] == [[None, 32], [None, 32]]
-    sentences = [_inputs(shapes, seed) for seed in range(8)]
+    sentences = [request_inputs(shapes, seed) for seed in range(8)]
     for inputs in sentences:
         mask, ids = inputs["attention_mask"][0], inputs["input_ids"][0]
         length = int(mask.sum())
