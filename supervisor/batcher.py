@@ -27,6 +27,11 @@ from supervisor.pending import PendingRequest
 _DUE_EARLY_S = 0.0005
 
 
+def may_wait(policy: BatchingConfig, worker_busy: bool) -> bool:
+    """True when a batch short of full may wait for companions: only one for a busy worker, and only with a delay."""
+    return worker_busy and policy.max_queue_delay_us > 0
+
+
 def is_due(wait_until: float, now: float) -> bool:
     """True once a waiting batch may go: its due time is reached, or less than _DUE_EARLY_S away."""
     return now >= wait_until - _DUE_EARLY_S
@@ -76,7 +81,7 @@ def take(
     full = rows >= policy.max_batch_size or len(members) >= limit
     at_preferred = rows in policy.preferred_batch_sizes
     deadline = head.accepted_at + policy.max_queue_delay_us / 1e6
-    if not full and not at_preferred and worker_busy and not is_due(deadline, now):
+    if not full and not at_preferred and may_wait(policy, worker_busy) and not is_due(deadline, now):
         return Decision([], deadline)
     chosen = _cut(members, [queue[i].rows for i in members], policy.preferred_batch_sizes)
     if chosen[-1] == len(chosen) - 1:  # the usual case: the batch is the head of the line

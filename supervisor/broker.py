@@ -233,7 +233,7 @@ class Broker:
         slot = None if queue.waiting else self.pick_worker(request.model, spec)
         if model.batching is not None:
             pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
-            if slot is None or (slot.inflight and model.batching.max_queue_delay_us > 0):
+            if slot is None or batcher.may_wait(model.batching, bool(slot.inflight)):
                 # The batcher decides: join it to those in line, or let it wait for companions.
                 self.enqueue_or_refuse(queue, pending)
                 self.dispatch(request.model)
