@@ -32,7 +32,7 @@ from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.sockets import send_frames  # noqa: E402
 from protocol.tensors import TensorDesc  # noqa: E402
 from supervisor.control import control_request  # noqa: E402
-from supervisor.status import percentile  # noqa: E402
+from supervisor.observe.stats import percentile  # noqa: E402
 
 
 def client(endpoint: str, model: str, seconds: float, out: Any) -> None:

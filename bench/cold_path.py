@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.status import percentile  # noqa: E402
+from supervisor.observe.stats import percentile  # noqa: E402
 
 #: Input shapes of the models this drives (batch 1).
 _SHAPES = {"tiny": (1, 16), "resnet18": (1, 3, 224, 224), "resnet50": (1, 3, 224, 224)}

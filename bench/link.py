@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from protocol.worker_link import WORKER_LINK_FRAMES, Link  # noqa: E402
-from supervisor.status import percentile  # noqa: E402
+from supervisor.observe.stats import percentile  # noqa: E402
 
 #: Round trips before timing starts: connection set-up and first-call costs.
 _WARMUP = 200

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from bench.daemon import builtin_entry, start_daemon  # noqa: E402
 from bench.transport import client_loop  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from supervisor.status import percentile  # noqa: E402
+from supervisor.observe.stats import percentile  # noqa: E402
 
 
 def _free_port() -> int:

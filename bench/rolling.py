@@ -29,7 +29,7 @@ from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.errors import InferenceError  # noqa: E402
 from supervisor.control import control_request  # noqa: E402
-from supervisor.status import percentile  # noqa: E402
+from supervisor.observe.stats import percentile  # noqa: E402
 
 
 class Recorder:

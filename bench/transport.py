@@ -52,7 +52,7 @@ from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.sockets import send_frames  # noqa: E402
-from supervisor.status import percentile  # noqa: E402
+from supervisor.observe.stats import percentile  # noqa: E402
 
 
 def in_process(model: str, seconds: float, threads: int) -> list[float]:

@@ -38,17 +38,36 @@ class SlotState(enum.Enum):
     FAILED = "failed"  # failed too often within the restart window; no more respawns
 
 
-_ALLOWED: dict[SlotState, frozenset[SlotState]] = {
-    # A spawn the OS refused (EAGAIN, ENOMEM) never had a process: it backs off from STOPPED directly.
-    SlotState.STOPPED: frozenset({SlotState.STARTING, SlotState.BACKOFF}),
-    # A worker that exits before READY backs off (or fails for good); one we gave up on is stopped.
-    SlotState.STARTING: frozenset({SlotState.SERVING, SlotState.BACKOFF, SlotState.FAILED, SlotState.STOPPING}),
-    SlotState.SERVING: frozenset({SlotState.DRAINING, SlotState.STOPPING, SlotState.BACKOFF, SlotState.FAILED}),
+#: Every move a slot may make, each with what causes it: the one table the pool is held to, and what
+#: docs/architecture.md's state diagram is generated from (python -m supervisor.state_diagram --write).
+TRANSITIONS: dict[SlotState, dict[SlotState, str]] = {
+    SlotState.STOPPED: {
+        SlotState.STARTING: "spawn",
+        # A spawn the OS refused (EAGAIN, ENOMEM) never had a process: it backs off from STOPPED directly.
+        SlotState.BACKOFF: "spawn refused by the OS",
+    },
+    SlotState.STARTING: {
+        SlotState.SERVING: "READY",
+        # A worker that exits before READY backs off (or fails for good); one we gave up on is stopped.
+        SlotState.BACKOFF: "exit before READY",
+        SlotState.FAILED: "too many exits in the restart window",
+        SlotState.STOPPING: "retire, or the daemon stops",
+    },
+    SlotState.SERVING: {
+        SlotState.DRAINING: "retire (rolling)",
+        SlotState.STOPPING: "the daemon stops",
+        SlotState.BACKOFF: "exit not asked for (crash, kill)",
+        SlotState.FAILED: "too many exits in the restart window",
+    },
     # An exit while draining or stopping was asked for, so it ends in STOPPED, not BACKOFF.
-    SlotState.DRAINING: frozenset({SlotState.STOPPING, SlotState.STOPPED}),
-    SlotState.STOPPING: frozenset({SlotState.STOPPED}),
-    SlotState.BACKOFF: frozenset({SlotState.STARTING, SlotState.FAILED, SlotState.STOPPED}),
-    SlotState.FAILED: frozenset({SlotState.STOPPED}),
+    SlotState.DRAINING: {SlotState.STOPPING: "the daemon stops", SlotState.STOPPED: "exit"},
+    SlotState.STOPPING: {SlotState.STOPPED: "exit"},
+    SlotState.BACKOFF: {
+        SlotState.STARTING: "delay elapsed: spawn",
+        SlotState.FAILED: "too many failures",
+        SlotState.STOPPED: "retire, or the daemon stops",
+    },
+    SlotState.FAILED: {SlotState.STOPPED: "retire"},
 }
 
 
@@ -78,7 +97,7 @@ class IllegalTransition(Exception):
 
 def allowed_transitions(state: SlotState) -> frozenset[SlotState]:
     """The states a slot in `state` may move to."""
-    return _ALLOWED[state]
+    return frozenset(TRANSITIONS[state])
 
 
 def describe_exit(code: int) -> str:
@@ -176,7 +195,7 @@ class WorkerSlot:
 
     def transition(self, new: SlotState, reason: str) -> None:
         """Move to `new`, refusing moves the machine does not allow, and log the change as data."""
-        if new not in _ALLOWED[self.state]:
+        if new not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.name}: {self.state.value} -> {new.value} ({reason})")
         pid = self.process.pid if self.process is not None else None
         log.info("worker_state", slot=self.name, pid=pid, old=self.state.value, new=new.value, reason=reason)

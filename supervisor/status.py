@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import psutil
@@ -14,17 +13,9 @@ from supervisor.broker import Broker, ModelQueue
 from supervisor.config import BatchingConfig, Config
 from supervisor.fallback import Fallbacks
 from supervisor.health import ModelReport
+from supervisor.observe.stats import percentile
 from supervisor.pool import WorkerPool
 from supervisor.slot import SlotState, WorkerSlot
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of a sample, or None when empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    rank = max(0, min(len(ordered) - 1, int(round(q / 100.0 * len(ordered) + 0.5)) - 1))
-    return round(ordered[rank], 3)
 
 
 def rss_of(pid: int | None) -> int | None:

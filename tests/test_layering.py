@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from supervisor import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "common", "supervisor", "worker")
@@ -76,3 +79,30 @@ def test_a_forbidden_import_breaks_the_layering_and_is_named(
     assert done.returncode == 1, done.stdout + done.stderr
     assert offence in done.stdout, done.stdout
     assert "Contracts: 3 kept, 1 broken." in done.stdout
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module `path` imports by absolute name, lazy and TYPE_CHECKING imports included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith(f"{package}.")}
+
+
+def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
+    """No arrow points up: the core imports neither the toolkit nor the CLI, and the toolkit never the CLI."""
+    package = cli.__name__.removesuffix(".cli")
+    folder = Path(cli.__file__).resolve().parent
+    cli_side = (f"{package}.commands", f"{package}.cli", f"{package}.__main__")
+    offences = []
+    for path in sorted(folder.rglob("*.py")):
+        part = path.relative_to(folder).parts[0].removesuffix(".py")
+        if part in ("commands", "cli", "__main__"):
+            continue
+        above = cli_side if part == "toolkit" else (*cli_side, f"{package}.toolkit")
+        offences += [f"{path.relative_to(folder)} -> {name}" for name in _imported_modules(path, package)
+                     if any(name == up or name.startswith(f"{up}.") for up in above)]  # fmt: skip
+    assert offences == []

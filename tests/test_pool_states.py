@@ -15,6 +15,7 @@ import zmq
 
 from protocol import worker_messages as wm
 from protocol.constants import StartPhase
+from supervisor import state_diagram
 from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import Config, ModelConfig, parse_config
@@ -25,7 +26,7 @@ from supervisor.launcher import ExitRecord, Launched
 from supervisor.planner import Assignment
 from supervisor.pool import WorkerPool
 from supervisor.serving_config import ServingConfig
-from supervisor.slot import IllegalTransition, SlotState, WorkerSlot, allowed_transitions
+from supervisor.slot import TRANSITIONS, IllegalTransition, SlotState, WorkerSlot, allowed_transitions
 from supervisor.worker_links import WorkerLinks
 from worker.profiles.attempts import AttemptLog
 
@@ -387,3 +388,11 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
     assert AttemptLog(None, stems, [first, second], 60.0).refusal("int8_static") is None, "a raised limit retries"
     rig.pool.restart("tiny", "operator command", forget_overruns=True)
     assert all(e["compile_overrun"] is None for e in rig.pool.recent_exits["tiny"])
+
+
+def test_the_documented_state_diagram_is_the_transition_table() -> None:
+    """docs/architecture.md's diagram is what supervisor/slot.py's TRANSITIONS renders, arrow for arrow."""
+    text = state_diagram.DOCS.read_text()
+    assert state_diagram.render(text) == text, "run `python -m supervisor.state_diagram --write`"
+    arrows = sum(len(moves) for moves in TRANSITIONS.values())
+    assert state_diagram.diagram().count(" --> ") == arrows + 1  # and the initial [*] --> STOPPED

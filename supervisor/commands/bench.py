@@ -25,11 +25,11 @@ from common.profiles import REFERENCE_PROFILE
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from supervisor.cache_dir import resolve_cache_dir
-from supervisor.commands.infer import random_inputs
 from supervisor.config import ConfigError, load_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.control import DaemonNotReady, await_status, control_request
-from supervisor.status import percentile
+from supervisor.observe.stats import percentile
+from supervisor.toolkit.inputs import random_inputs
 from supervisor.toolkit.models import Measured, UnknownModel, resolve
 
 

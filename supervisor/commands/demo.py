@@ -19,12 +19,13 @@ from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from protocol.errors import InferenceError
 from supervisor.commands.build import run_build
-from supervisor.commands.infer import random_inputs, summarize
+from supervisor.commands.infer import summarize
 from supervisor.commands.status import describe_start, format_status
 from supervisor.config import ConfigError, load_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.control import ControlError, control_request
-from supervisor.status import percentile
+from supervisor.observe.stats import percentile
+from supervisor.toolkit.inputs import random_inputs
 
 #: Worker states the demo waits out: anything else is still on its way to serving (or to giving up).
 _SETTLED = ("serving", "failed")

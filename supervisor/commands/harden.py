@@ -9,11 +9,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.commands.infer import random_inputs
 from supervisor.control import ControlError, model_status
 from supervisor.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.harden import Target, run_protocol
+from supervisor.toolkit.inputs import random_inputs
 
 
 def run_harden(args: argparse.Namespace) -> int:

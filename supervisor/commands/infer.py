@@ -20,6 +20,7 @@ from protocol.constants import CLIENT_SOCKET_NAME, DEFAULT_MAX_FRAME_BYTES
 from protocol.errors import InferenceError
 from supervisor.control import ControlError, control_request
 from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.toolkit.inputs import random_inputs, random_shape
 
 
 class InputError(Exception):
@@ -57,38 +58,6 @@ def check_random_size(spec: list[dict[str, Any]], batch: int, max_frame_bytes: i
             f"--batch {batch} needs {peak / 2**20:,.0f} MiB to make its inputs and this box has "
             f"{available / 2**20:,.0f} MiB available; use a smaller --batch"
         )
-
-
-def random_shape(shape: list[Any], batch: int) -> tuple[int, ...]:
-    """A status shape (integers, null, [min, max]) made concrete: every open dim is `batch`, raised to its min.
-
-    Never lowered to its max: a --batch over the bound reaches the daemon, which refuses it naming the bound.
-    """
-    return tuple(d if isinstance(d, int) else max(batch, d[0]) if isinstance(d, list) else batch for d in shape)
-
-
-def random_inputs(spec: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
-    """Arrays of a declared input spec, drawn as its `synthetic` says (else normal floats, ones for integers)."""
-    rng = np.random.default_rng(seed)
-    arrays: dict[str, np.ndarray[Any, Any]] = {}
-    for item in spec:
-        shape = random_shape(item["shape"], batch)
-        dtype = np.dtype(item["dtype"])
-        synthetic = item.get("synthetic") or {}
-        distribution = synthetic.get("distribution")
-        values: np.ndarray[Any, Any]
-        if distribution == "normal":
-            values = rng.normal(synthetic["mean"], synthetic["std"], shape)
-        elif distribution == "uniform":
-            values = rng.uniform(synthetic["low"], synthetic["high"], shape)
-        elif distribution == "integers":
-            values = rng.integers(synthetic["low"], synthetic["high"], shape)
-        elif dtype.kind == "f":
-            values = rng.standard_normal(shape)
-        else:
-            values = np.ones(shape)
-        arrays[item["name"]] = values.astype(dtype)
-    return arrays
 
 
 def _load_array_file(path: str) -> Any:
