@@ -25,6 +25,7 @@ from supervisor.anomalies import Anomalies
 from supervisor.broker import Broker
 from supervisor.config import Config
 from supervisor.control import ControlServer, status_server
+from supervisor.control_commands import dispatch
 from supervisor.cpu_latency import CpuLatencyHold
 from supervisor.endpoints import ClientEndpoints
 from supervisor.event_loop import CONTROL, EventLoop
@@ -356,34 +357,35 @@ class Arbiter:
     # ---- control ----------------------------------------------------------------------------
 
     def control_command(self, command: dict[str, Any]) -> dict[str, Any]:
-        """Answer one control-socket command."""
-        name = command.get("cmd")
-        if name == "status":
-            return self.status()
-        if name == "ping":
-            return {"ok": True, "pid": os.getpid()}
-        if name == "metrics":
-            self.publish_metrics()  # the figures of this turn, which the HTTP endpoint then shows too
-            return {"ok": True, "text": self.metrics.render()}
-        if name in ("reload", "restart", "fallback") and self.pool.stopping:
-            return {"ok": False, "error": "the daemon is stopping"}
-        if name == "restart":
-            model = command.get("model")
-            if model is not None and model not in self.pool.members:
-                return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(self.pool.members)}"}
-            # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
-            return {"ok": True, "queued": self.pool.restart(model, "operator command", forget_overruns=True)}
-        if name == "profile":
-            model, requests = command.get("model"), command.get("requests", 50)
-            if not isinstance(model, str) or type(requests) is not int or not 1 <= requests <= 10_000:
-                return {"ok": False, "error": "profile needs model (a string) and requests (1..10000)"}
-            return self.start_profile(model, requests)
-        if name == "reload":
-            return self.reloader.command()
-        if name == "fallback":
-            return self.fallback.command(command)
-        known = "status, ping, metrics, restart, reload, profile, fallback"
-        return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {known}"}
+        """Answer one control-socket command (the table is supervisor/control_commands.py)."""
+        return dispatch(self, command)
+
+    # ---- what control commands ask of the daemon (ControlHost) ---------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """The daemon is stopping: commands that change something are refused."""
+        return self.pool.stopping
+
+    def metrics_text(self) -> str:
+        """The Prometheus text of this turn's figures, which the HTTP endpoint then shows too."""
+        self.publish_metrics()
+        return self.metrics.render()
+
+    def restart_models(self, model: str | None) -> dict[str, Any]:
+        """A rolling restart of `model`'s workers, or of every model's."""
+        if model is not None and model not in self.pool.members:
+            return {"ok": False, "error": f"no model {model[:128]!r}; serving {sorted(self.pool.members)}"}
+        # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
+        return {"ok": True, "queued": self.pool.restart(model, "operator command", forget_overruns=True)}
+
+    def reload_now(self) -> dict[str, Any]:
+        """Re-read config.json now."""
+        return self.reloader.command()
+
+    def fallback_command(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Move a model down its chain, or back."""
+        return self.fallback.command(command)
 
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
         """Ask one serving worker of `model` to profile its next requests; the report appears in its status."""

@@ -20,6 +20,7 @@ from protocol.codec import pack, unpack
 from protocol.constants import CONTROL_SOCKET_NAME, STATUS_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
 from supervisor.anomalies import Anomalies
+from supervisor.control_commands import READ_ONLY_COMMANDS
 from supervisor.socket_group import SocketGroup, bind_ipc
 
 log = structlog.get_logger("supervisor")
@@ -30,9 +31,6 @@ Found = TypeVar("Found")
 #: Commands answered per loop turn: a flood of them must not hold the loop that routes requests.
 _BATCH = 16
 
-#: Commands that only read: status.sock answers them to the socket group. metrics is the Prometheus text,
-#: which the loopback HTTP endpoint shows every local user anyway. The rest change what is served.
-READ_ONLY_COMMANDS = frozenset({"status", "ping", "metrics"})
 
 
 class ControlServer:

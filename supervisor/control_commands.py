@@ -1,0 +1,87 @@
+"""The control socket's commands, one table: each command's name, whether it only reads, what it does, its handler.
+
+A handler gets the daemon as a `ControlHost` (what the arbiter offers a command) and the command's map,
+and returns the answer map. Adding a command is one handler and one `CONTROL_COMMANDS` entry; the
+unknown-command error, status.sock's read-only set and docs/protocol.md's list all come from the table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class ControlHost(Protocol):
+    """What a control command may ask of the daemon."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def metrics_text(self) -> str: ...
+
+    def restart_models(self, model: str | None) -> dict[str, Any]: ...
+
+    def start_profile(self, model: str, requests: int) -> dict[str, Any]: ...
+
+    def reload_now(self) -> dict[str, Any]: ...
+
+    def fallback_command(self, command: dict[str, Any]) -> dict[str, Any]: ...
+
+
+Handler = Callable[[ControlHost, dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ControlCommand:
+    """One control command: `read_only` ones are answered on status.sock too and while the daemon stops."""
+
+    name: str
+    read_only: bool
+    summary: str
+    handle: Handler
+
+
+def _profile(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
+    model, requests = command.get("model"), command.get("requests", 50)
+    if not isinstance(model, str) or type(requests) is not int or not 1 <= requests <= 10_000:
+        return {"ok": False, "error": "profile needs model (a string) and requests (1..10000)"}
+    return host.start_profile(model, requests)
+
+
+def _restart(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
+    model = command.get("model")
+    return host.restart_models(model if model is None else str(model))
+
+
+CONTROL_COMMANDS: Mapping[str, ControlCommand] = {
+    command.name: command
+    for command in (
+        ControlCommand("status", True, "the status document", lambda host, _: host.status()),
+        ControlCommand("ping", True, "is the daemon's loop turning", lambda host, _: {"ok": True, "pid": os.getpid()}),
+        ControlCommand("metrics", True, "the Prometheus text", lambda h, _: {"ok": True, "text": h.metrics_text()}),
+        ControlCommand("restart", False, "rolling restart of one model or all", _restart),
+        ControlCommand("reload", False, "re-read config.json now", lambda host, _: host.reload_now()),
+        ControlCommand("profile", False, "torch.profiler over a worker's next requests", _profile),
+        ControlCommand("fallback", False, "a model down its chain, or back", lambda h, c: h.fallback_command(c)),
+    )
+}
+
+#: What status.sock answers to the socket group.
+READ_ONLY_COMMANDS = frozenset(name for name, command in CONTROL_COMMANDS.items() if command.read_only)
+
+
+def dispatch(
+    host: ControlHost, command: dict[str, Any], table: Mapping[str, ControlCommand] = CONTROL_COMMANDS
+) -> dict[str, Any]:
+    """The answer to one command map: its handler's, or why it is refused (unknown, or a change while stopping)."""
+    name = command.get("cmd")
+    found = table.get(name) if isinstance(name, str) else None
+    if found is None:
+        return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {', '.join(table)}"}
+    if host.stopping and not found.read_only:
+        return {"ok": False, "error": "the daemon is stopping"}
+    return found.handle(host, command)
