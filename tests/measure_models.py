@@ -1,4 +1,4 @@
-"""Models for the per-output gate and statefulness tests, served through the `python` source (`tests.measure_models:NAME`)."""
+"""Models for the per-output gate and statefulness tests, served through the `python` source."""
 
 from __future__ import annotations
 
