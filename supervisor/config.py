@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
 from common.builtin_models import BUILTIN_MODELS
 from common.profiles import PROFILE_NAMES
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
@@ -333,14 +334,17 @@ def _read_profiles(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...]:
 def _read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
     r = ctx.fields
     if not isinstance(raw, dict):
-        r.fail(path, "must be an object with min_cosine, max_abs_error, top1")
+        r.fail(path, "must be an object with min_cosine, max_rel_error, max_abs_error, top1")
         return {}
-    r.check_keys(raw, path, {"min_cosine", "max_abs_error", "top1"})
+    r.check_keys(raw, path, {"min_cosine", "max_rel_error", "max_abs_error", "top1"})
     cosine = r.number(raw, "min_cosine", path, 0.999, -1.0)
     if cosine > 1.0:
         r.fail(f"{path}.min_cosine", f"must be at most 1, got {cosine}")
+    # Absent: the default applies; null: switched off (the cosine alone then judges few-value outputs too).
+    relative = raw.get("max_rel_error", DEFAULT_MAX_REL_ERROR)
     return {
         "min_cosine": cosine,
+        "max_rel_error": None if relative is None else r.number(raw, "max_rel_error", path, DEFAULT_MAX_REL_ERROR, 0.0),
         "max_abs_error": r.optional_number(raw, "max_abs_error", path, 0.0),
         "top1": r.boolean(raw, "top1", path, False),
     }
@@ -474,12 +478,15 @@ MODEL_KEYS: tuple[Key, ...] = (
         Applied.ROLLING,
         "join requests of this model into one forward pass (off when null) ([more](#batching))."),
     Key("tolerance",
-        Custom(_read_tolerance, "`min_cosine` (-1..1), `max_abs_error` (≥ 0 or null), `top1` (bool)",
-               {"min_cosine": 0.999}),
+        Custom(_read_tolerance,
+               "`min_cosine` (-1..1), `max_rel_error` (≥ 0 or null), `max_abs_error` (≥ 0 or null), `top1` (bool)",
+               {"min_cosine": 0.999, "max_rel_error": DEFAULT_MAX_REL_ERROR}),
         Applied.ROLLING,
         "how close to eager fp32 a profile must stay on the golden (or validation) inputs: the cosine of the worst "
-        "sample (each row of the batch, all outputs joined), the largest absolute difference, and argmax agreement "
-        "on every row."),
+        "sample (each row of the batch, all outputs joined); on each output with at most "
+        f"{FEW_VALUES_PER_ROW} values per row (a score, a probability, a box), where a cosine cannot fail, the "
+        "largest difference as a fraction of eager's largest magnitude on that output; the largest absolute "
+        "difference; and argmax agreement on every row ([more](#tolerance))."),
     Key("channels_last", Flag(False), Applied.ROLLING,
         "NHWC memory layout for CNNs: the module and every 4-D input are converted (inputs arrive NCHW on the wire "
         "as usual) ([more](#channels_last))."),

@@ -37,6 +37,7 @@ from worker.progress import LinkProgress
 from worker.request_path import Prepared, prepare
 from worker.runner import ModelRunner, timed_ms
 from worker.shared_inputs import SharedInputs
+from worker.state_check import refuse_stateful
 
 log = structlog.get_logger("worker")
 
@@ -373,6 +374,7 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         module = load_model(launch.source, launch.inputs)
         names = launch.output_names or default_output_names(launch.source)
         runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
+        refuse_stateful(runner)  # before warm-up and the gate advance a state that every client would share
         context = build_context(launch, runner, progress)
         attempts = attempt_log(launch, context)
         validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None

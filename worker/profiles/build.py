@@ -23,11 +23,12 @@ import torch
 
 from common.profiles import PROFILE_NAMES, PROFILES
 from protocol.tensors import TensorSpec
-from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
+from worker.profiles.cache import ArtifactCache, CachedBuildFailure, artifact_key, file_digest
 from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
 from worker.profiles.export import (
     BatchBuckets,
     ExportError,
+    NoGain,
     ShapeDispatch,
     at_batch,
     batch_only,
@@ -163,6 +164,8 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
 
     def package(example: Inputs, specs: tuple[TensorSpec, ...], shapes: str) -> tuple[Any, Path]:
         options = {"channels_last": context.channels_last, "calibration": calibration_id, "shapes": shapes}
+        if quantization is _Quantization.DYNAMIC:
+            options["quantized"] = "linear"  # packages from before dynamic int8 left convolutions alone are not reused
         key = artifact_key(context.digest, name, specs, options)
         path = cache.path_for(name, key)
         hit = cache.get_or_build(path, key, lambda into: compile_package(program(example, specs), example, specs, into))
@@ -276,6 +279,11 @@ def build_profile(name: str, context: BuildContext) -> Built:
         return builder(context)
     except ProfileError:
         raise
+    except NoGain as exc:
+        raise ProfileError(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - building from a user model can fail in many ways; each is a skip reason
+        cause, _, remembered = str(exc).partition(": ")
+        if isinstance(exc, CachedBuildFailure) and cause == NoGain.__name__:
+            raise ProfileError(remembered) from exc  # said as the first time, not as a build that failed
         detail = str(exc) if isinstance(exc, ExportError) else f"{type(exc).__name__}: {str(exc)[:300]}"
         raise ProfileError(f"{name} failed to build: {detail}") from exc

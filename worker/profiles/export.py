@@ -27,6 +27,10 @@ class ExportError(Exception):
     """The model cannot go through torch.export / PT2E / AOTInductor; the message says what to change."""
 
 
+class NoGain(ExportError):
+    """Quantization found nothing to quantize: the profile would be the plain package under another name."""
+
+
 def traceable_example(example: Inputs, specs: Sequence[TensorSpec]) -> Inputs:
     """The example with every dynamic dim of size 1 doubled: export would specialise a 1 into a constant."""
     grown: list[torch.Tensor] = []
@@ -61,7 +65,12 @@ def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.e
 def quantize(
     program: torch.export.ExportedProgram, calibration: Sequence[Inputs], dynamic: bool
 ) -> torch.fx.GraphModule:
-    """PT2E int8 with X86InductorQuantizer: static (activations calibrated) or dynamic (Linear layers)."""
+    """PT2E int8 with X86InductorQuantizer: static (activations calibrated) or dynamic (Linear layers only).
+
+    Dynamic quantization is configured for aten.linear alone (nn.Linear and F.linear): the quantizer's global
+    dynamic config also takes convolutions, which changed a conv-only network's outputs for no speed. NoGain
+    when the graph has no Linear to quantize.
+    """
     try:
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -70,13 +79,17 @@ def quantize(
             "torchao is not installed (pip install --no-deps 'torchao==0.18.*'; see docs/optimization.md)"
         ) from exc
     quantizer = x86.X86InductorQuantizer()
-    quantizer.set_global(x86.get_default_x86_inductor_quantization_config(is_dynamic=dynamic))
+    config = x86.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
+    if dynamic:
+        quantizer.set_module_type_qconfig(torch.nn.Linear, config)
+    else:
+        quantizer.set_global(config)
     try:
         with torch.no_grad():
             prepared = prepare_pt2e(program.module(), quantizer)
             for inputs in calibration:
                 prepared(*inputs)
-            return convert_pt2e(prepared)  # type: ignore[no-any-return]
+            converted: torch.fx.GraphModule = convert_pt2e(prepared)
     except Exception as exc:  # noqa: BLE001 - quantizer annotation fails on some graph shapes; said plainly
         message = f"{type(exc).__name__}: {str(exc)[:300]}"
         if "more than one output node" in message:
@@ -85,6 +98,10 @@ def quantize(
                 " site its own module instance)"
             )
         raise ExportError(f"PT2E quantization failed: {message}") from exc
+    if not any("quantize" in str(node.target) for node in converted.graph.nodes if node.op == "call_function"):
+        what = "no Linear layer (int8_dynamic quantizes only those)" if dynamic else "no layer the quantizer takes"
+        raise NoGain(f"no gain: the model has {what}, so nothing was quantized")
+    return converted
 
 
 def compile_package(

@@ -228,8 +228,9 @@ class _Trial:
                 self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
                 self.progress.phase(StartPhase.CHECKING, name)
                 agreements = [
-                    (compare(reference, [a for _, a in self.runner.forward(case.inputs)]), case.where)
+                    (compare(reference, [a for _, a in outputs], [n for n, _ in outputs]), case.where)
                     for case, reference in zip(self.golden.cases, self.reference, strict=True)
+                    for outputs in [self.runner.forward(case.inputs)]
                 ]
                 result = worst_of(agreements, self.golden.checked)
                 failure = result.failure(self.tolerance)

@@ -1,4 +1,10 @@
-"""Compares a profile's outputs on the golden inputs with the eager fp32 reference."""
+"""Compares a profile's outputs on the golden inputs with the eager fp32 reference.
+
+Two measures, so that every output can fail: the cosine of each sample's row (all outputs joined), and, on each
+output whose rows hold few values (common.accuracy.FEW_VALUES_PER_ROW), the largest difference relative to the
+largest magnitude eager gives on that output. A cosine over one value per row only compares signs: a probability
+off by 0.89 keeps it at 1.0.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,35 @@ from typing import Any
 
 import numpy as np
 
-from common.accuracy import cosine_text
+from common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW, cosine_text
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close to eager a profile must stay: cosine, and optionally max abs error and top-1 agreement."""
+    """How close to eager a profile must stay: cosine, relative error on few-value outputs (None: not checked), and
+    optionally max abs error and top-1 agreement."""
 
     min_cosine: float = 0.999
     max_abs_error: float | None = None
     top1: bool = False
+    max_rel_error: float | None = DEFAULT_MAX_REL_ERROR
+
+
+@dataclass(frozen=True)
+class RelativeError:
+    """The worst relative error over the outputs judged by it: its value, which output, and that output's row."""
+
+    error: float = 0.0
+    #: The output's name ("" when no output has few enough values per row to be judged by it).
+    output: str = ""
+    #: Values per row of that output, and the row with the largest difference.
+    values: int = 0
+    row: int = 0
+
+    def text(self) -> str:
+        """`relative error 0.05 on output 'score' (1 value per row)`."""
+        plural = "value" if self.values == 1 else "values"
+        return f"relative error {self.error:.3g} on output {self.output!r} ({self.values} {plural} per row)"
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,7 @@ class Agreement:
     error_row: int = 0
     #: Rows the cosine was taken over (1: the output was compared as one vector).
     rows: int = 1
+    relative: RelativeError = RelativeError()
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why this misses the tolerance, or None when it meets it."""
@@ -39,6 +65,8 @@ class Agreement:
             return "outputs are not finite or change shape"
         if self.cosine < tolerance.min_cosine:
             return f"cosine {cosine_text(self.cosine, tolerance.min_cosine)} < {tolerance.min_cosine}"
+        if _relative_fails(self.relative, tolerance):
+            return f"{self.relative.text()} > {tolerance.max_rel_error}"
         if tolerance.max_abs_error is not None and self.max_abs_error > tolerance.max_abs_error:
             return f"max abs error {self.max_abs_error:.3g} > {tolerance.max_abs_error}"
         if tolerance.top1 and not self.top1_agree:
@@ -59,6 +87,8 @@ class GoldenResult:
     top1_at: str
     #: What was checked, e.g. `8 validation samples, each alone and batched (8, 64)`.
     checked: str
+    relative: RelativeError = RelativeError()
+    relative_at: str = ""
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why the worst row misses the tolerance (and where it is), or None when every row meets it."""
@@ -68,6 +98,12 @@ class GoldenResult:
             return (
                 f"worst-row cosine {cosine_text(self.cosine, tolerance.min_cosine)} < {tolerance.min_cosine} on "
                 f"{self.cosine_at}, over {self.checked}"
+            )
+        if _relative_fails(self.relative, tolerance):
+            return (
+                f"{self.relative.text()} > {tolerance.max_rel_error} on {self.relative_at} (its largest difference "
+                f"from eager over eager's largest magnitude on it: a cosine over so few values cannot fail), "
+                f"over {self.checked}"
             )
         if tolerance.max_abs_error is not None and self.max_abs_error > tolerance.max_abs_error:
             return (
@@ -80,10 +116,16 @@ class GoldenResult:
 
     def summary(self, min_cosine: float | None = None) -> str:
         """The figures the gate passed on, with where the worst of each was."""
+        relative = f", {self.relative.text()} ({self.relative_at})" if self.relative.output else ""
         return (
-            f"worst-row cosine {cosine_text(self.cosine, min_cosine)} ({self.cosine_at}), max abs error "
+            f"worst-row cosine {cosine_text(self.cosine, min_cosine)} ({self.cosine_at}){relative}, max abs error "
             f"{self.max_abs_error:.3g} ({self.error_at}), over {self.checked}"
         )
+
+
+def _relative_fails(relative: RelativeError, tolerance: Tolerance) -> bool:
+    limit = tolerance.max_rel_error
+    return bool(relative.output) and limit is not None and not relative.error <= limit
 
 
 def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked: str) -> GoldenResult:
@@ -94,6 +136,7 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
     cosine, cosine_at = 1.0, "no row"
     error, error_at = 0.0, "no row"
     top1_at = ""
+    relative, relative_at = RelativeError(), ""
     for agreement, where in results:
         # An output compared as one vector (one value per sample) has no row to name: the input is named.
         worst, largest = (agreement.worst_row, agreement.error_row) if agreement.rows > 1 else (-1, -1)
@@ -103,11 +146,17 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
             error, error_at = agreement.max_abs_error, where(largest)
         if not agreement.top1_agree and not top1_at:
             top1_at = where(-1)
-    return GoldenResult(cosine, cosine_at, error, error_at, not top1_at, top1_at, checked)
+        if agreement.relative.output and (not relative.output or not agreement.relative.error <= relative.error):
+            relative = agreement.relative
+            relative_at = where(relative.row)
+    return GoldenResult(cosine, cosine_at, error, error_at, not top1_at, top1_at, checked, relative, relative_at)
 
 
-def compare(reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]]) -> Agreement:
-    """The worst per-sample cosine, the largest absolute difference, and argmax agreement per row.
+def compare(
+    reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str] = ()
+) -> Agreement:
+    """The worst per-sample cosine, the largest absolute difference, argmax agreement per row, and the worst
+    relative error over the outputs with few values per row (`names` name the outputs; default `output i`).
 
     Cosine is taken per sample (row of the batch, all outputs joined) and the minimum is kept: one
     flattened cosine over a batch would let seven good answers hide a bad eighth.
@@ -137,7 +186,34 @@ def compare(reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[An
         for r, c in zip(reference, candidate, strict=True)
         if r.ndim >= 1 and r.shape[0] > 0 and r.size > 0
     )
+    relative = _relative_error(reference, candidate, names)
     if not len(cosines):
-        return Agreement(1.0, 0.0, top1, rows=0)
+        return Agreement(1.0, 0.0, top1, rows=0, relative=relative)
     worst, largest = int(np.argmin(cosines)), int(np.argmax(errors))
-    return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count)
+    return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative)
+
+
+def _relative_error(
+    reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str]
+) -> RelativeError:
+    """The worst, over outputs with at most FEW_VALUES_PER_ROW values per row, of max |eager - profile| divided by
+    max |eager| on that output (the absolute difference where eager gives only zeros).
+
+    Scaled by the output's largest magnitude, not element by element: a probability of 1e-6 off by 1e-7 is no
+    failure, while the same output 5% off everywhere is.
+    """
+    worst = RelativeError()
+    for index, (want, got) in enumerate(zip(reference, candidate, strict=True)):
+        rows = want.shape[0] if want.ndim >= 1 and want.shape[0] > 0 else 1
+        values = want.size // rows if want.ndim >= 1 else want.size
+        if not 0 < values <= FEW_VALUES_PER_ROW:
+            continue
+        wanted = want.astype(np.float64).reshape(rows, -1)
+        difference = np.abs(wanted - got.astype(np.float64).reshape(rows, -1)).max(axis=1)
+        scale = float(np.abs(wanted).max())
+        row = int(np.argmax(difference))
+        error = float(difference[row]) / scale if scale > 0 else float(difference[row])
+        name = names[index] if index < len(names) else f"output {index}"
+        if not worst.output or not error <= worst.error:  # NaN counts as the worst
+            worst = RelativeError(error, name, values, row)
+    return worst
