@@ -205,9 +205,12 @@ def _not_proven(evidence: Evidence) -> list[str]:
                 and 1000.0 * (r.get("cold_start_s") or 0.0) > sla.cold_start_ms]  # fmt: skip
         if slow:
             starts = ", ".join(f"{r['profile']} {r['cold_start_s']:.1f} s" for r in slow)
-            notes.append(f"cold start: on a first start (nothing compiled yet) {starts} exceed the "
-                         f"{sla.cold_start_ms:g} ms constraint; it holds only for restarts with the "
-                         "package cached")  # fmt: skip
+            cached = [r["profile"] for r in slow if (_restart_s(r) or 0.0) * 1000.0 <= sla.cold_start_ms]
+            note = f"cold start: a first start (nothing compiled or cached yet) takes {starts}, over the " \
+                f"{sla.cold_start_ms:g} ms constraint"  # fmt: skip
+            if cached:
+                note += f"; {', '.join(cached)} meet it only on a restart that loads the cached compiled package"
+            notes.append(note)
     cpus = _measured_cpus(evidence)
     if len(set(cpus.values())) > 1:
         notes.append("the parts were measured on different CPUs: " + ", ".join(f"{k} on {v}" for k, v in cpus.items()))
@@ -269,7 +272,8 @@ def charts(evidence: Evidence) -> list[Chart] | None:
         axes.plot(times, p99s, marker="o", label="P99 per interval")
         if sla_p99 is not None:
             axes.axhline(sla_p99, color="#a00", linestyle="--", label=f"SLA P99 {sla_p99:g} ms")
-        axes.set(xlabel="seconds into the soak", ylabel="ms", ylim=(0, None))
+        top = max([p for p in p99s if p is not None] + ([sla_p99] if sla_p99 is not None else []))
+        axes.set(xlabel="seconds into the soak", ylabel="ms", ylim=(0, top * 1.2))
         axes.legend(loc="best")
         drawn.append(Chart("soak-p99", "P99 per interval over the soak, through the daemon (harden)", png(figure)))
     pids = sorted({pid for s in series for pid in s["rss_mb"]})
@@ -344,7 +348,8 @@ def _verdict_html(evidence: Evidence, found: Verdict) -> list[str]:
     for name, document in (("probe", evidence.probe), ("harden", harden)):
         if document is not None and document.get("served"):
             facts.append(f"{name} measured the daemon serving {_served_text(document['served'])}.")
-    parts.append("<p>" + " ".join(html.escape(f) for f in facts) + "</p>")
+    parts.append("<p>What was measured, and what was written:</p><ul class=facts>"
+                 + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")  # fmt: skip
     return parts
 
 
@@ -392,8 +397,9 @@ def _optimize_html(evidence: Evidence) -> list[str]:
              "P50/P99: one worker alone, one batch-1 request at a time. QPS: the total of all the layout's workers "
              "busy at once. Cold start: from process start to serving; a restart reuses a compiled "
              "package.</p>"]  # fmt: skip
-    headers = ["profile", "in chain", "accuracy (cosine vs eager)", "P99 ms, 1 worker", f"QPS, total of {layout}",
-               "RSS MB per worker", "first start s", "restart s", "risk / why not"]  # fmt: skip
+    headers = ["profile", "in chain", "accuracy (cosine vs eager)", "P99 ms, 1 worker, in process",
+               f"QPS, total of {layout}", "RSS MB per worker", "first start s", "restart s",
+               "risk / why not"]  # fmt: skip
     if sla is not None:
         headers[2] += f" ≥ {sla.accuracy.min_cosine:g}"
         headers[3] += f" ≤ {sla.p99_ms:g}"
