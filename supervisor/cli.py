@@ -228,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--optimize", help="JSON written by infervisor optimize --json")
     report.add_argument("--probe", help="JSON written by infervisor probe --json")
     report.add_argument("--harden", help="JSON written by infervisor harden --json")
-    report.add_argument("--out", default="infervisor-report.html", help="the HTML file to write (a .png beside it)")
+    report.add_argument(
+        "--out", default="infervisor-report.html", help="the HTML file to write (its charts as PNGs beside it)"
+    )
     return parser
 
 

@@ -231,7 +231,8 @@ def test_optimize_and_report_find_the_config_like_serve(tmp_path: Path) -> None:
     assert done.returncode == 2 and f"no model 'nope' in {config}; it has ['tiny']" in done.stdout, done.stdout
     done = cli("report", "--out", str(tmp_path / "report.html"), cwd=tmp_path, env=env)
     no_traceback(done)
-    assert done.returncode in (0, 1) and (tmp_path / "report.html").is_file(), done.stdout + done.stderr
+    # No constraints and no evidence: unproven (3), or not met (1) where a doctor check fails on this box.
+    assert done.returncode in (1, 3) and (tmp_path / "report.html").is_file(), done.stdout + done.stderr
 
 
 # ---- logs are JSON ----------------------------------------------------------------------------

@@ -14,10 +14,12 @@ from supervisor.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.harden import Target, run_protocol
 from supervisor.toolkit.inputs import random_inputs
+from supervisor.toolkit.provenance import command_line, measured_on, served
 
 
 def run_harden(args: argparse.Namespace) -> int:
-    """Run the checks, print one line each, exit 1 when any failed (2 when the daemon or inputs are wrong)."""
+    """Run the checks, print one line each, exit 1 when any measured check failed (2 when the daemon or inputs are
+    wrong); a check this box cannot make (thermal on a VM) is printed as not measured and fails nothing."""
     runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
     try:
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
@@ -34,9 +36,24 @@ def run_harden(args: argparse.Namespace) -> int:
         progress=lambda line: print(f"  ... {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
     for result in results:
-        print(f"[{'pass' if result.passed else 'FAIL'}] {result.name:<18} {result.detail}")
-    passed = all(r.passed for r in results)
-    print(f"{'PASSED' if passed else 'FAILED'}: {sum(r.passed for r in results)}/{len(results)} checks")
+        mark = "pass" if result.passed else "FAIL" if result.measured else "n/a "
+        print(f"[{mark}] {result.name:<18} {result.detail}")
+    measured = [r for r in results if r.measured]
+    passed = all(r.passed for r in measured)
+    unmeasured = [r.name for r in results if not r.measured]
+    print(
+        f"{'PASSED' if passed else 'FAILED'}: {sum(r.passed for r in measured)}/{len(measured)} checks"
+        + (f"; not measured here: {', '.join(unmeasured)}" if unmeasured else "")
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2, default=str))
+        document = {
+            "model": args.model,
+            "duration_s": args.duration,
+            "command": command_line(),
+            "measured_on": measured_on(),
+            # What the checks ran against, from the daemon's own status: the report compares it with optimize's choice.
+            "served": served(model),
+            "results": [asdict(r) for r in results],
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2, default=str))
     return 0 if passed else 1

@@ -23,6 +23,7 @@ from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load
 from supervisor.toolkit.layouts import Layout, layouts, placement
 from supervisor.toolkit.models import entry_of, launch_of
 from supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
+from supervisor.toolkit.provenance import command_line, measured_on
 from supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
 from supervisor.topology import TopologyError, read_topology
 
@@ -278,16 +279,23 @@ def run_optimize(args: argparse.Namespace) -> int:
         print(f"not checked through a daemon (--no-check): the P99 above is in process, {chosen.p99_ms:.2f} ms")
     print("\n".join(_verdict_lines(verdict)))
     print(f"\nchain for {args.model}: {' -> '.join(chain)}; layout {chosen.layout} (workers x cores per worker)")
-    if args.dry_run:
-        print(diff or "config.json already has this chain and layout")
-    elif diff and choice.source == "shipped default":
-        # The shipped file is the package's, not this box's: name one to write instead of editing it.
-        print(f"not written: {config_path} is the shipped default; pass --config (or set $INFERVISOR_CONFIG)")
+    written_to: str | None = None
+    if not diff:
+        not_written = f"{config_path} already holds this chain and layout"
+        print(not_written)
+    elif args.dry_run:
+        not_written = f"--dry-run: the diff was shown, {config_path} was left unchanged"
         print(diff)
-    elif diff:
+    elif choice.source == "shipped default":
+        # The shipped file is the package's, not this box's: name one to write instead of editing it.
+        not_written = f"{config_path} is the shipped default; pass --config (or set $INFERVISOR_CONFIG)"
+        print(f"not written: {not_written}")
+        print(diff)
+    else:
         temporary = config_path.with_suffix(".optimize.tmp")
         temporary.write_text(new_text)
         temporary.replace(config_path)  # a running daemon sees one complete file and rolls the model
+        written_to, not_written = str(config_path), ""
         print(f"written to {config_path}")
     if args.json:
         report = {
@@ -299,6 +307,12 @@ def run_optimize(args: argparse.Namespace) -> int:
             "check": vars(result) if result is not None else None,
             "auto_pick": picked,
             "verdict": vars(verdict),
+            # Whether config.json now holds the chain: the report must not claim a dry run wrote it.
+            "written_to": written_to,
+            "not_written": not_written or None,
+            "command": command_line(),
+            "measured_on": measured_on(),
+            "seconds": args.seconds,
         }
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if verdict.met else 1

@@ -24,6 +24,7 @@ from supervisor.toolkit.probe import (
     stage_table,
     where_time_goes,
 )
+from supervisor.toolkit.provenance import command_line, measured_on, served
 
 
 def _wait_profile(runtime_dir: Path, model: str, seq: int, timeout: float) -> dict[str, Any] | None:
@@ -116,7 +117,9 @@ def run_probe(args: argparse.Namespace) -> int:
         return 1
     table = stage_table(samples)
     report = {
-        "model": args.model, "qps": args.qps, "duration_s": args.duration, "samples": len(samples), "errors": errors,
+        "model": args.model, "qps": args.qps, "clients": args.clients, "batch": args.batch,
+        "duration_s": args.duration, "samples": len(samples), "errors": errors,
+        "command": command_line(), "measured_on": measured_on(), "served": served(model),
         "stages": table, "verdict": where_time_goes(table), "counters": counters,
         "operators": operators["operators"] if operators else None,
         "profiled_pid": started.get("pid"), "profiled_requests": operators["requests"] if operators else 0,

@@ -1,4 +1,4 @@
-"""`infervisor report`: constraints, doctor, optimize, probe and harden in one self-contained HTML file (+ PNG)."""
+"""`infervisor report`: constraints, doctor, optimize, probe and harden in one self-contained HTML file (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from supervisor.config import ConfigError, load_config
 from supervisor.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.doctor import run_checks
-from supervisor.toolkit.report import Evidence, charts_png, render, verdict
+from supervisor.toolkit.provenance import measured_on, sha256_of
+from supervisor.toolkit.report import Evidence, Outcome, charts, render, verdict
+
+_OUTCOME_LINE = {Outcome.MET: "SLA met", Outcome.NOT_MET: "SLA NOT met", Outcome.UNPROVEN: "SLA unproven"}
 
 
 def _json(path: str | None) -> Any:
@@ -19,25 +22,37 @@ def _json(path: str | None) -> Any:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Write the report; exit 0 when the verdict is "SLA met", 1 when not, 2 on unreadable inputs."""
+    """Write the report; exit 0 when the SLA is met, 1 when a measured figure breaks it, 3 when it is unproven
+    (evidence missing), 2 on unreadable inputs."""
     try:
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-        config = load_config(resolve_config_path(args.config).path)
+        config_path = resolve_config_path(args.config).path
+        config = load_config(config_path)
         evidence = Evidence(
             constraints=constraints,
             doctor=run_checks(config, constraints),
             optimize=_json(args.optimize),
             probe=_json(args.probe),
             harden=_json(args.harden),
+            here=measured_on(),
+            inputs={
+                "config": str(config_path),
+                "config_sha256": sha256_of(config_path),
+                "constraints": args.constraints,
+                "constraints_sha256": sha256_of(Path(args.constraints)) if args.constraints else None,
+            },
         )
     except (ConfigPathError, ConfigError, ConstraintsError, OSError, ValueError) as exc:
         print(f"infervisor report: {exc}")
         return 2
-    png = charts_png(evidence)
+    drawn = charts(evidence)
     out = Path(args.out)
-    out.write_text(render(evidence, png))
-    if png is not None:
-        out.with_suffix(".png").write_bytes(png)
-    met, reasons = verdict(evidence)
-    print(f"{out}: {'SLA met' if met else 'SLA NOT met'}" + "".join(f"\n  {r}" for r in reasons))
-    return 0 if met else 1
+    out.write_text(render(evidence, drawn))
+    for chart in drawn or []:
+        out.with_name(f"{out.stem}-{chart.name}.png").write_bytes(chart.png)
+    found = verdict(evidence)
+    lines = [f"{out}: {_OUTCOME_LINE[found.outcome]}"]
+    lines += [f"  failed: {r}" for r in found.failed] + [f"  missing: {r}" for r in found.missing]
+    lines += [f"  not proven: {r}" for r in found.not_proven]
+    print("\n".join(lines))
+    return found.outcome.value

@@ -44,12 +44,13 @@ _HOG = (
 
 @dataclass
 class CheckResult:
-    """One check of the protocol."""
+    """One check of the protocol; a check this box cannot make is not measured, neither passed nor failed."""
 
     name: str
     passed: bool
     detail: str
     numbers: dict[str, Any] = field(default_factory=dict)
+    measured: bool = True
 
 
 @dataclass
@@ -260,7 +261,7 @@ def check_soak(target: Target, seconds: float, interval: float, p99_limit_ms: fl
     limit = f" (limit {p99_limit_ms:g})" if p99_limit_ms is not None else ""
     detail = f"{len(series)} samples over {seconds:g} s: worst interval P99 {worst:.2f} ms{limit}, "
     detail += f"answer drift {drift:.3g}, lost {load.lost()}, errors {load.errors or 'none'}"
-    return CheckResult("soak", passed, detail, {"series": series})
+    return CheckResult("soak", passed, detail, {"seconds": seconds, "clients": len(load.threads), "series": series})
 
 
 def check_thermal(target: Target, before: dict[str, Any]) -> CheckResult:
@@ -268,8 +269,8 @@ def check_thermal(target: Target, before: dict[str, Any]) -> CheckResult:
     after = target.status().get("thermal", {})
     readable = {k: v for k, v in after.items() if v not in (None, [], {})}
     if not readable or all(after.get(k) is None for k in ("max_temp_c", "freq_mhz")):
-        return CheckResult("thermal/frequency", True, "not readable on this box (no thermal zones or cpufreq)",
-                           {"before": before, "after": after})  # fmt: skip
+        return CheckResult("thermal/frequency", False, "not measured: no thermal zones or cpufreq readable on this box",
+                           {"before": before, "after": after}, measured=False)  # fmt: skip
     throttled = (after.get("throttle_events") or 0) - (before.get("throttle_events") or 0)
     detail = f"max temp {before.get('max_temp_c')} -> {after.get('max_temp_c')} C, {throttled} new throttle events"
     return CheckResult("thermal/frequency", throttled == 0, detail, {"before": before, "after": after})
