@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._sympy.numbers import int_oo
 
 from protocol.launch import ModelSource
 from protocol.tensors import DimRange, TensorSpec
@@ -79,7 +80,8 @@ def program_dims(program: torch.export.ExportedProgram) -> list[tuple[str, list[
             if bound is None:
                 dims.append(None)
                 continue
-            upper = None if not bound.upper.is_finite else int(bound.upper)
+            # torch's own infinity (int_oo) says it is finite; sympy's says it is not.
+            upper = None if bound.upper == int_oo or not bound.upper.is_finite else int(bound.upper)
             dims.append((int(bound.lower), upper))
         inputs.append((name, dims))
     return inputs

@@ -14,7 +14,7 @@ from protocol.arrays import check_finite
 from protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS, ErrorCode
 from protocol.errors import ProtocolError
 from protocol.tensors import TensorDesc, TensorSpec
-from worker.synthetic import TORCH_DTYPES, synthetic_inputs
+from worker.synthetic import TORCH_DTYPES, draw, probe_steps, probed_inputs, synthetic_inputs
 
 # Frames are received into zmq-owned memory exposed read-only; the model only reads them, so
 # torch's warning about non-writable buffers is noise on every request.
@@ -34,7 +34,9 @@ class ModelRunner:
         self.module = module
         self.specs = tuple(specs)
         self.output_names = tuple(output_names) if output_names else None
-        self.golden: list[tuple[str, np.ndarray[Any, Any]]] = []
+        #: What canaries rerun: inputs across the declared ranges, and the outputs warm-up gave for each.
+        self.golden: list[tuple[dict[str, torch.Tensor], list[tuple[str, np.ndarray[Any, Any]]]]] = []
+        self.next_canary = 0
 
     def example_inputs(self, batch: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
         """Synthetic inputs of the declared spec (dynamic dims = `batch`), used for warm-up, checks and canaries.
@@ -66,18 +68,27 @@ class ModelRunner:
         return self._name_outputs(result)
 
     def warm_up(self, iterations: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
-        """Run the example inputs `iterations` times (first-call costs land here); the last outputs are golden."""
+        """Run the example inputs `iterations` times (first-call costs land here), then once each input across the
+        declared ranges (synthetic.probe_shapes at batch 1): their outputs are what canaries compare with."""
         inputs = self.example_inputs()
         outputs = self.forward(inputs)
         for _ in range(iterations - 1):
             outputs = self.forward(inputs)
-        self.golden = [(name, array.copy()) for name, array in outputs]
+        self.golden = [(inputs, [(name, array.copy()) for name, array in outputs])]
+        for step in range(1, probe_steps(self.specs)):
+            probe = probed_inputs(self.specs, 1, step)
+            self.golden.append((probe, [(name, array.copy()) for name, array in self.forward(probe)]))
         return outputs
 
     def canary(self) -> tuple[float, float]:
-        """Re-run the golden inputs: (largest absolute difference from the warm-up outputs, their largest magnitude)."""
+        """Re-run one golden input, the next across the declared ranges each time: (largest absolute difference
+        from its warm-up outputs, their largest magnitude); a profile that fell back for good fails it."""
+        if getattr(self.module, "gave_up", False):
+            return float("inf"), 1.0
+        inputs, golden = self.golden[self.next_canary % len(self.golden)]
+        self.next_canary += 1
         error, scale = 0.0, 0.0
-        for (_, want), (_, got) in zip(self.golden, self.forward(self.example_inputs()), strict=True):
+        for (_, want), (_, got) in zip(golden, self.forward(inputs), strict=True):
             if want.shape != got.shape:
                 return float("inf"), 1.0
             reference = want.astype(np.float64)
@@ -148,6 +159,44 @@ def wire_array(name: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
             )
         tensor = tensor.to(wider)
     return tensor.contiguous().numpy()
+
+
+#: Sizes tried for open dims when the model refuses a size of 1, to say what minimum to declare.
+_HINT_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 224, 256)
+
+
+def open_dim_hint(runner: ModelRunner) -> str | None:
+    """What to declare when the model cannot run its open dims (null) at size 1, as warm-up draws them: the smallest
+    of _HINT_SIZES it runs at, as a config shape; None when it has no open dim or runs at none of them."""
+    open_dims = [(s, [i for i, d in enumerate(s.shape) if d is None and i > 0 and s.dim_range(i)[0] == 1])
+                 for s in runner.specs]  # fmt: skip
+    if not any(dims for _, dims in open_dims):
+        return None
+    for size in _HINT_SIZES:
+        generator = torch.Generator().manual_seed(0)
+        inputs: dict[str, torch.Tensor] = {}
+        for spec, dims in open_dims:
+            shape = [size if i in dims else n for i, n in enumerate(spec.example_shape(1))]
+            inputs[spec.name] = draw(spec, shape, generator)
+        try:
+            runner.forward(inputs)
+        except Exception:  # noqa: BLE001, S112 - any failure at this size: try a larger one
+            continue
+        shapes = []
+        for spec, dims in open_dims:
+            parts = [f"[{size}, null]" if i in dims else _dim_text(d) for i, d in enumerate(spec.config_shape())]
+            shapes.append(f'{spec.name!r}: "shape": [{", ".join(parts)}]')
+        return (
+            f"open dims (null) are warmed up and checked at size 1, which this model refuses; it runs at {size}: "
+            f"declare a minimum, e.g. {'; '.join(shapes)}"
+        )
+    return None
+
+
+def _dim_text(dim: int | None | list[int | None]) -> str:
+    if isinstance(dim, list):
+        return f"[{dim[0]}, {'null' if dim[1] is None else dim[1]}]"
+    return "null" if dim is None else str(dim)
 
 
 def timed_ms(start: float) -> float:

@@ -28,14 +28,15 @@ from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
 from worker.profiles.attempts import AttemptLog
-from worker.profiles.build import BuildContext
+from worker.profiles.build import BuildContext, package_options
 from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from worker.profiles.calibration import load_calibration
+from worker.profiles.coverage import Covered
 from worker.profiles.select import Selection, check_profiles, select_profile
 from worker.profiles.validate import Tolerance
 from worker.progress import LinkProgress
 from worker.request_path import Prepared, prepare
-from worker.runner import ModelRunner, timed_ms
+from worker.runner import ModelRunner, open_dim_hint, timed_ms
 from worker.shared_inputs import SharedInputs
 from worker.state_check import refuse_stateful
 
@@ -338,6 +339,7 @@ def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
         "channels_last": launch.channels_last,
         "calibration": launch.calibration or "",
         "validation": launch.validation or "",
+        **package_options(context.specs),
     }
     stems = {
         name: ArtifactCache.stem_for(name, artifact_key(context.digest, name, context.specs, options))
@@ -383,6 +385,9 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         selection = select_profile(
             runner, launch.profiles, tolerance, caps, context, launch.pick, validation, attempts, progress
         )
+        if selection.profile != REFERENCE_PROFILE:
+            # Only where it answers as eager does, shape by shape (coverage.Covered).
+            runner.module = Covered(runner.module, context.module, selection.profile)
         if launch.build_only:
             # The selection built what a worker would; the rest of the chain's packages too, for a later fallback.
             rest = [p for p in launch.profiles if PROFILES[p].packaged and p not in progress.outcomes]
@@ -404,7 +409,8 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         log.error("model_load_failed", error=str(exc))
         return WorkerExitCode.LOAD_FAILED
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
-        log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
+        hint = open_dim_hint(ModelRunner(module, launch.inputs, None)) if "module" in locals() else None
+        log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else ""))
         return WorkerExitCode.LOAD_FAILED
     return WorkerLoop(launch, runner, link).run(_ready(launch, selection, load_ms, warmup_ms))
 

@@ -51,6 +51,56 @@ def synthetic_inputs(specs: Sequence[TensorSpec], batch: int = 1, seed: int = 0)
     return {spec.name: draw(spec, spec.example_shape(batch), generator) for spec in specs}
 
 
+def probe_sizes(low: int, high: int | None) -> list[int]:
+    """The sizes of a dynamic dim (not the batch) that the gate, warm-up and canaries draw besides its minimum.
+
+    The minimum, the next odd size, an odd size in between, and the maximum when bounded or else a larger
+    odd size (4 x the minimum + 1, or 17 from a minimum of 1): a compiled program can be right at one
+    size and wrong at another (rounding in a ceil-mode pool, a size baked into a graph).
+    """
+    larger = high if high is not None else (4 * low + 1 if low > 1 else 17)
+    odd = low + 1 if (low + 1) % 2 else low + 2
+    middle = (low + larger) // 2 | 1
+    sizes = [low, odd, middle, larger]
+    inside = [size for size in sizes if high is None or size <= high]
+    return list(dict.fromkeys(inside))
+
+
+def probe_shapes(specs: Sequence[TensorSpec], batch: int, step: int) -> list[tuple[int, ...]]:
+    """Each spec's shape with the batch (dim 0, when dynamic) at `batch` and every other dynamic dim at a size of
+    probe_sizes: step 0 is every range's minimum, step k > 0 puts the j-th dynamic dim of a spec at its size
+    (k + j) % n, so no two dims share a size by accident."""
+    shapes: list[tuple[int, ...]] = []
+    for spec in specs:
+        shape: list[int] = []
+        other = 0
+        for index, dim in enumerate(spec.shape):
+            low, high = spec.dim_range(index)
+            if dim is not None:
+                shape.append(dim)
+            elif index == 0:
+                shape.append(min(max(batch, low), high if high is not None else batch))
+            else:
+                sizes = probe_sizes(low, high)
+                shape.append(sizes[(step + other) % len(sizes)] if step else low)
+                other += 1
+        shapes.append(tuple(shape))
+    return shapes
+
+
+def probed_inputs(specs: Sequence[TensorSpec], batch: int, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs at probe_shapes(specs, batch, step), drawn as each spec declares."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = probe_shapes(specs, batch, step)
+    return {spec.name: draw(spec, shape, generator) for spec, shape in zip(specs, shapes, strict=True)}
+
+
+def probe_steps(specs: Sequence[TensorSpec]) -> int:
+    """How many distinct probe steps the specs have (1: no dynamic dim besides the batch)."""
+    counts = [len(probe_sizes(*s.dim_range(i))) for s in specs for i, d in enumerate(s.shape) if d is None and i > 0]
+    return max(counts, default=1)
+
+
 def describe(specs: Sequence[TensorSpec]) -> str:
     """What the synthetic samples are, e.g. `synthetic samples (mel: uniform 0..1)`."""
     declared = [f"{s.name}: {s.synthetic.describe()}" for s in specs if s.synthetic is not None]

@@ -159,11 +159,16 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
         if not quantized:  # only when some package is not cached yet
             dynamic = quantization is _Quantization.DYNAMIC
             whole = export(context.module, context.example, context.specs)
-            quantized.append(quantize(whole, calibration or [context.example], dynamic=dynamic))
+            quantized.append(quantize(whole, calibration or [context.example], dynamic, context.specs))
         return quantized[0]
 
     def package(example: Inputs, specs: tuple[TensorSpec, ...], shapes: str) -> tuple[Any, Path]:
-        options = {"channels_last": context.channels_last, "calibration": calibration_id, "shapes": shapes}
+        options = {
+            "channels_last": context.channels_last,
+            "calibration": calibration_id,
+            "shapes": shapes,
+            **package_options(context.specs),
+        }
         if quantization is _Quantization.DYNAMIC:
             options["quantized"] = "linear"  # packages from before dynamic int8 left convolutions alone are not reused
         key = artifact_key(context.digest, name, specs, options)
@@ -188,6 +193,17 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
         return Built(static, notes)
     dynamic, _ = package(context.example, context.specs, "dynamic")
     return Built(ShapeDispatch(static, [tuple(t.shape) for t in context.example], dynamic, context.specs), notes)
+
+
+#: Bumped when what a package covers of the declared shapes changes (export.check_coverage).
+_COVERAGE_FORMAT = 1
+
+
+def package_options(specs: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """What every package, build record and crash record of a profile is keyed on besides its own shapes: the
+    declared inputs as the config writes them (bounds included). A static package compiled from the export of
+    `[null, 1, 64, [64, 1024]]` is not one of `[1, 1, 64, [64, 1024]]`, though both have the same example."""
+    return {"declared": [[s.name, s.dtype, s.config_shape()] for s in specs], "coverage": _COVERAGE_FORMAT}
 
 
 def _static_specs(specs: tuple[TensorSpec, ...], example: Inputs) -> tuple[TensorSpec, ...]:

@@ -6,6 +6,7 @@ instead of exporting, quantizing and compiling again.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,27 +44,162 @@ def traceable_example(example: Inputs, specs: Sequence[TensorSpec]) -> Inputs:
 
 
 def dynamic_shapes(specs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:
-    """Export's dynamic_shapes for the spec.
+    """Export's dynamic_shapes for the spec: each dynamic dim over its declared range (from 2: see below).
 
     DYNAMIC, not AUTO: AUTO silently bakes a dim the model forces to one size into a constant, and a
     package does not check input shapes at run time (a wrong size reads out of bounds). DYNAMIC makes
     export refuse instead, which skips the profile with the reason. Related dims (input_ids and
-    attention_mask sharing a batch) are still tied together by export.
+    attention_mask sharing a batch) are still tied together by export. The declared bounds go in, so
+    the program's range constraints say what it covers of the declared range (check_coverage); the
+    minimum is at least 2, as export specialises a size of 1 (ShapeDispatch serves it another way).
     """
-    return tuple({i: torch.export.Dim.DYNAMIC for i, d in enumerate(s.shape) if d is None} for s in specs)
+    shapes: list[dict[int, Any]] = []
+    for spec in specs:
+        dims: dict[int, Any] = {}
+        for index, dim in enumerate(spec.shape):
+            low, high = spec.dim_range(index)
+            if dim is None and (high is None or high >= 2):
+                dims[index] = torch.export.Dim.DYNAMIC(min=max(2, low), max=high)
+        shapes.append(dims)
+    return tuple(shapes)
 
 
 def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.export.ExportedProgram:
-    """torch.export of the module with the spec's dynamic dims."""
+    """torch.export of the module with the spec's dynamic dims; ExportError when it covers less than declared."""
     try:
         with torch.no_grad():
-            return torch.export.export(module, traceable_example(example, specs), dynamic_shapes=dynamic_shapes(specs))
+            program = torch.export.export(
+                module, traceable_example(example, specs), dynamic_shapes=dynamic_shapes(specs)
+            )
     except Exception as exc:  # noqa: BLE001 - export fails in many ways on user models; each is a skip reason
-        raise ExportError(f"torch.export failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        raise ExportError(f"torch.export failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}") from exc
+    check_coverage(program, specs)
+    return program
+
+
+#: How many sizes of one dim check_coverage tries when it looks for the part of a range a program covers.
+_SCAN_SIZES = 2048
+
+
+class _Size:
+    """What a recorded guard reads of an input (`L['x'].size()[3]`): the sizes of one probed shape."""
+
+    def __init__(self, shape: Sequence[int]) -> None:
+        self.shape = tuple(shape)
+
+    def size(self) -> tuple[int, ...]:
+        return self.shape
+
+    def stride(self) -> tuple[int, ...]:
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= size
+        return tuple(reversed(strides))
+
+
+def guard_words(text: str, specs: Sequence[TensorSpec]) -> str:
+    """A raw guard (`L['x'].size()[3] <= 74`) as `x.shape[3] <= 74`, with what it means and what to do."""
+    worded = re.sub(r"L\['([^']+)'\]\.size\(\)\[(\d+)\]", r"\1.shape[\2]", text)
+    worded = re.sub(r"\b([A-Za-z_]\w*)\.size\(\)\[(\d+)\]", r"\1.shape[\2]", worded)
+    if "Guard failed" in text or "Constraints violated" in text or "guard" in text.lower():
+        declared = ", ".join(f"{s.name} {_shape_text(s)}" for s in specs)
+        worded = (
+            f"{worded[:400]} (the compiled program only holds where that condition on the input sizes does, and "
+            f"the config declares {declared}: declare only sizes where it holds, e.g. a fixed size or a narrower "
+            "range, or take this profile out of the chain)"
+        )
+    return worded[:700]
+
+
+def _shape_text(spec: TensorSpec) -> str:
+    parts = []
+    for dim in spec.config_shape():
+        parts.append("null" if dim is None else f"[{dim[0]}, {'null' if dim[1] is None else dim[1]}]"
+                     if isinstance(dim, list) else str(dim))  # fmt: skip
+    return "[" + ", ".join(parts) + "]"
+
+
+def _holds(guards: Sequence[Any], names: Sequence[str], shapes: Sequence[Sequence[int]]) -> str | None:
+    """The first recorded guard that these input shapes break (None: all hold, or none could be read).
+
+    `names` are the program's own input names (the forward's arguments), which the guards read.
+    """
+    scope = {"L": {name: _Size(shape) for name, shape in zip(names, shapes, strict=True)}, "max": max, "min": min}
+    for code, text in guards:
+        try:
+            if not eval(code, {"__builtins__": {}}, scope):  # noqa: S307 - torch's own guard text on our own export
+                return str(text)
+        except Exception:  # noqa: BLE001, S112 - a guard this cannot read says nothing either way
+            continue
+    return None
+
+
+def _probe(spec: TensorSpec, index: int, size: int) -> list[int]:
+    """The spec's example shape (batch 2, as exported) with dim `index` at `size`."""
+    shape = list(spec.example_shape(2))
+    shape[index] = size
+    return shape
+
+
+def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[TensorSpec]) -> None:
+    """ExportError when the program covers less of a dynamic dim than the config declares, naming the range to declare.
+
+    Two things say what a program covers: its range constraints, and the guards export recorded (an
+    AOTInductor package checks neither at run time, so a size outside them is served wrong, not refused).
+    Each dynamic dim is scanned over its declared range, the other dims at their example sizes.
+    """
+    from worker.loader import ModelLoadError, check_program_dims, program_dims
+
+    # A size of 1 is served apart from the program (ShapeDispatch), which was exported from 2.
+    found = program_dims(program)
+    dims = [(name, [None if d is None else (1, d[1]) if d[0] == 2 else d for d in taken]) for name, taken in found]
+    names = [name for name, _ in found]
+    try:
+        check_program_dims(dims, specs)
+    except ModelLoadError as exc:
+        raise ExportError(f"torch.export covers less than the config declares: {exc}") from exc
+    codes = [str(code) for code in getattr(program, "_guards_code", None) or []]
+    guards: list[tuple[Any, str]] = []
+    for code in codes:
+        try:
+            guards.append((compile(code, "<guard>", "eval"), guard_words(code, ())))
+        except SyntaxError:
+            continue
+    if not guards:
+        return
+    for position, spec in enumerate(specs):
+        for index, dim in enumerate(spec.shape):
+            low, high = spec.dim_range(index)
+            if dim is not None or index == 0 or (high is not None and high < 2):
+                continue
+            start = max(2, low)
+            end = start + _SCAN_SIZES if high is None else min(high, start + _SCAN_SIZES)
+
+            def broken(size: int, index: int = index, position: int = position) -> str | None:
+                shapes = [_probe(s, index, size) if i == position else list(s.example_shape(2))
+                          for i, s in enumerate(specs)]  # fmt: skip
+                return _holds(guards, names, shapes)
+
+            first = next(((size, why) for size in range(start, end + 1) if (why := broken(size)) is not None), None)
+            if first is None:
+                continue
+            size, why = first
+            covered = f"[{start}, {size - 1}]" if size > start else "no size"
+            raise ExportError(
+                f"torch.export's program for inputs[{position}] {spec.name!r} dim {index} holds only where {why}, "
+                f"which a size of {size} breaks: it covers {covered} of the declared "
+                f"[{low}, {'null' if high is None else high}]; "
+                + (f"declare the range {covered}" if size > start else "declare a fixed size")
+                + " for that dim, or take this profile out of the chain"
+            )
 
 
 def quantize(
-    program: torch.export.ExportedProgram, calibration: Sequence[Inputs], dynamic: bool
+    program: torch.export.ExportedProgram,
+    calibration: Sequence[Inputs],
+    dynamic: bool,
+    specs: Sequence[TensorSpec] = (),
 ) -> torch.fx.GraphModule:
     """PT2E int8 with X86InductorQuantizer: static (activations calibrated) or dynamic (Linear layers only).
 
@@ -91,7 +227,7 @@ def quantize(
                 prepared(*inputs)
             converted: torch.fx.GraphModule = convert_pt2e(prepared)
     except Exception as exc:  # noqa: BLE001 - quantizer annotation fails on some graph shapes; said plainly
-        message = f"{type(exc).__name__}: {str(exc)[:300]}"
+        message = guard_words(f"{type(exc).__name__}: {exc}", specs)
         if "more than one output node" in message:
             message += (
                 " (a module is called at several places, e.g. one self.relu applied twice: give each call"
@@ -119,7 +255,7 @@ def compile_package(
                 program, package_path=str(path), inductor_configs=dict(_INDUCTOR_CONFIGS)
             )
     except Exception as exc:  # noqa: BLE001 - a C++ compile or lowering failure is a skip reason
-        raise ExportError(f"AOTInductor compile failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        raise ExportError(f"AOTInductor compile failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}") from exc
 
 
 class PackageRunner:
@@ -133,12 +269,21 @@ class PackageRunner:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+class ShapeNotServed(Exception):
+    """A compiled profile does not serve these input shapes: the daemon's own limit, never the model's error.
+
+    The worker serves such a request with the next profile of the chain (coverage.Covered); the gate
+    does the same, so it is never a client's error nor a profile's crash.
+    """
+
+
 class ShapeDispatch:
     """The package compiled for exactly the example's shapes when the inputs have them, else the dynamic one.
 
     Only for specs with a dynamic dim besides the batch (a sequence length): a batch-only spec gets
-    BatchBuckets. The dynamic package was exported at size 2, so export gave its dynamic dims the
-    range [2, inf): a size of 1 there is only served at the example's shapes, and refused otherwise.
+    BatchBuckets. The dynamic package was exported from size 2 (export specialises a 1), so a batch of
+    one row runs in it padded to two rows and cut back; a size of 1 in another dynamic dim is served
+    only at the example's shapes (ShapeNotServed otherwise).
     """
 
     def __init__(self, static: Any, static_shapes: list[tuple[int, ...]], dynamic: Any, specs: Sequence[TensorSpec]):
@@ -151,11 +296,19 @@ class ShapeDispatch:
         shapes = [tuple(t.shape) for t in inputs]
         if shapes == self.static_shapes:
             return self.static(*inputs)
-        if any(shape[i] < 2 for shape, dims in zip(shapes, self.dynamic_dims, strict=True) for i in dims):
-            raise ValueError(
+        ones = {i for shape, dims in zip(shapes, self.dynamic_dims, strict=True) for i in dims if shape[i] < 2}
+        if ones - {0}:
+            raise ShapeNotServed(
                 f"this compiled profile serves a size of 1 in a dynamic dim only at shapes {self.static_shapes}"
             )
-        return self.dynamic(*inputs)
+        if not ones:
+            return self.dynamic(*inputs)
+        result = self.dynamic(*at_batch(tuple(inputs), 2))
+        outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        if any(output.dim() == 0 or output.shape[0] != 2 for output in outputs):
+            raise ShapeNotServed("this compiled profile serves one row only at the example's shapes")
+        cut = tuple(output[:1] for output in outputs)
+        return cut[0] if len(cut) == 1 else cut
 
 
 #: The batch sizes a packaged profile is compiled for when the batch is the spec's only dynamic dim. A
@@ -300,7 +453,7 @@ class BatchBuckets:
             outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
             for output in outputs:
                 if output.dim() == 0 or output.shape[0] != size:
-                    raise ValueError(
+                    raise ShapeNotServed(
                         f"an output of shape {list(output.shape)} does not carry the batch ({size}) in its first dim"
                     )
             pieces.append(tuple(output[:take] for output in outputs))

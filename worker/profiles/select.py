@@ -18,7 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -29,13 +31,14 @@ from protocol.tensors import TensorSpec
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
 from worker.profiles.calibration import Inputs
-from worker.profiles.export import batch_only, batch_range, buckets_for
+from worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
 from worker.profiles.flags import apply_global_flags, reset_global_flags
 from worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
 from worker.profiles.validate import Tolerance, compare, worst_of
 from worker.progress import NoProgress, Progress
 from worker.runner import ModelRunner
 from worker.synthetic import describe as describe_synthetic
+from worker.synthetic import probe_steps, probed_inputs
 
 log = structlog.get_logger("worker")
 
@@ -128,6 +131,40 @@ def _batched_sizes(count: int, batch: tuple[int, int | None], bounded: bool, ser
 
 
 def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()) -> GoldenSet:
+    """The samples of _sample_set, then synthetic inputs across each declared range (_shape_cases)."""
+    samples = _sample_set(runner, validation, served)
+    shaped = _shape_cases(runner)
+    if not shaped:
+        return samples
+    shapes = ", ".join(case.label.removeprefix("synthetic input ") for case in shaped)
+    return GoldenSet(
+        [*samples.cases, *shaped], f"{samples.checked}; and synthetic inputs across the declared ranges ({shapes})"
+    )
+
+
+def _shape_cases(runner: ModelRunner) -> list[GoldenCase]:
+    """Synthetic inputs at the sizes probe_shapes draws for each dynamic dim that is not the batch, at batch 1
+    and batched: a compiled program is only as good as the sizes it was checked at."""
+    steps = probe_steps(runner.specs)
+    if steps < 2:
+        return []
+    batch = _batch_range(runner)
+    batches = [1] if batch is None else sorted({max(1, batch[0]), _clamped(_MIN_BATCHED_ROWS, batch)})
+    cases: list[GoldenCase] = []
+    for step in range(1, steps):
+        for size in batches:
+            inputs = probed_inputs(runner.specs, size, step, seed=2000 + step)
+            shapes = ", ".join("x".join(map(str, t.shape)) for t in inputs.values())
+            cases.append(GoldenCase(f"synthetic input {shapes}", inputs, (0,) * size, "synthetic input"))
+    return cases
+
+
+def _clamped(size: int, bounds: tuple[int, int | None]) -> int:
+    low, high = bounds
+    return max(low, size if high is None else min(size, high))
+
+
+def _sample_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()) -> GoldenSet:
     """The inputs every profile is checked on against eager: each sample alone (batch 1), and all of them batched.
 
     The samples are the model's validation set when one is configured (synthetic inputs say little about
@@ -208,7 +245,10 @@ class _Trial:
         self.eager = runner.module
         self.golden = golden_set(runner, validation, context.served_batches)
         self.cases = [case.inputs for case in self.golden.cases]
-        self.reference = [[a for _, a in runner.forward(case)] for case in self.cases]
+        named = [runner.forward(case) for case in self.cases]
+        self.reference = [[a for _, a in outputs] for outputs in named]
+        #: The outputs' names, so the gate can say which one failed (every case gives the same names).
+        self.output_names = [n for n, _ in named[0]] if named else []
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
@@ -225,12 +265,11 @@ class _Trial:
                 self.progress.phase(StartPhase.BUILDING, name)
                 built = build_profile(name, self.context)
                 self.runner.module = built.callable
-                self.runner.forward(self.cases[0])  # first runs compile or specialise a graph
+                self.outputs(self.golden.cases[0], self.reference[0])  # first runs compile or specialise a graph
                 self.progress.phase(StartPhase.CHECKING, name)
                 agreements = [
-                    (compare(reference, [a for _, a in outputs], [n for n, _ in outputs]), case.where)
+                    (compare(reference, self.outputs(case, reference), self.output_names), case.where)
                     for case, reference in zip(self.golden.cases, self.reference, strict=True)
-                    for outputs in [self.runner.forward(case.inputs)]
                 ]
                 result = worst_of(agreements, self.golden.checked)
                 failure = result.failure(self.tolerance)
@@ -247,6 +286,14 @@ class _Trial:
         candidate = _Candidate(name, built, result.cosine, (time.perf_counter() - started) * 1000.0, summary=summary)
         self.progress.phase(StartPhase.PASSED, name, "; ".join([*built.notes, _built_in(candidate)]))
         return candidate
+
+    def outputs(self, case: GoldenCase, reference: list[np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
+        """The candidate's outputs on a golden input; eager's where the profile does not serve its shapes, as when
+        serving (coverage.Covered): the daemon's own refusal is neither a failure nor a crash."""
+        try:
+            return [a for _, a in self.runner.forward(case.inputs)]
+        except ShapeNotServed:
+            return reference
 
     def time(self, candidates: Sequence[_Candidate]) -> Decision:
         """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""
@@ -301,6 +348,7 @@ def _decision_path(
     key = {
         "format": _PICK_FORMAT,
         "batches": list(batches),
+        "inputs": [[s.name, s.dtype, s.config_shape()] for s in context.specs],
         "model": context.digest,
         "chain": list(chain),
         "tolerance": asdict(tolerance),
