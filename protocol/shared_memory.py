@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import grp
 import math
 import mmap
@@ -56,6 +57,23 @@ def _give_to(fd: int, gid: int, group: int | str) -> None:
         ) from exc
 
 
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate the object's pages now: growing a tmpfs file reserves nothing, and a write to a page
+    that /dev/shm has no room for later kills the process with SIGBUS instead of raising."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        free = os.statvfs(os.path.dirname(path))
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on device for a {size}-byte shared-memory region at {path}: "
+            f"{os.path.dirname(path)} has {free.f_bavail * free.f_frsize} bytes free (close other regions, "
+            "or grow the tmpfs)",
+        ) from exc
+
+
 class SharedRegion:
     """A POSIX shared-memory object (`/dev/shm/NAME`) that inputs are written into instead of sent as frames.
 
@@ -65,7 +83,8 @@ class SharedRegion:
     reply (or error) is back. The daemon reads an object of its own user (`mode` 0600 will do), or
     one of its config `socket_group` that the group may read: a client of another user passes
     `group` (the group of the daemon's infer.sock) and gets 0640. Closing unlinks it; a process
-    killed before then leaves it in /dev/shm, named after its pid.
+    killed before then leaves it in /dev/shm, named after its pid. Its pages are reserved when it
+    is made: a /dev/shm without room raises OSError (ENOSPC) here, not SIGBUS at a later write.
     """
 
     def __init__(
@@ -92,7 +111,7 @@ class SharedRegion:
             if group is not None and gid is not None:
                 _give_to(fd, gid, group)
             os.fchmod(fd, mode)  # the umask must not narrow what the caller chose for the daemon's user
-            os.ftruncate(fd, size)
+            _reserve(fd, size, self._path)
             self._map: mmap.mmap | None = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(self._path)

@@ -181,6 +181,14 @@ class Broker:
             self.count_refusal(None, exc.code)
             self.reply_error(client, exc.request_id, exc.code, exc.message)
             return
+        if client[0] is not self.endpoints.ipc and any(d.shm is not None for d in request.inputs):
+            # A worker opens what a shared-memory input names: only a client of this box may name it. A
+            # descriptor check (7.1 step 4): before the model is looked up, and not one of its errors.
+            why = "inputs in shared memory are for the ipc endpoint only"
+            self.anomalies.count(f"rejected_{ErrorCode.BAD_REQUEST.value}", why)
+            self.count_refusal(None, ErrorCode.BAD_REQUEST)
+            self.reply_error(client, request.request_id, ErrorCode.BAD_REQUEST, why)
+            return
         model = config.models.get(request.model)
         try:
             if model is None:
@@ -189,9 +197,6 @@ class Broker:
                 )
             # NaN/Inf are the worker's to find: it reads the frames anyway, right before the model.
             spec = self.admitting_spec(request.model, model, request.inputs)
-            if client[0] is not self.endpoints.ipc and any(d.shm is not None for d in request.inputs):
-                # A worker opens what a shared-memory input names: only a client of this box may name it.
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "inputs in shared memory are for the ipc endpoint only")
         except ProtocolError as exc:
             self.anomalies.count(f"rejected_{exc.code.value}", exc.message)
             self.count_refusal(request.model if model is not None else None, exc.code)

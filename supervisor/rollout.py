@@ -192,10 +192,15 @@ class Rollout:
     def fail(self, host: RolloutHost, replacement: Replacement, successor: WorkerSlot) -> None:
         """The replacement died before READY: stop this model's rollout, keep its serving config, say so.
 
-        Surge: the old worker keeps serving. Drain-first: the old one is gone, so the slot is rebuilt
+        Surge: the old worker keeps serving (if it served). Drain-first: the old one is gone, so the slot is rebuilt
         from the config the model serves with (a plain restart of an unchanged config backs off and retries).
         """
-        keeps = "the old worker keeps serving" if not replacement.in_pool else "its slot is rebuilt"
+        if replacement.in_pool:
+            keeps = "its slot is rebuilt"
+        elif replacement.old.state is SlotState.SERVING:
+            keeps = "the old worker keeps serving"
+        else:  # restarting a failed (or backing-off) slot: there was nothing serving to keep
+            keeps = f"the old worker is {replacement.old.state.value}: this slot serves nothing"
         self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); {keeps}"
         log.error("rollout_failed", slot=successor.name, how=successor.last_exit, reason=replacement.reason)
         if not replacement.in_pool:

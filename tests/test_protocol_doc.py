@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
+import zmq.auth
+import zmq.utils.z85
 
 from protocol.client import Client
 from protocol.client_messages import InferRequest, encode_infer
@@ -20,13 +23,17 @@ from protocol.constants import TIMING_KEYS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
 from protocol.tensors import TensorDesc, TensorSpec
 from supervisor.health import DaemonState, ModelHealth
-from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
+from supervisor.slot import SlotState
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry
+from tests.test_pool_states import Rig
 from worker.runner import EXACT_WIDENING, ModelRunner
 
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 
 #: The shared daemon's frame limit: small, so that an input over it is cheap to make.
 MAX_FRAME_BYTES = 2**20
+#: One character over section 5's name limit.
+LONG_OUTPUT = "o" * 129
 
 
 def section(number: str) -> str:
@@ -125,7 +132,15 @@ def worked_example() -> tuple[dict[str, Any], bytes, bytes, dict[str, Any], int]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One daemon serving the built-in tiny as section 11 configures it, with a 1 MiB frame limit."""
-    config = {"max_frame_bytes": MAX_FRAME_BYTES, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    config = {
+        "max_frame_bytes": MAX_FRAME_BYTES,
+        "tcp_endpoint": f"tcp://127.0.0.1:{free_loopback_port()}",
+        "models": {
+            "tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS),
+            # An output name the wire refuses (section 5: 1..128 characters): the worker must not send it.
+            "long": model_entry({"builtin": "tiny"}, TINY_INPUTS, outputs=[LONG_OUTPUT]),
+        },
+    }
     running = Daemon(tmp_path_factory.mktemp("protocol_doc"), config)
     try:
         running.wait_ready(timeout=120)
@@ -283,3 +298,114 @@ def test_output_the_wire_cannot_carry_is_refused_as_documented(dtype: torch.dtyp
         _runner(dtype).forward({"x": torch.ones(1, 4)})
     assert caught.value.code is ErrorCode.INTERNAL
     assert caught.value.message.startswith(head) and caught.value.message.endswith(tail), caught.value.message
+
+
+def _tiny_header(**changes: Any) -> dict[str, Any]:
+    header = {
+        "v": 1,
+        "type": "infer",
+        "id": 21,
+        "model": "tiny",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 16]}],
+    }
+    return {**header, **changes}
+
+
+def test_output_descriptors_are_checked_by_the_worker_before_it_replies(daemon: Daemon) -> None:
+    """Sections 5 and 6 agree: a 129-character output name is the worker's INTERNAL; the broker forwards unread."""
+    assert "The worker checks its own output descriptors before it replies" in section("5")
+    assert "the broker forwards it without decoding or re-encoding it" in section("6")
+    x = np.ones((1, 16), np.float32)
+    pids = {w["pid"] for w in daemon.status()["models"]["long"]["workers"]}
+    with Client(daemon.endpoint) as client:
+        for _ in range(2):
+            with pytest.raises(InferenceError, match="outputs fail the descriptor checks: outputs.0..name") as caught:
+                client.infer("long", {"x": x}, timeout=10)
+            assert caught.value.code == ErrorCode.INTERNAL
+        assert client.infer("tiny", {"x": x}, timeout=10)["y"].shape == (1, 16)
+    assert {w["pid"] for w in daemon.status()["models"]["long"]["workers"]} == pids, "the worker serves on"
+
+
+def test_every_control_command_the_daemon_knows_is_in_section_9(daemon: Daemon) -> None:
+    """The unknown-command answer's list is the spec's, and each command on it has its row in section 9."""
+    answer = daemon.control({"cmd": "no-such-command"})
+    known = answer["error"].rsplit("known: ", 1)[1]
+    assert f"known: {known}" in section("9")
+    for name in known.split(", "):
+        assert f'`{{"cmd": "{name}"' in section("9"), name
+
+
+def test_shared_memory_on_tcp_is_a_descriptor_check_before_the_model_lookup(daemon: Daemon) -> None:
+    """Over tcp, an shm input is BAD_REQUEST even for an unknown model or a wrong dtype; no model counts it."""
+    assert "an input in shared memory (5.1) sent to the tcp endpoint → `BAD_REQUEST`" in section("7")
+    endpoint = json.loads(daemon.config_path.read_text())["tcp_endpoint"]
+    shm = {"name": "infervisor-nothing", "offset": 0}
+    before = daemon.status()["models"]["tiny"]["errors"]
+    for header in (
+        _tiny_header(model="no-such-model", inputs=[{"name": "x", "dtype": "float32", "shape": [1, 16], "shm": shm}]),
+        _tiny_header(inputs=[{"name": "x", "dtype": "float64", "shape": [1, 16], "shm": shm}]),
+    ):
+        reply, _ = exchange(endpoint, [b"", msgpack.packb(header)])
+        assert reply["code"] == "BAD_REQUEST" and "ipc endpoint only" in reply["message"], reply
+    assert daemon.status()["models"]["tiny"]["errors"] == before
+
+
+def test_frame_checks_run_in_the_three_passes_section_5_gives(daemon: Daemon) -> None:
+    """A later tensor over the size limit is reported before an earlier frame of the wrong length."""
+    assert "So a later tensor over the size limit is reported before an earlier frame of the wrong length" in DOC
+    big = MAX_FRAME_BYTES // 4 + 1
+    inputs = [{"name": "a", "dtype": "float32", "shape": [1, 16]}, {"name": "b", "dtype": "float32", "shape": [big]}]
+    reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb(_tiny_header(inputs=inputs)), b"short", b"tiny"])
+    assert reply["code"] == "INVALID_INPUT" and "'b'" in reply["message"] and "limit" in reply["message"], reply
+
+
+def test_the_shm_keys_section_5_1_marks_required_are_required(daemon: Daemon) -> None:
+    """Each shm key whose Required cell says yes, missing or nil, gets its row's code (offset has no default)."""
+    rows = table_rows(section("5"), "| Key | Required |")
+    required = {ticked(row[0])[0]: ticked(row[4])[0] for row in rows if row[1].startswith("yes")}
+    assert set(required) == {"shm.name", "shm.offset"}
+    for key, code in required.items():
+        field = key.split(".", 1)[1]
+        full = {"name": "infervisor-nothing", "offset": 0}
+        for shm in ({k: v for k, v in full.items() if k != field}, {**full, field: None}):
+            inputs = [{"name": "x", "dtype": "float32", "shape": [1, 16], "shm": shm}]
+            reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb(_tiny_header(inputs=inputs))])
+            assert reply["code"] == code and "shm" in reply["message"], (shm, reply)
+
+
+def test_the_curve_certificate_of_section_1_1_is_what_the_daemon_reads(tmp_path: Path) -> None:
+    """The certificate file the spec shows is the layout pyzmq writes, and the daemon's loader admits its key."""
+    shown = code_block_after(section("1"), "This is the file `zmq.auth.create_certificates` writes")
+    (tmp_path / "client.key").write_text(shown)
+    (key,) = zmq.auth.load_certificates(str(tmp_path))
+    assert len(zmq.utils.z85.decode(key)) == 32
+    (tmp_path / "made").mkdir()
+    public, _ = zmq.auth.create_certificates(str(tmp_path / "made"), "made")
+    written = [line for line in Path(public).read_text().splitlines() if line and not line.startswith("#")]
+    documented = [line for line in shown.splitlines() if line and not line.startswith("#")]
+    assert [line.split("=")[0] for line in written] == [line.split("=")[0] for line in documented]
+
+
+def test_rollout_last_error_says_the_old_worker_is_failed_when_it_is(tmp_path: Path) -> None:
+    """Restarting a failed slot whose replacement fails too does not claim the old worker keeps serving."""
+    rig = Rig(tmp_path)
+    try:
+        rig.pool.start()
+        (slot,) = rig.slots()
+        while slot.state is not SlotState.FAILED:
+            rig.exit(slot, 4)
+            rig.tick()
+            if slot.state is SlotState.BACKOFF:
+                rig.tick(slot.respawn_at - rig.now + 0.01)
+        rig.pool.restart("tiny", "test")
+        rig.tick()
+        successor = rig.pool.rollout.successor
+        assert successor is not None
+        rig.exit(successor, 4)
+        rig.tick()
+        rig.tick()
+        error = rig.pool.rollout.last_error or ""
+        assert "keeps serving" not in error and error.endswith("the old worker is failed: this slot serves nothing")
+        assert "the old worker is failed: this slot serves nothing" in section("9")
+    finally:
+        rig.close()

@@ -114,6 +114,35 @@ def test_a_region_is_a_private_dev_shm_file_that_close_unlinks(region: SharedReg
     assert second.array.tolist() == [[7, 7], [7, 7]]  # the mapping outlives the name while views need it
 
 
+_FULL_SHM_SCRIPT = """
+import errno, os
+from protocol import SharedRegion
+try:
+    SharedRegion(1 << 20)
+except OSError as exc:
+    print("raised", exc.errno == errno.ENOSPC, exc)
+    print("left", os.listdir("/dev/shm"))
+else:
+    print("created")
+"""
+
+
+def test_a_region_that_dev_shm_cannot_hold_raises_instead_of_killing_the_writer_later() -> None:
+    """On a 64 kB /dev/shm (a private mount namespace), a 1 MiB region raises ENOSPC, naming the free space."""
+    command = [
+        "unshare", "-m", "--propagation", "private", "sh", "-c",
+        f'mount -t tmpfs -o size=64k tmpfs {SHM_DIR} && exec "$0" -c "$1"', sys.executable, _FULL_SHM_SCRIPT,
+    ]  # fmt: skip
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.decode().strip()}")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    expected = "raised True [Errno 28] no space left on device for a 1048576-byte shared-memory region"
+    assert expected in result.stdout, result
+    assert "bytes free" in result.stdout and "left []" in result.stdout, result.stdout
+
+
 def test_a_region_refuses_a_taken_name_and_a_name_the_daemon_would_refuse(region: SharedRegion) -> None:
     """Creating never opens another process's object, and never makes a name no worker will read."""
     with pytest.raises(FileExistsError):

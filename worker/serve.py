@@ -23,7 +23,7 @@ from protocol.client_messages import encode_result
 from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, StartPhase, WorkerExitCode
 from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
-from protocol.tensors import TensorDesc
+from protocol.tensors import TensorDesc, parse_descs
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
@@ -292,6 +292,12 @@ class WorkerLoop:
             if dtype is None:  # the runner refuses these already (runner.wire_array); never send a name off the list
                 raise ProtocolError(ErrorCode.INTERNAL, f"output {name!r} has dtype {array.dtype}, not a wire dtype")
             descs.append(TensorDesc(name, dtype, array.shape))
+        try:
+            # docs/protocol.md section 5's descriptor checks, here: the broker forwards this header unread.
+            parse_descs([d.to_wire() for d in descs], "outputs", allow_empty_dims=True)
+        except ProtocolError as exc:
+            why = f"the model's outputs fail the descriptor checks: {exc.message}"
+            raise ProtocolError(ErrorCode.INTERNAL, why) from exc
         return descs
 
     def reply_error(self, request_id: int, code: ErrorCode, message: str) -> None:

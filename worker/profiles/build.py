@@ -23,7 +23,14 @@ import torch
 
 from common.profiles import PROFILE_NAMES, PROFILES
 from protocol.tensors import TensorSpec
-from worker.profiles.cache import ArtifactCache, CachedBuildFailure, artifact_key, file_digest
+from worker.profiles.cache import (
+    ArtifactCache,
+    CachedBuildFailure,
+    NoSpaceLeft,
+    artifact_key,
+    file_digest,
+    no_space_left,
+)
 from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
 from worker.profiles.export import (
     BatchBuckets,
@@ -173,9 +180,14 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
             options["quantized"] = "linear"  # packages from before dynamic int8 left convolutions alone are not reused
         key = artifact_key(context.digest, name, specs, options)
         path = cache.path_for(name, key)
-        hit = cache.get_or_build(path, key, lambda into: compile_package(program(example, specs), example, specs, into))
-        notes.append(f"{'loaded cached' if hit else 'compiled and cached'} package {path.name} ({shapes} shapes)")
-        return load_package(path), path
+        fetched = cache.fetch(
+            path, key, lambda into: compile_package(program(example, specs), example, specs, into), load_package
+        )
+        if fetched.rejected is not None:
+            notes.append(f"cached package {path.name} {fetched.rejected}: moved aside to {path.name}.corrupt, rebuilt")
+        done = "loaded cached" if fetched.hit else "compiled and cached"
+        notes.append(f"{done} package {path.name} ({shapes} shapes)")
+        return fetched.value, path
 
     if batch_only(context.specs):
         built: dict[int, Any] = {}
@@ -301,5 +313,10 @@ def build_profile(name: str, context: BuildContext) -> Built:
         cause, _, remembered = str(exc).partition(": ")
         if isinstance(exc, CachedBuildFailure) and cause == NoGain.__name__:
             raise ProfileError(remembered) from exc  # said as the first time, not as a build that failed
-        detail = str(exc) if isinstance(exc, ExportError) else f"{type(exc).__name__}: {str(exc)[:300]}"
+        if isinstance(exc, ExportError | NoSpaceLeft):
+            detail = str(exc)
+        elif no_space_left(exc):
+            detail = f"no space left on device ({type(exc).__name__}: {str(exc)[:200]})"
+        else:
+            detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         raise ProfileError(f"{name} failed to build: {detail}") from exc
