@@ -54,7 +54,8 @@ class Profile:
     risk: str
     #: Every CPU need must be met, in this order; the first unmet one is the refusal.
     cpu: tuple[CpuNeed, ...]
-    #: Its build product is an AOTInductor package kept in cache_dir: the first start compiles, a restart loads.
+    #: Its build product (an AOTInductor package, OpenVINO IR) is kept in cache_dir: the first start builds, a
+    #: restart loads, and `infervisor build` fills it.
     packaged: bool = False
     #: Process-wide switches on while it builds and serves.
     global_flags: frozenset[GlobalFlag] = frozenset()
@@ -120,6 +121,30 @@ _DECLARED = (
         summary="the module under CPU bf16 autocast (outputs back to float32)",
         risk="reduced precision (8-bit mantissa)",
         cpu=(FAST_KERNELS, NATIVE_BF16),
+        changes_numerics=True,
+    ),
+    # The OpenVINO profiles (worker/profiles/openvino.py) need the `openvino` extra; without it they are skipped.
+    Profile(
+        name="openvino",
+        summary="openvino.convert_model of the module (dynamic dims kept), run by OpenVINO's CPU plugin in fp32",
+        risk="needs the openvino extra; the first start converts (the IR and compiled blob are cached after)",
+        cpu=(FAST_KERNELS,),
+        packaged=True,
+    ),
+    Profile(
+        name="openvino_bf16",
+        summary="the openvino profile's IR compiled with INFERENCE_PRECISION_HINT bf16",
+        risk="reduced precision (8-bit mantissa); needs the openvino extra",
+        cpu=(FAST_KERNELS, NATIVE_BF16),
+        packaged=True,
+        changes_numerics=True,
+    ),
+    Profile(
+        name="openvino_int8",
+        summary="the openvino profile's IR quantized by NNCF (post-training, on the calibration set), then compiled",
+        risk="accuracy rests on the calibration set; needs the openvino extra (openvino and nncf)",
+        cpu=(FAST_KERNELS,),
+        packaged=True,
         changes_numerics=True,
     ),
 )

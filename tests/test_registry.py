@@ -82,12 +82,14 @@ def test_packaged_declarations_are_the_profiles_whose_builders_need_the_cache() 
                 needs_cache.add(name)
     finally:
         reset_global_flags()
-    assert needs_cache == {p.name for p in PROFILES.values() if p.packaged} == {"aoti", "int8_static", "int8_dynamic"}
+    packaged = {"aoti", "int8_static", "int8_dynamic", "openvino", "openvino_bf16", "openvino_int8"}
+    assert needs_cache == {p.name for p in PROFILES.values() if p.packaged} == packaged
 
 
 def test_numerics_changing_profiles_are_the_int8_and_bf16_ones() -> None:
     """The profiles whose accuracy a synthetic check cannot vouch for are marked."""
-    assert {p.name for p in PROFILES.values() if p.changes_numerics} == {"int8_static", "int8_dynamic", "bf16"}
+    changing = {"int8_static", "int8_dynamic", "bf16", "openvino_bf16", "openvino_int8"}
+    assert {p.name for p in PROFILES.values() if p.changes_numerics} == changing
 
 
 def test_the_supervisor_reads_the_registry_without_loading_torch() -> None:

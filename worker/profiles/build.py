@@ -4,7 +4,8 @@ Each profile declared in common/profiles.py has exactly one builder here, regist
 `@builds(name)`: eager (as loaded), jit (trace/script + freeze + optimize_for_inference), jit_onednn
 (frozen + oneDNN fusion), compile (torch.compile, inductor, freezing), aoti (torch.export +
 AOTInductor package), int8_static / int8_dynamic (PT2E with X86InductorQuantizer, then an
-AOTInductor package) and bf16 (autocast). Packages are cached on disk; see cache.py.
+AOTInductor package) and bf16 (autocast); the OpenVINO profiles register theirs from openvino.py
+(imported at the end of this module). Packages are cached on disk; see cache.py.
 """
 
 from __future__ import annotations
@@ -320,3 +321,7 @@ def build_profile(name: str, context: BuildContext) -> Built:
         else:
             detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         raise ProfileError(f"{name} failed to build: {detail}") from exc
+
+
+# The OpenVINO builders register themselves with @builds; they need this module's names, so it comes last.
+from worker.profiles import openvino as _openvino_builders  # noqa: E402,F401

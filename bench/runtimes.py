@@ -1,0 +1,231 @@
+"""Side by side: the daemon's profiles against plain OpenVINO and ONNX Runtime, on one model, one thread count.
+
+    .venv/bin/python bench/runtimes.py --model resnet50 --threads 1 --cache-dir /tmp/rt-cache
+    .venv/bin/python bench/runtimes.py --model encoder --profiles aoti,int8_static,openvino_bf16 --skip-ort
+
+Every configuration runs in this process, pinned to the first --threads CPUs, on the same inputs. Each
+row is the median milliseconds per sample at batch 1 and batch 8 (timed in interleaved rounds, so a
+burst of load on a shared box hits every configuration alike: compare ratios within one run) and the
+worst-row cosine against eager fp32 over 8 synthetic samples, alone and batched. The daemon profiles
+are built as a worker builds them (worker/profiles/build.py); the plain configurations are what a user
+of each runtime writes: OpenVINO fp32, bf16 and NNCF int8 (32 calibration samples), ONNX Runtime fp32
+and static int8 (QDQ, per-channel, the same 32 samples). Needs the `openvino` and `bench` extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+Arrays = list[np.ndarray[Any, Any]]
+#: What a configuration is: a call from named inputs to its outputs in order.
+Run = Callable[[dict[str, Any]], Arrays]
+BATCHES = (1, 8)
+SAMPLES = 8
+CALIBRATION_SAMPLES = 32
+DEFAULT_PROFILES = "eager,aoti,int8_static,bf16,openvino,openvino_bf16,openvino_int8"
+
+
+def _cosine_rows(reference: Arrays, got: Arrays) -> float:
+    """The worst row's cosine over every output (rows along dim 0)."""
+    worst = 1.0
+    for want, have in zip(reference, got, strict=True):
+        a = want.reshape(want.shape[0], -1).astype(np.float64)
+        b = np.asarray(have).reshape(want.shape[0], -1).astype(np.float64)
+        cosines = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)
+        worst = min(worst, float(cosines.min()))
+    return worst
+
+
+def daemon_profile(name: str, model: str, threads: int, cache_dir: Path) -> Run:
+    """One daemon profile, built as a worker builds it for the built-in `model`."""
+    from protocol.launch import LaunchSpec, ModelSource
+    from worker.bench import BUILTIN_SPECS
+    from worker.models import build_builtin
+    from worker.profiles.build import build_profile
+    from worker.runner import ModelRunner
+    from worker.serve import build_context
+
+    specs = BUILTIN_SPECS[model]
+    launch = LaunchSpec("bench", model, -1, ModelSource("builtin", model), specs, None, (), threads,
+                        profiles=(name,), cache_dir=str(cache_dir))  # fmt: skip
+    runner = ModelRunner(build_builtin(model), specs, None)
+    runner.module = build_profile(name, build_context(launch, runner)).callable
+    return lambda inputs: [array for _, array in runner.forward(inputs)]
+
+
+def _calibration(draw: Callable[[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v.numpy() for k, v in draw(1, 100 + i).items()} for i in range(CALIBRATION_SAMPLES)]
+
+
+def plain_openvino(module: Any, example: dict[str, Any], threads: int, precision: str, calibration: list[Any]) -> Run:
+    """What an OpenVINO user writes: convert_model with an example, NNCF for int8, a latency-hinted compile."""
+    import openvino as ov
+
+    model = ov.convert_model(module, example_input=tuple(example.values()))
+    if precision == "int8":
+        import nncf
+
+        model = nncf.quantize(model, nncf.Dataset(calibration, lambda s: list(s.values())))
+    compiled = ov.Core().compile_model(model, "CPU", {
+        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+        "INFERENCE_PRECISION_HINT": "bf16" if precision == "bf16" else "f32",
+    })  # fmt: skip
+    request = compiled.create_infer_request()
+
+    def run(inputs: dict[str, Any]) -> Arrays:
+        results = request.infer([t.numpy() for t in inputs.values()])
+        return [np.asarray(results[i]) for i in range(len(compiled.outputs))]
+
+    return run
+
+
+def plain_onnxruntime(module: Any, example: dict[str, Any], threads: int, int8: bool, calibration: list[Any],
+                      folder: Path) -> Run:  # fmt: skip
+    """What an ONNX Runtime user writes: torch.onnx.export with a dynamic batch, static QDQ int8 for int8."""
+    import onnxruntime as ort
+    import torch
+
+    path = folder / "model.onnx"
+    names = list(example)
+    if not path.exists():
+        with torch.no_grad():
+            torch.onnx.export(module, tuple(example.values()), str(path), input_names=names,
+                              dynamic_axes={n: {0: "batch"} for n in names}, dynamo=False)  # fmt: skip
+    if int8:
+        from onnxruntime import quantization as q
+
+        class Reader(q.CalibrationDataReader):  # type: ignore[misc]
+            def __init__(self) -> None:
+                self.samples = iter(calibration)
+
+            def get_next(self) -> dict[str, Any] | None:
+                return next(self.samples, None)
+
+        quantized = folder / "model.int8.onnx"
+        q.quantize_static(str(path), str(quantized), Reader(), quant_format=q.QuantFormat.QDQ, per_channel=True,
+                          activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8)  # fmt: skip
+        path = quantized
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda inputs: [np.asarray(a) for a in session.run(None, {k: v.numpy() for k, v in inputs.items()})]
+
+
+def _timed_ms(run: Run, inputs: dict[str, Any], slot_s: float) -> float:
+    """Median ms of one call, over calls repeated for about `slot_s` (at least 2)."""
+    times: list[float] = []
+    stop = time.perf_counter() + slot_s
+    while time.perf_counter() < stop or len(times) < 2:
+        started = time.perf_counter()
+        run(inputs)
+        times.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    """Build every configuration, check each against eager fp32, time them interleaved, print a markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["resnet50", "resnet18", "encoder", "tiny"], default="resnet50")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="daemon profiles, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--slot", type=float, default=0.5, help="seconds each configuration runs a batch per round")
+    parser.add_argument("--skip-ort", action="store_true", help="no ONNX Runtime rows")
+    parser.add_argument("--skip-plain-openvino", action="store_true", help="no plain OpenVINO rows")
+    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "infervisor-runtimes")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+    import torch
+
+    from common.cpuinfo import read_caps
+    from common.profiles import cpu_refusal
+    from worker.bench import BUILTIN_SPECS
+    from worker.models import build_builtin
+    from worker.runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    module = build_builtin(args.model)
+    eager = ModelRunner(module, BUILTIN_SPECS[args.model], None)
+    inputs = {b: eager.example_inputs(batch=b, seed=7) for b in BATCHES}
+    samples = [eager.example_inputs(batch=1, seed=1000 + i) for i in range(SAMPLES)]
+    batched = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
+    checks = [*samples, batched]
+    reference = [[a for _, a in eager.forward(case)] for case in checks]
+    calibration = _calibration(lambda b, seed: eager.example_inputs(batch=b, seed=seed))
+    folder = args.cache_dir / f"onnx-{args.model}"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    builders: dict[str, Callable[[], Run]] = {}
+    skipped: dict[str, str] = {}
+    caps = read_caps()
+    for name in args.profiles.split(","):
+        refusal = cpu_refusal(name, caps)
+        if refusal is not None:
+            skipped[f"daemon {name}"] = refusal
+            continue
+        builders[f"daemon {name}"] = functools.partial(daemon_profile, name, args.model, args.threads, args.cache_dir)
+    if not args.skip_plain_openvino:
+        for precision in ("f32", "bf16", "int8"):
+            builders[f"OpenVINO {precision}"] = functools.partial(
+                plain_openvino, module, inputs[1], args.threads, precision, calibration
+            )
+    if not args.skip_ort:
+        builders["ONNX Runtime fp32"] = lambda: plain_onnxruntime(module, inputs[1], args.threads, False, [], folder)
+        builders["ONNX Runtime int8 (QDQ)"] = lambda: plain_onnxruntime(
+            module, inputs[1], args.threads, True, calibration, folder
+        )
+
+    runs: dict[str, Run] = {}
+    cosines: dict[str, float] = {}
+    build_s: dict[str, float] = {}
+    for label, build in builders.items():
+        started = time.perf_counter()
+        try:
+            run = build()
+            with torch.inference_mode():
+                cosines[label] = min(_cosine_rows(ref, run(case)) for case, ref in zip(checks, reference, strict=True))
+        except Exception as exc:  # noqa: BLE001 - a configuration that cannot build is a row saying why
+            skipped[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            continue
+        build_s[label] = time.perf_counter() - started
+        runs[label] = run
+        print(f"built {label} in {build_s[label]:.1f} s, worst-row cosine {cosines[label]:.6f}", file=sys.stderr)
+
+    per_sample: dict[str, dict[int, list[float]]] = {label: {b: [] for b in BATCHES} for label in runs}
+    with torch.inference_mode():
+        for round_index in range(args.rounds):
+            order = list(runs)[round_index % max(1, len(runs)) :] + list(runs)[: round_index % max(1, len(runs))]
+            for label in order:
+                for batch in BATCHES:
+                    per_sample[label][batch].append(_timed_ms(runs[label], inputs[batch], args.slot) / batch)
+
+    print(f"\n{args.model}, {args.threads} thread(s), {caps.model_name}; ms per sample (median of {args.rounds} "
+          f"interleaved rounds), worst-row cosine against eager fp32\n")  # fmt: skip
+    print("| configuration | batch 1 | batch 8 | worst-row cosine | build s |\n|---|---|---|---|---|")
+    for label in runs:
+        b1, b8 = (statistics.median(per_sample[label][b]) for b in BATCHES)
+        print(f"| {label} | {b1:.3g} | {b8:.3g} | {cosines[label]:.6f} | {build_s[label]:.1f} |")
+    for label, reason in skipped.items():
+        print(f"| {label} | skipped: {reason} | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

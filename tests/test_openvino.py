@@ -1,0 +1,118 @@
+"""The OpenVINO profiles: converted, gated, served and cached like the other profiles, skipped where they cannot run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.cpuinfo import CpuCaps, read_caps
+from common.profiles import NATIVE_BF16, cpu_refusal
+from protocol.launch import LaunchSpec, ModelSource
+from protocol.tensors import TensorSpec
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
+from tests.openvino_models import ROW_INPUTS
+from worker.models import build_builtin
+from worker.profiles.openvino import NOT_INSTALLED
+from worker.profiles.select import select_profile
+from worker.profiles.validate import Tolerance
+from worker.runner import ModelRunner
+from worker.serve import build_context
+
+pytest.importorskip("openvino", reason="the openvino extra is not installed")
+
+
+def _cosine(got: np.ndarray, expected: np.ndarray) -> float:
+    return float((got * expected).sum() / np.linalg.norm(got) / np.linalg.norm(expected))
+
+
+def _serving(daemon: Daemon, model: str) -> list[dict[str, object]]:
+    return [w for w in daemon.status()["models"][model]["workers"] if w["state"] == "serving"]
+
+
+def test_openvino_profiles_serve_within_tolerance_and_a_restart_reads_the_cached_ir(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """fp32, bf16 (where the CPU has it) and NNCF int8 build, pass the gate and serve; a restart loads the IR."""
+    calibration = tmp_path / "calibration.npz"
+    np.savez(calibration, x=np.random.default_rng(1).standard_normal((32, 16)).astype(np.float32))
+    chains = {"fp32": ("openvino", 0.9999), "int8": ("openvino_int8", 0.98)}
+    if cpu_refusal("openvino_bf16", read_caps()) is None:
+        chains["bf16"] = ("openvino_bf16", 0.999)
+    config = {
+        "oversubscribe": True,
+        "models": {
+            model: model_entry(
+                {"builtin": "tiny"}, TINY_INPUTS, profiles=[profile, "eager"], tolerance={"min_cosine": cosine},
+                calibration=str(calibration),
+            )
+            for model, (profile, cosine) in chains.items()
+        },
+    }  # fmt: skip
+    daemon = start_daemon(config)
+    status = daemon.wait_ready(timeout=300)
+    x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
+    with torch.inference_mode():
+        expected = build_builtin("tiny")(torch.from_numpy(x)).numpy()
+    with daemon.client() as client:
+        for model, (profile, cosine) in chains.items():
+            (worker,) = status["models"][model]["workers"]
+            assert worker["profile"] == profile and worker["profile_skipped"] == [], worker
+            # fp32 and bf16 share one IR: whichever worker locked it first converted it, the other loaded it.
+            assert any(n.endswith(".xml") and "OpenVINO IR" in n for n in worker["profile_build"]), worker
+            got = client.infer(model, {"x": x})["y"]
+            assert got.shape == expected.shape and _cosine(got, expected) > cosine, model
+    # fp32 and bf16 share one IR; int8 has its own.
+    cache = daemon.tmp / "cache"
+    assert len(list(cache.glob("openvino-*.xml"))) == 1 and len(list(cache.glob("openvino_int8-*.xml"))) == 1
+    (first,) = status["models"]["int8"]["workers"]
+    assert daemon.control({"cmd": "restart", "model": "int8"})["queued"] == 1
+
+    def replaced() -> list[dict[str, object]]:
+        serving = _serving(daemon, "int8")
+        return serving if serving and first["pid"] not in [w["pid"] for w in serving] else []
+
+    (again,) = wait_for(replaced, 180, "int8 restarted")
+    assert again["profile"] == "openvino_int8"
+    assert any(str(n).startswith("loaded cached OpenVINO IR") for n in again["profile_build"]), again  # type: ignore[union-attr]
+
+
+def test_openvino_bf16_is_refused_where_the_cpu_has_no_native_bf16(tmp_path: Path) -> None:
+    """On a CPU without avx512_bf16 or AMX the bf16 profile is refused with the reason; eager serves."""
+    runner = ModelRunner(build_builtin("tiny"), (TensorSpec("x", "float32", (None, 16)),), ("y",))
+    launch = LaunchSpec("t", "tiny", -1, ModelSource("builtin", "tiny"), runner.specs, ("y",), (0,), 1,
+                        profiles=("openvino_bf16", "eager"), cache_dir=str(tmp_path))  # fmt: skip
+    avx512_without_bf16 = CpuCaps(frozenset({"avx2", "avx512f", "avx512_vnni"}), "an AVX-512 Xeon without bf16")
+    selection = select_profile(
+        runner, launch.profiles, Tolerance(0.999), avx512_without_bf16, build_context(launch, runner)
+    )
+    assert selection.profile == "eager"
+    assert selection.skipped == [f"openvino_bf16: {NATIVE_BF16.reason}"]
+    assert not list(tmp_path.glob("openvino*.xml"))  # refused before anything was converted
+
+
+def test_without_the_openvino_package_the_profiles_are_skipped_with_the_install_hint(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """A worker that cannot import openvino skips each OpenVINO profile saying how to install it, and serves eager."""
+    shadowed = {"PYTHONPATH": f"{ROOT / 'tests' / 'no_openvino'}:{ROOT}"}
+    chain = ["openvino_int8", "openvino", "eager"]
+    daemon = start_daemon({"models": {"m": model_entry({"builtin": "tiny"}, TINY_INPUTS, profiles=chain)}}, shadowed)
+    (worker,) = daemon.wait_ready(timeout=180)["models"]["m"]["workers"]
+    assert worker["profile"] == "eager"
+    assert [s.split(": ", 1)[0] for s in worker["profile_skipped"]] == ["openvino_int8", "openvino"], worker
+    assert all(NOT_INSTALLED in s for s in worker["profile_skipped"]), worker
+
+
+def test_a_model_openvino_cannot_convert_falls_down_the_chain(start_daemon: Callable[..., Daemon]) -> None:
+    """A conversion failure is the profile's skip reason, and the next profile of the chain serves."""
+    source = {"python": "tests.openvino_models:unconvertible"}
+    config = {"models": {"m": model_entry(source, ROW_INPUTS, profiles=["openvino", "jit", "eager"])}}
+    daemon = start_daemon(config)
+    (worker,) = daemon.wait_ready(timeout=180)["models"]["m"]["workers"]
+    assert worker["profile"] == "jit", worker
+    (reason,) = worker["profile_skipped"]
+    assert reason.startswith("openvino: openvino failed to build: "), reason
