@@ -79,6 +79,20 @@ def test_openvino_profiles_serve_within_tolerance_and_a_restart_reads_the_cached
     assert again["profile"] == "openvino_int8"
     assert any(str(n).startswith("loaded cached OpenVINO IR") for n in again["profile_build"]), again  # type: ignore[union-attr]
 
+    # A failing disk flips bytes in the weights: the next worker converts again instead of serving them.
+    (weights,) = cache.glob("openvino_int8-*.bin")
+    with weights.open("r+b") as handle:
+        for offset in (weights.stat().st_size // 4, weights.stat().st_size // 2):
+            handle.seek(offset)
+            handle.write(bytes(b ^ 0xFF for b in handle.read(64)))
+            handle.seek(offset)
+    assert daemon.control({"cmd": "restart", "model": "int8"})["queued"] == 1
+    first = again
+    (rebuilt,) = wait_for(replaced, 300, "int8 restarted on damaged weights")
+    assert any(str(n).startswith("converted and cached OpenVINO IR") for n in rebuilt["profile_build"]), rebuilt  # type: ignore[union-attr]
+    assert list(cache.glob("openvino_int8-*.xml.corrupt"))
+    assert any(e.get("event") == "cached_package_rejected" for e in daemon.log_events())
+
 
 def test_openvino_bf16_is_refused_where_the_cpu_has_no_native_bf16(tmp_path: Path) -> None:
     """On a CPU without avx512_bf16 or AMX the bf16 profile is refused with the reason; eager serves."""

@@ -345,6 +345,12 @@ class ArtifactCache:
             return f"sha256 {actual[:16]}... differs from {stored[:16]}... stored when it was built"
         return None
 
+    def discard(self, path: Path, reason: str) -> None:
+        """Move aside a cached artifact a caller found damaged (as `<name>.corrupt`), so the next fetch builds it."""
+        with self.locked(path):
+            if path.exists():
+                self._move_aside(path, reason)
+
     def _move_aside(self, path: Path, reason: str) -> None:
         """Keep a rejected package as `<name>.corrupt` (the latest one only) and say so in the log."""
         aside = path.with_name(path.name + CORRUPT_SUFFIX)

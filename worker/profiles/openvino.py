@@ -23,7 +23,7 @@ import torch
 
 from protocol.tensors import TensorSpec
 from worker.profiles.build import BuildContext, Built, ProfileError, _calibration_set, builds
-from worker.profiles.cache import ArtifactCache, artifact_key
+from worker.profiles.cache import ArtifactCache, artifact_key, file_digest, write_durably
 from worker.profiles.calibration import Inputs
 
 #: The skip reason when the runtime is missing: what operators read in profile_skipped.
@@ -140,13 +140,31 @@ def _saved_ir(cache: ArtifactCache, profile: str, key: dict[str, Any], make: Any
         try:
             # compress_to_fp16=False: the default halves the weights on disk, which is not fp32 any more.
             ov.save_model(make(), str(staged), compress_to_fp16=False)
+            # The .xml's own digest is the cache's; the weights beside it get theirs here, checked at every load.
+            write_durably(_weights_digest(path), file_digest(staged.with_suffix(".bin")))
             os.replace(staged.with_suffix(".bin"), path.with_suffix(".bin"))
             os.replace(staged, into)
         finally:
             staged.unlink(missing_ok=True)
             staged.with_suffix(".bin").unlink(missing_ok=True)
 
-    return path, cache.get_or_build(path, key, save)
+    hit = cache.get_or_build(path, key, save)
+    if hit and not _weights_intact(path):
+        cache.discard(path, "its weights (.bin) differ from the sha256 stored when they were saved")
+        return path, cache.get_or_build(path, key, save)
+    return path, hit
+
+
+def _weights_digest(xml: Path) -> Path:
+    return xml.with_suffix(".bin.sha256")
+
+
+def _weights_intact(xml: Path) -> bool:
+    """The IR's weights are what was saved: the .bin's sha256 is the one written beside it at build time."""
+    try:
+        return _weights_digest(xml).read_text().split()[0] == file_digest(xml.with_suffix(".bin"))
+    except (OSError, IndexError):
+        return False
 
 
 def build_openvino(name: str, context: BuildContext, precision: Precision) -> Built:
