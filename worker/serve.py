@@ -27,6 +27,7 @@ from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.process_tree import become_subreaper, end_descendants
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext
 from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
@@ -152,6 +153,9 @@ class WorkerLoop:
         self.profiler = profile(activities=[ProfilerActivity.CPU])
         self.profiler.__enter__()
         self.profile_request, self.profile_left = message, max(1, message.requests)
+        # Starting the profiler takes seconds: this heartbeat tells the supervisor it is over (its hang budget
+        # for the requests waiting behind it starts again from here).
+        self.send(wm.Heartbeat())
 
     def finish_profile(self) -> None:
         """Close the session and send the operators that took the most CPU themselves."""
@@ -333,11 +337,9 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
 
 def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
     """The crash markers of this model's profiles, keyed like their packages (model, spec, options, torch, CPU)."""
-    options = {
-        "channels_last": launch.channels_last,
-        "calibration": launch.calibration or "",
-        "validation": launch.validation or "",
-    }
+    # What can make the profile crash, not what judges it: a validation set only changes the gate's inputs, so
+    # adding one must not retry a profile that crashed the worker (the key still holds model, spec and torch).
+    options = {"channels_last": launch.channels_last, "calibration": launch.calibration or ""}
     stems = {
         name: ArtifactCache.stem_for(name, artifact_key(context.digest, name, context.specs, options))
         for name in launch.profiles
@@ -360,9 +362,12 @@ def serve(launch: LaunchSpec) -> int:
         max(launch.max_frame_bytes, MAX_HEADER_BYTES),
     )
     progress = LinkProgress(link, launch.profiles, launch.heartbeat_interval_ms / 1000.0 * launch.heartbeat_liveness)
+    become_subreaper()
     try:
         return _start_and_serve(launch, link, progress)
     finally:
+        # Nothing the model started outlives the worker (a recycle, a stop, a failed load).
+        end_descendants()
         link.close()
 
 
@@ -400,11 +405,22 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         adopt_library_handlers()  # a model's libraries (transformers, ...) may have installed handlers while loading
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
-        return WorkerExitCode.LOAD_FAILED
+        return _load_failed(link, progress, str(exc))
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
         log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}")
-        return WorkerExitCode.LOAD_FAILED
+        return _load_failed(link, progress, f"{type(exc).__name__}: {exc}")
     return WorkerLoop(launch, runner, link).run(_ready(launch, selection, load_ms, warmup_ms))
+
+
+def _load_failed(link: Link, progress: LinkProgress, error: str) -> int:
+    """Tell the supervisor why the model cannot load (status shows it, not only this log), then exit LOAD_FAILED."""
+    try:
+        link.send(wm.encode(wm.LoadError(error[:MAX_MESSAGE_LEN])))
+        if link.wants_write:
+            link.flush_blocking(progress.send_timeout_s)
+    except LinkClosed as exc:
+        log.warning("load_error_not_sent", error=str(exc))
+    return WorkerExitCode.LOAD_FAILED
 
 
 def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: float) -> wm.Ready:
@@ -416,8 +432,8 @@ def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: 
         torch.get_num_threads(),
         sorted(os.sched_getaffinity(0)),
         selection.profile,
-        "; ".join(selection.skipped),
-        "; ".join(selection.notes),
+        list(selection.skipped),
+        list(selection.notes),
     )
     log.info(
         "worker_ready",
