@@ -17,6 +17,7 @@ import torch
 from common.cpuinfo import read_caps
 from common.json_logs import adopt_library_handlers
 from common.profiles import PROFILES, REFERENCE_PROFILE
+from common.text import clip
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
 from protocol.client_messages import encode_result
@@ -415,7 +416,7 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
 def _load_failed(link: Link, progress: LinkProgress, error: str) -> int:
     """Tell the supervisor why the model cannot load (status shows it, not only this log), then exit LOAD_FAILED."""
     try:
-        link.send(wm.encode(wm.LoadError(error[:MAX_MESSAGE_LEN])))
+        link.send(wm.encode(wm.LoadError(clip(error, MAX_MESSAGE_LEN))))
         if link.wants_write:
             link.flush_blocking(progress.send_timeout_s)
     except LinkClosed as exc:

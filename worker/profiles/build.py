@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from common.profiles import PROFILE_NAMES, PROFILES
+from common.text import clip
 from protocol.tensors import TensorSpec
 from worker.profiles.cache import ArtifactCache, artifact_key, file_digest
 from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
@@ -277,5 +278,5 @@ def build_profile(name: str, context: BuildContext) -> Built:
     except ProfileError:
         raise
     except Exception as exc:  # noqa: BLE001 - building from a user model can fail in many ways; each is a skip reason
-        detail = str(exc) if isinstance(exc, ExportError) else f"{type(exc).__name__}: {str(exc)[:300]}"
+        detail = str(exc) if isinstance(exc, ExportError) else clip(f"{type(exc).__name__}: {exc}")
         raise ProfileError(f"{name} failed to build: {detail}") from exc

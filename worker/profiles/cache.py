@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from common.text import clip
 from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
 
@@ -166,7 +167,7 @@ class ArtifactCache:
                 return True
             failed = path.with_suffix(".failed")
             if failed.exists() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
-                raise CachedBuildFailure(f"{failed.read_text()[:400]} (remembered in {failed.name})")
+                raise CachedBuildFailure(f"{clip(failed.read_text())} (remembered in {failed.name})")
             self._sweep(path.stem)
             handle, temporary = tempfile.mkstemp(dir=self.root, prefix=path.stem, suffix=".tmp.pt2")
             os.close(handle)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from common.text import clip
 from protocol.tensors import TensorSpec
 from worker.profiles.timing import MIN_MARGIN, Contender, noise_of, run_rounds
 
@@ -55,7 +56,7 @@ def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.e
         with torch.no_grad():
             return torch.export.export(module, traceable_example(example, specs), dynamic_shapes=dynamic_shapes(specs))
     except Exception as exc:  # noqa: BLE001 - export fails in many ways on user models; each is a skip reason
-        raise ExportError(f"torch.export failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        raise ExportError(clip(f"torch.export failed: {type(exc).__name__}: {exc}")) from exc
 
 
 def quantize(
@@ -78,7 +79,7 @@ def quantize(
                 prepared(*inputs)
             return convert_pt2e(prepared)  # type: ignore[no-any-return]
     except Exception as exc:  # noqa: BLE001 - quantizer annotation fails on some graph shapes; said plainly
-        message = f"{type(exc).__name__}: {str(exc)[:300]}"
+        message = clip(f"{type(exc).__name__}: {exc}")
         if "more than one output node" in message:
             message += (
                 " (a module is called at several places, e.g. one self.relu applied twice: give each call"
@@ -102,7 +103,7 @@ def compile_package(
                 program, package_path=str(path), inductor_configs=dict(_INDUCTOR_CONFIGS)
             )
     except Exception as exc:  # noqa: BLE001 - a C++ compile or lowering failure is a skip reason
-        raise ExportError(f"AOTInductor compile failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        raise ExportError(clip(f"AOTInductor compile failed: {type(exc).__name__}: {exc}")) from exc
 
 
 class PackageRunner:
