@@ -6,15 +6,21 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
 from protocol import ErrorCode, InferenceError
+from protocol.launch import LaunchSpec, ModelSource
+from protocol.tensors import TensorSpec
 from tests.conftest import ROOT, Daemon, model_entry, wait_for
 from tests.fault_models import FAULT_INPUTS
 from tests.tree_models import ECHO, SLEEP, SPAWN, TREE_INPUTS, command
+from worker.models import build_builtin
+from worker.runner import ModelRunner
+from worker.serve import attempt_log, build_context
 
 ENV = {"PYTHONPATH": str(ROOT)}
 BROKEN = {"python": "tests.fault_models:broken"}
@@ -147,3 +153,21 @@ def test_two_hang_kills_within_the_window_fail_the_slot(start_daemon: Callable[.
     with daemon.client() as client, pytest.raises(InferenceError) as caught:
         client.infer("m", command(ECHO), timeout=30)
     assert caught.value.code == ErrorCode.UNAVAILABLE
+
+
+def test_a_crash_record_is_keyed_on_what_can_crash_not_on_the_validation_set(tmp_path: Path) -> None:
+    """Adding a validation set keeps a profile's crash record (same stem); another input spec does not."""
+    module = build_builtin("tiny")
+
+    def stems(
+        validation: str | None, specs: tuple[TensorSpec, ...] = (TensorSpec("x", "float32", (None, 16)),)
+    ) -> dict[str, str]:
+        runner = ModelRunner(module, specs, ("y",))
+        launch = LaunchSpec(
+            "t", "tiny", -1, ModelSource("builtin", "tiny"), specs, ("y",), (0,), 1,
+            profiles=("jit", "eager"), cache_dir=str(tmp_path), validation=validation,
+        )  # fmt: skip
+        return attempt_log(launch, build_context(launch, runner)).stems
+
+    assert stems(None) == stems(str(tmp_path / "validation.npz"))
+    assert stems(None) != stems(None, (TensorSpec("x", "float32", (1, 16)),))
