@@ -15,7 +15,7 @@ import pytest
 from protocol import ErrorCode, InferenceError
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
-from tests.conftest import ROOT, Daemon, model_entry, wait_for
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.fault_models import FAULT_INPUTS
 from tests.tree_models import ECHO, SLEEP, SPAWN, TREE_INPUTS, command
 from worker.models import build_builtin
@@ -171,3 +171,25 @@ def test_a_crash_record_is_keyed_on_what_can_crash_not_on_the_validation_set(tmp
 
     assert stems(None) == stems(str(tmp_path / "validation.npz"))
     assert stems(None) != stems(None, (TensorSpec("x", "float32", (1, 16)),))
+
+
+def test_the_profile_command_does_not_get_its_worker_killed_as_hung(start_daemon: Callable[..., Daemon]) -> None:
+    """torch.profiler takes seconds to start: under a short hang_min_s and heartbeat limit the worker profiles and
+    serves on (it was killed as hung, losing the profile)."""
+    config = {
+        "hang_min_s": 0.5,
+        "heartbeat_interval_ms": 100,
+        "heartbeat_liveness": 5,
+        "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)},
+    }
+    daemon = start_daemon(config)
+    pid = daemon.wait_ready()["models"]["tiny"]["workers"][0]["pid"]
+    assert daemon.control({"cmd": "profile", "model": "tiny", "requests": 2})["ok"]
+    with daemon.client() as client:
+        for _ in range(2):
+            assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)}, timeout=30)["y"].shape == (1, 16)
+    worker = wait_for(
+        lambda: (w := daemon.status()["models"]["tiny"]["workers"][0])["last_profile"] and w, 60, "the profile report"
+    )
+    assert worker["pid"] == pid and worker["last_profile"]["requests"] == 2
+    assert not [e for e in daemon.log_events() if e["event"] == "worker_killed"]
