@@ -9,16 +9,30 @@ left behind is killed when its exit is reaped.
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import structlog
 
 log = structlog.get_logger("supervisor")
 
 
-def descendants_of(pid: int) -> list[psutil.Process]:
-    """Every live process below `pid` (empty when it is gone)."""
+def own_child(pid: int) -> psutil.Process | None:
+    """The process `pid` if it is a child of this one (a worker just started), else None: never walk another tree."""
     try:
-        return list(psutil.Process(pid).children(recursive=True))
+        process = psutil.Process(pid)
+        return process if process.ppid() == os.getpid() else None
+    except psutil.Error:
+        return None
+
+
+def descendants_of(process: psutil.Process | None) -> list[psutil.Process]:
+    """Every live process below `process` (empty when it is gone, or was never ours)."""
+    if process is None:
+        return []
+    try:
+        # psutil checks the start time as well as the pid: a pid reused since is not walked.
+        return list(process.children(recursive=True))
     except psutil.Error:
         return []
 

@@ -19,7 +19,7 @@ from protocol.worker_link import Link
 from supervisor.config import ModelConfig
 from supervisor.launcher import Launched, WorkerProcess
 from supervisor.planner import Assignment
-from supervisor.process_tree import descendants_of, kill_all
+from supervisor.process_tree import descendants_of, kill_all, own_child
 from supervisor.start_clock import StartClock
 
 if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
@@ -155,7 +155,9 @@ class WorkerSlot:
     last_load_error: str = ""
     #: When a `profile` command was sent: starting torch.profiler takes seconds, which is not a hang.
     profile_started_at: float | None = None
-    #: The processes below the current one at the last look (supervisor/process_tree.py): killed with it.
+    #: The current process as psutil sees it (None unless it is our child), and the processes below it at the
+    #: last look (supervisor/process_tree.py): killed with it.
+    tree_root: psutil.Process | None = None
     descendants: list[psutil.Process] = field(default_factory=list)
     #: The last torch.profiler report of this process: seq, requests profiled, top operators.
     last_profile: dict[str, object] | None = None
@@ -203,7 +205,7 @@ class WorkerSlot:
             return False
         log.warning("worker_killed", slot=self.name, pid=self.process.pid, reason=reason)
         # Walked before the kill: once the worker is gone its orphans are re-parented out of its tree.
-        self.descendants = descendants_of(self.process.pid)
+        self.descendants = descendants_of(self.tree_root)
         self.process.kill()
         kill_all(self.descendants, self.name)
         self.killed, self.kill_reason, self.kill_cause = True, reason, cause
@@ -211,8 +213,9 @@ class WorkerSlot:
 
     def track_descendants(self) -> None:
         """Remember what runs below the live process, so what a crash leaves behind can be killed at its reap."""
-        if self.process is not None and self.state in LIVE_STATES:
-            self.descendants = descendants_of(self.process.pid)
+        # A process that ended (not reaped yet) has no children left: keep the last look for its reap.
+        if self.process is not None and self.state in LIVE_STATES and self.process.poll() is None:
+            self.descendants = descendants_of(self.tree_root)
 
     def end_descendants(self) -> None:
         """Kill what the ended process left running (as last seen), then forget it."""
@@ -236,6 +239,7 @@ class WorkerSlot:
         self.load_error = ""
         self.profile_started_at = None
         self.descendants = []
+        self.tree_root = own_child(launched.process.pid)
         if self.failures or self.last_exit:
             self.restarts += 1
 
