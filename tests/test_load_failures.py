@@ -3,6 +3,7 @@ hang kills counted: all with a real daemon and real workers."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import pytest
 from protocol import ErrorCode, InferenceError
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
-from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import FAULT_INPUTS
 from tests.tree_models import ECHO, SLEEP, SPAWN, TREE_INPUTS, command
 from worker.models import build_builtin
@@ -51,12 +52,12 @@ def _serving_pid(daemon: Daemon, model: str) -> int | None:
 
 
 def test_a_factory_that_raises_is_explained_in_status_and_a_fixed_config_serves_without_a_restart(
-    start_daemon: Callable[..., Daemon],
+    start_daemon: Callable[..., Daemon], notify_socket: socket.socket, tmp_path: Path
 ) -> None:
     """The factory's own error reaches status, plain status and metrics within a minute; the same error twice is
     not retried as a crash loop; the daemon stays up `down` (--check exits 2) and a fixed config.json serves."""
     config = {"max_restarts": 5, "models": {"m": model_entry(BROKEN, FAULT_INPUTS)}}
-    daemon = start_daemon(config, env=ENV)
+    daemon = start_daemon(config, env={**ENV, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
 
     def failed() -> bool:
         status = daemon.try_status()
@@ -81,6 +82,8 @@ def test_a_factory_that_raises_is_explained_in_status_and_a_fixed_config_serves_
     )
     assert 'infervisor_worker_load_failures_total{model="m"} 2.0' in metrics
     assert daemon.process.poll() is None, "a daemon whose models all failed stays up for a fixed config"
+    seen = notify_messages(notify_socket, lambda s: any("READY=1" in m for m in s), 30, [])
+    assert "weights.bin not found" in next(m for m in seen if "READY=1" in m), "systemd's STATUS= says why"
 
     config["models"]["m"] = model_entry({"python": "tests.fault_models:faulty"}, FAULT_INPUTS)
     daemon.write_config(config)
