@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from common.text import clip
 from protocol.constants import PROTOCOL_VERSION, ErrorCode
 from supervisor.slot import RestartReason, SlotState
 
@@ -49,7 +50,8 @@ BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-#: The load error in `infervisor_model_load_error_info` is cut here: a label is no place for a traceback.
+#: The load error in `infervisor_model_load_error_info` is shortened to whole sentences within this: a label is no
+#: place for a traceback.
 LOAD_ERROR_LABEL_CHARS = 200
 #: The HTTP endpoint drops a connection that sends nothing for this long (a stuck scraper holds one thread).
 READ_TIMEOUT_S = 5.0
@@ -258,7 +260,7 @@ def take_snapshot(
                 service=EMPTY if model_times is None else _histogram(model_times.service, model_times.service_sum),
                 batch_sizes=tuple(sorted(queue.batch_sizes.items())),
                 load_failures=pool.load_failures[name],
-                load_error=load_errors.get(name, "")[:LOAD_ERROR_LABEL_CHARS],
+                load_error=clip(load_errors.get(name, ""), LOAD_ERROR_LABEL_CHARS),
             )
         )
     serving = {id(s) for members in pool.members.values() for s in members if s.state is SlotState.SERVING}
