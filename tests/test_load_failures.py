@@ -196,3 +196,17 @@ def test_the_profile_command_does_not_get_its_worker_killed_as_hung(start_daemon
     )
     assert worker["pid"] == pid and worker["last_profile"]["requests"] == 2
     assert not [e for e in daemon.log_events() if e["event"] == "worker_killed"]
+
+
+def test_a_skip_reason_holding_a_semicolon_is_one_item_of_status(start_daemon: Callable[..., Daemon]) -> None:
+    """`profile_skipped` keeps a reason whole, whatever punctuation it holds (it was split on "; ")."""
+    config = {
+        "models": {
+            "m": model_entry({"python": "tests.tree_models:untraceable"}, TREE_INPUTS, profiles=["jit", "eager"])
+        }
+    }
+    daemon = start_daemon(config, env=ENV)
+    worker = daemon.wait_ready()["models"]["m"]["workers"][0]
+    assert worker["profile"] == "eager"
+    (skipped,) = worker["profile_skipped"]
+    assert skipped.startswith("jit") and "cannot be traced; serve it with eager, or script it first" in skipped

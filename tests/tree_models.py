@@ -52,3 +52,17 @@ def spawner() -> torch.nn.Module:
 def command(kind: int, argument: float = 0.0) -> dict[str, np.ndarray]:
     """The request input for one behaviour."""
     return {"x": np.array([[kind, argument]], dtype=np.float32)}
+
+
+class Untraceable(torch.nn.Module):
+    """Echoes in eager; refuses to be traced with a reason that holds a "; " (the jit profile is skipped)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            raise RuntimeError("this model cannot be traced; serve it with eager, or script it first")
+        return x * 1.0
+
+
+def untraceable() -> torch.nn.Module:
+    """Factory for config: {"python": "tests.tree_models:untraceable"}."""
+    return Untraceable()
