@@ -9,6 +9,7 @@ everything in order. The broker tells it what it saw of a worker; the monitors t
 from __future__ import annotations
 
 import collections
+import re
 import time
 from collections.abc import Iterator, Sequence
 
@@ -37,6 +38,12 @@ _BACKOFF_MAX_S = 30.0
 _EXITS_KEPT = 64
 #: How long after a `profile` command a worker is not killed as hung or silent: torch.profiler takes seconds to start.
 PROFILE_START_GRACE_S = 30.0
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def same_error(one: str, other: str) -> bool:
+    """Two load errors say the same thing: equal once object addresses (`at 0x7f...`), which differ by process, go."""
+    return _ADDRESS.sub("0x", one) == _ADDRESS.sub("0x", other)
 
 
 class WorkerPool:
@@ -195,7 +202,7 @@ class WorkerPool:
         config = self.serving.current
         cause = (slot.kill_cause if slot.killed else None) or RestartReason.CRASH
         load_error = slot.load_error if code == WorkerExitCode.LOAD_FAILED else ""
-        repeated = bool(load_error) and load_error == slot.last_load_error
+        repeated = bool(load_error) and same_error(load_error, slot.last_load_error)
         slot.last_load_error = load_error
         if repeated:
             # The same load error twice: a load that can never succeed (a bad spec, a factory that raises) is not
