@@ -11,6 +11,7 @@ which would take the exit status of a child some library (inductor's compile poo
 from __future__ import annotations
 
 import ctypes
+import os
 
 import psutil
 import structlog
@@ -27,6 +28,13 @@ def become_subreaper() -> None:
         log.warning("subreaper_refused", errno=ctypes.get_errno())
 
 
+def _parent(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return None
+
+
 def end_descendants() -> int:
     """SIGKILL every process below this one and reap its children; returns how many were killed."""
     try:
@@ -38,8 +46,10 @@ def end_descendants() -> int:
             process.kill()
         except psutil.Error:
             continue
-    # Our own children are reaped here; deeper ones were re-parented to us (subreaper) or go to init.
-    psutil.wait_procs(descendants, timeout=2.0)
+    # Only our own children are waited for (psutil polls others until they vanish, and a killed grandchild re-parented
+    # to us stays a zombie until we exit, when init reaps it).
+    mine = os.getpid()
+    psutil.wait_procs([p for p in descendants if _parent(p) == mine], timeout=2.0)
     if descendants:
         log.info("descendants_killed", pids=[p.pid for p in descendants])
     return len(descendants)
