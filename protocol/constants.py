@@ -68,6 +68,7 @@ class WorkerMessageType(enum.IntEnum):
     PROFILE_RESULT = 11
     BATCH = 12
     PROGRESS = 13
+    LOAD_ERROR = 14
 
 
 class StartPhase(enum.StrEnum):

@@ -31,10 +31,10 @@ class Ready:
     threads: int
     cpus: list[int]
     profile: str
-    #: Why each profile before the serving one was skipped, "; "-separated (empty when the first served).
-    profile_notes: str
-    #: What building the serving profile did (compiled, loaded a cached package, timings), "; "-separated.
-    build_notes: str
+    #: Why each profile before the serving one was skipped, one reason per item (empty when the first served).
+    profile_notes: list[str]
+    #: What building the serving profile did (compiled, loaded a cached package, timings), one note per item.
+    build_notes: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +155,14 @@ class Progress:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadError:
+    """Worker -> supervisor, just before it exits LOAD_FAILED: why the model could not load, in the worker's words."""
+
+    TYPE: ClassVar = WorkerMessageType.LOAD_ERROR
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Supervisor -> worker: run several requests as one forward pass.
 
@@ -169,13 +177,13 @@ class Batch:
 
 WorkerMessage = (
     Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult
-    | Progress | Batch
+    | Progress | Batch | LoadError
 )  # fmt: skip
 _CLASSES: dict[int, type[Any]] = {
     cls.TYPE: cls
     for cls in (
         Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult, Progress,
-        Batch,
+        Batch, LoadError,
     )
 }  # fmt: skip
 

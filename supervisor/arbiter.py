@@ -112,6 +112,8 @@ class Arbiter:
         #: The last STATUS= line sent to systemd (sent again only when it changes).
         self.status_line = ""
         self.exit_code = 0
+        #: Every slot of every model has failed (logged once per time it happens).
+        self.all_failed_logged = False
         self.next_housekeeping = 0.0
         self.next_monitor = 0.0
         self.watchdog_every = self.notifier.watchdog_interval()
@@ -218,11 +220,14 @@ class Arbiter:
             return
         self.reloader.react_to_file_changes(now)
         self.monitor(now)
-        if self.pool.all_failed():
-            log.error("all_workers_failed", reason="every slot of every model failed; exiting for the service manager")
-            self.exit_code = 1
-            self.begin_stop("all workers failed")
-            return
+        if self.pool.all_failed() != self.all_failed_logged:
+            # The daemon stays up, state down, with each model's reason in status: a fixed config.json is
+            # reloaded without a restart (systemd would only retry the same config up to its start limit).
+            self.all_failed_logged = not self.all_failed_logged
+            if self.all_failed_logged:
+                log.error(
+                    "all_workers_failed", reason="every slot of every model failed; down until a reload or restart"
+                )
         self.affinity.reconcile((s.assignment.cpus for s in self.pool.all_slots()), self.config.pin_supervisor)
         # Polling idle adds heat: a throttling box lets go of the request until it cools.
         self.cpu_latency.reconcile(self.config.cpu_latency_us, self.thermal.throttled)
@@ -263,6 +268,10 @@ class Arbiter:
         """A starting worker entered a phase: the pool times it against the start or the compile limit."""
         self.pool.worker_progress(slot, progress)
 
+    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
+        """A starting worker cannot load its model: the pool keeps its words for status."""
+        self.pool.worker_load_error(slot, error)
+
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker's link failed: the pool replaces the worker."""
         self.pool.link_broken(slot, reason)
@@ -283,6 +292,7 @@ class Arbiter:
         except ValueError:
             operators = {"error": "the worker sent operators that are not JSON"}
         slot.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
+        slot.profile_started_at = None
         log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests)
 
     # ---- monitors -----------------------------------------------------------------------------
@@ -295,6 +305,7 @@ class Arbiter:
         self.next_monitor = now + config.monitor_interval_s
         view = MonitorView(config, self.pool.serving_members(), self.pool.draining(), self.pool.live_pids())
         findings = [finding for watch in self.monitors for finding in watch.check(now, view)]
+        self.pool.track_descendants()
         self.broker.shed = self.thermal.throttled and config.thermal_action == "shed"
         for finding in findings:
             self.act(finding)
@@ -396,6 +407,7 @@ class Arbiter:
         slot = serving[0]
         if not self.links.send_control(slot, wm.Profile(self.probe_seq, requests)):
             return {"ok": False, "error": f"{slot.name} is not connected"}
+        slot.profile_started_at = time.monotonic()
         return {"ok": True, "slot": slot.assignment.slot, "pid": slot.pid, "seq": self.probe_seq}
 
     def status(self) -> dict[str, Any]:

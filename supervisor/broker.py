@@ -56,6 +56,9 @@ class WorkerEvents(Protocol):
     def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
         """A starting worker entered a phase (loading, building profile i of n, checking, warming up)."""
 
+    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
+        """A starting worker cannot load its model and says why (it exits LOAD_FAILED next)."""
+
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker's link cannot be written or lost its framing: its process must be replaced."""
 
@@ -614,6 +617,8 @@ class Broker:
             self.events.canary_result(slot, message)
         elif isinstance(message, wm.ProfileResult):
             self.events.profile_result(slot, message)
+        elif isinstance(message, wm.LoadError):
+            self.events.worker_load_error(slot, message)
 
     def on_reply(self, slot: WorkerSlot, reply: wm.Reply, frames: list[Any]) -> None:
         """Forward a worker's answer to the client that asked, exactly once."""

@@ -682,8 +682,9 @@ TOP_KEYS: tuple[Key, ...] = (
         "window for counting a slot's failures."),
     Key("max_restarts", Integer(5, 1, 1000), Applied.LIVE,
         "failures (exits not asked for: crash, hang or heartbeat kill, a monitor's KILL) within the window after "
-        "which the slot is `FAILED` (no more respawns; `infervisor restart` replaces it). When every slot of every "
-        "model has failed, the daemon exits 1."),
+        "which the slot is `FAILED` (no more respawns; `infervisor restart` replaces it). A load that fails twice "
+        "with the same error fails the slot at once. When every slot of every model has failed, the daemon stays up "
+        "in state `down` until a reload or restart."),
     Key("monitor_interval_s", Number(1.0, 0.05), Applied.LIVE,
         "period of the [monitors](#monitors) (also the granularity of canaries)."),
     Key("thermal_sysfs_root", Text("/sys"), Applied.LIVE,

@@ -6,6 +6,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from common.text import clip
 from supervisor.slot import SlotState, WorkerSlot
 
 
@@ -80,5 +81,5 @@ def status_line(reports: Mapping[str, ModelReport], state: DaemonState) -> str:
     serving = sum(1 for r in reports.values() if r.health in (ModelHealth.SERVING, ModelHealth.DEGRADED))
     parts = [f"{state.value}: {serving}/{len(reports)} model(s) serving"]
     parts += [f"{n} {r.health.value} ({r.reason})" for n, r in reports.items() if r.health is not ModelHealth.SERVING]
-    # systemd shows one line; keep it readable in `systemctl status`.
-    return "; ".join(parts)[:1000]
+    # systemd shows one line; keep it readable in `systemctl status`, ending at a whole reason.
+    return clip("; ".join(parts), 1000)

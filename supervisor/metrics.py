@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from common.text import clip
 from protocol.constants import PROTOCOL_VERSION, ErrorCode
 from supervisor.slot import RestartReason, SlotState
 
@@ -49,6 +50,9 @@ BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
+#: The load error in `infervisor_model_load_error_info` is shortened to whole sentences within this: a label is no
+#: place for a traceback.
+LOAD_ERROR_LABEL_CHARS = 200
 #: The HTTP endpoint drops a connection that sends nothing for this long (a stuck scraper holds one thread).
 READ_TIMEOUT_S = 5.0
 MB = 2**20
@@ -164,6 +168,9 @@ class ModelSample:
     service: Histogram
     #: With batching: (rows, batches sent of that size); empty otherwise.
     batch_sizes: tuple[tuple[int, int], ...] = ()
+    #: Workers of the model that exited LOAD_FAILED, and why it cannot load now ("" when nothing failed).
+    load_failures: int = 0
+    load_error: str = ""
 
 
 #: Upper bounds of the batch-size histogram, in rows.
@@ -224,6 +231,7 @@ def take_snapshot(
     The request times of a model no longer served are dropped here, with its other series.
     """
     slots = pool.all_slots()
+    load_errors = pool.load_errors()
     models: list[ModelSample] = []
     times = broker.times.models
     for name in list(times):
@@ -251,6 +259,8 @@ def take_snapshot(
                 queue=EMPTY if model_times is None else _histogram(model_times.queue, model_times.queue_sum),
                 service=EMPTY if model_times is None else _histogram(model_times.service, model_times.service_sum),
                 batch_sizes=tuple(sorted(queue.batch_sizes.items())),
+                load_failures=pool.load_failures[name],
+                load_error=clip(load_errors.get(name, ""), LOAD_ERROR_LABEL_CHARS),
             )
         )
     serving = {id(s) for members in pool.members.values() for s in members if s.state is SlotState.SERVING}
@@ -414,7 +424,18 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
     )
     for model_name, reason, count in snapshot.restarts:
         restarts.add_metric([model_name, reason], count)
-    yield from (states, rss, profile, restarts)
+    load_failures = CounterMetricFamily(
+        "infervisor_worker_load_failures", "worker processes that could not load their model", labels=["model"]
+    )
+    # One series per model at most, and only while it cannot load: the reason text stays a bounded label.
+    load_error = InfoMetricFamily(
+        "infervisor_model_load_error", "why a model cannot load now, in its worker's words", labels=["model"]
+    )
+    for model in snapshot.models:
+        load_failures.add_metric([model.name], model.load_failures)
+        if model.load_error:
+            load_error.add_metric([model.name], {"error": model.load_error})
+    yield from (states, rss, profile, restarts, load_failures, load_error)
 
 
 def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:

@@ -9,6 +9,7 @@ everything in order. The broker tells it what it saw of a worker; the monitors t
 from __future__ import annotations
 
 import collections
+import re
 import time
 from collections.abc import Iterator, Sequence
 
@@ -35,6 +36,14 @@ _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 30.0
 #: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
 _EXITS_KEPT = 64
+#: How long after a `profile` command a worker is not killed as hung or silent: torch.profiler takes seconds to start.
+PROFILE_START_GRACE_S = 30.0
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def same_error(one: str, other: str) -> bool:
+    """Two load errors say the same thing: equal once object addresses (`at 0x7f...`), which differ by process, go."""
+    return _ADDRESS.sub("0x", one) == _ADDRESS.sub("0x", other)
 
 
 class WorkerPool:
@@ -68,6 +77,8 @@ class WorkerPool:
         self.rollout_errors: dict[str, str] = {}
         #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
         self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
+        #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
+        self.load_failures: collections.Counter[str] = collections.Counter()
         self.stopping = False
         self.stop_deadline = 0.0
         self.kill_deadline: float | None = None
@@ -152,6 +163,12 @@ class WorkerPool:
     def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
         """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
         how = describe_exit(code)
+        slot.end_descendants()
+        if code == WorkerExitCode.LOAD_FAILED:
+            self.load_failures[slot.model.name] += 1
+            if slot.load_error:
+                # The worker's own words (what to declare, which file is missing) reach status, not only its log.
+                how = f"{how}: {slot.load_error}"
         # Status says why we killed it (which profile overran its build, which request hung), not only the signal.
         slot.last_exit = f"{how} ({slot.kill_reason})" if slot.killed and slot.kill_reason else how
         exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
@@ -184,8 +201,23 @@ class WorkerPool:
             return
         config = self.serving.current
         cause = (slot.kill_cause if slot.killed else None) or RestartReason.CRASH
+        load_error = slot.load_error if code == WorkerExitCode.LOAD_FAILED else ""
+        repeated = bool(load_error) and same_error(load_error, slot.last_load_error)
+        slot.last_load_error = load_error
+        if repeated:
+            # The same load error twice: a load that can never succeed (a bad spec, a factory that raises) is not
+            # retried as a crash loop; a reload or `infervisor restart` tries again.
+            slot.record_failure(now, config.restart_window_s)
+            slot.transition(SlotState.FAILED, f"{how} (twice in a row: not retried until a reload or restart)")
+            log.error("worker_slot_failed", slot=slot.name, failures=2, last_exit=how, load_error=slot.load_error)
+            return
         if slot.hung_request:
-            # Killed over one over-long request, which is charged a retry: that says nothing about the model.
+            # A hung worker is handled as a crash (counted toward max_restarts); the request itself is charged a
+            # retry by the broker. The respawn is at once: one over-long request says little about the next start.
+            failures = slot.record_failure(now, config.restart_window_s)
+            if failures >= config.max_restarts:
+                self.fail_slot(slot, failures, how)
+                return
             self.restarts[(slot.model.name, cause)] += 1
             slot.respawn_at = now
             slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
@@ -199,9 +231,7 @@ class WorkerPool:
             return
         failures = slot.record_failure(now, config.restart_window_s)
         if failures >= config.max_restarts:
-            why = f"{failures} failures within {config.restart_window_s:.0f} s; last: {how}"
-            slot.transition(SlotState.FAILED, why)
-            log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
+            self.fail_slot(slot, failures, how)
             return
         self.restarts[(slot.model.name, cause)] += 1  # a FAILED slot is not restarted: the workers gauge shows it
         # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
@@ -209,6 +239,12 @@ class WorkerPool:
         delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
         slot.respawn_at = now + (delay if never_ready or failures > 1 else 0.0)
         slot.transition(SlotState.BACKOFF, f"{how}; respawn in {slot.respawn_at - now:.1f} s")
+
+    def fail_slot(self, slot: WorkerSlot, failures: int, how: str) -> None:
+        """Too many failures in the restart window: no more respawns until a reload or restart."""
+        why = f"{failures} failures within {self.serving.current.restart_window_s:.0f} s; last: {how}"
+        slot.transition(SlotState.FAILED, why)
+        log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
 
     def murder(self, now: float) -> None:
         """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
@@ -220,11 +256,17 @@ class WorkerPool:
                 slot.kill("did not exit after STOP")
             elif slot.state is SlotState.STARTING:
                 self.check_start(slot, now)
+            elif slot.profile_started_at is not None and now - slot.profile_started_at < PROFILE_START_GRACE_S:
+                continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
             elif slot.inflight:
                 # Only the head of the pipeline is running (one request, or one batch), so progress is measured
                 # from its start; its budget grows with its rows, since warm-up timed a batch of one.
                 rows = sum(r.rows for r in self.broker.running(slot))
                 budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * rows / 1000.0)
+                if slot.profile_started_at is not None:
+                    # The grace is over: what waited behind the profiler's start is timed from its end.
+                    slot.progress_at = max(slot.progress_at, slot.profile_started_at + PROFILE_START_GRACE_S)
+                    slot.profile_started_at = None
                 hung = f"no reply within {budget:.1f} s (hung)"
                 if now - slot.progress_at > budget and slot.kill(hung, RestartReason.HANG):
                     slot.hung_request = True
@@ -287,6 +329,7 @@ class WorkerPool:
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
         slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
+        slot.last_load_error = ""
         self.has_served.add(slot.model.name)
         slot.transition(
             SlotState.SERVING,
@@ -319,6 +362,26 @@ class WorkerPool:
             previous_s=round(took, 1),
             detail=clock.detail[:300] or None,
         )
+
+    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
+        """A starting worker says why its model cannot load; its exit, reaped next, carries that text to status."""
+        slot.load_error = error.error
+
+    def track_descendants(self) -> None:
+        """Walk each live worker's process tree, so what a crashing worker leaves running is killed at its reap."""
+        for slot in self.all_slots():
+            slot.track_descendants()
+
+    def load_errors(self) -> dict[str, str]:
+        """Per model, why it cannot load now: a member's repeated load error, or its failed replacement's."""
+        errors: dict[str, str] = {}
+        for name, slots in self.members.items():
+            failing = [s.last_load_error for s in slots if s.last_load_error and s.state is not SlotState.SERVING]
+            if failing:
+                errors[name] = failing[0]
+            elif name in self.rollout_errors:
+                errors[name] = self.rollout_errors[name]
+        return errors
 
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""

@@ -11,6 +11,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import psutil
 import structlog
 
 from protocol.constants import WorkerExitCode
@@ -18,6 +19,7 @@ from protocol.worker_link import Link
 from supervisor.config import ModelConfig
 from supervisor.launcher import Launched, WorkerProcess
 from supervisor.planner import Assignment
+from supervisor.process_tree import descendants_of, kill_all, own_child
 from supervisor.start_clock import StartClock
 
 if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
@@ -161,10 +163,21 @@ class WorkerSlot:
     heartbeat_s: float = 0.5
     liveness: int = 10
     next_heartbeat: float = 0.0
-    #: The profile this process serves with, and why earlier ones in the chain were skipped.
+    #: The profile this process serves with, and why earlier ones in the chain were skipped (one reason each).
     profile: str | None = None
-    profile_notes: str = ""
-    build_notes: str = ""
+    profile_notes: list[str] = field(default_factory=list)
+    build_notes: list[str] = field(default_factory=list)
+    #: Why the current process could not load its model, in the worker's words (its LOAD_ERROR message).
+    load_error: str = ""
+    #: The last load error of this slot, kept across respawns until a worker serves: status shows it, and the
+    #: same error twice in a row fails the slot at once (a load that can never succeed is no crash loop).
+    last_load_error: str = ""
+    #: When a `profile` command was sent: starting torch.profiler takes seconds, which is not a hang.
+    profile_started_at: float | None = None
+    #: The current process as psutil sees it (None unless it is our child), and the processes below it at the
+    #: last look (supervisor/process_tree.py): killed with it.
+    tree_root: psutil.Process | None = None
+    descendants: list[psutil.Process] = field(default_factory=list)
     #: The last torch.profiler report of this process: seq, requests profiled, top operators.
     last_profile: dict[str, object] | None = None
     #: The newest monitor finding about this slot, for status.
@@ -210,9 +223,23 @@ class WorkerSlot:
         if self.process is None or self.killed or self.process.poll() is not None:
             return False
         log.warning("worker_killed", slot=self.name, pid=self.process.pid, reason=reason)
+        # Walked before the kill: once the worker is gone its orphans are re-parented out of its tree.
+        self.descendants = descendants_of(self.tree_root)
         self.process.kill()
+        kill_all(self.descendants, self.name)
         self.killed, self.kill_reason, self.kill_cause = True, reason, cause
         return True
+
+    def track_descendants(self) -> None:
+        """Remember what runs below the live process, so what a crash leaves behind can be killed at its reap."""
+        # A process that ended (not reaped yet) has no children left: keep the last look for its reap.
+        if self.process is not None and self.state in LIVE_STATES and self.process.poll() is None:
+            self.descendants = descendants_of(self.tree_root)
+
+    def end_descendants(self) -> None:
+        """Kill what the ended process left running (as last seen), then forget it."""
+        kill_all(self.descendants, self.name)
+        self.descendants = []
 
     def adopt_process(self, launched: Launched, heartbeat_s: float, liveness: int, now: float) -> None:
         """Take on a freshly started process: its link and id, and a clean slate for what is kept per process."""
@@ -228,6 +255,10 @@ class WorkerSlot:
         self.process_requests = 0
         self.start = StartClock.started(now)
         self.compile_overrun = None
+        self.load_error = ""
+        self.profile_started_at = None
+        self.descendants = []
+        self.tree_root = own_child(launched.process.pid)
         if self.failures or self.last_exit:
             self.restarts += 1
 

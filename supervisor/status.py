@@ -49,12 +49,14 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
         "p99_ms": percentile(slot.latencies_ms, 99),
         "ready_ms": round(slot.ready_ms, 1),
         "profile": slot.profile,
-        "profile_skipped": [n for n in slot.profile_notes.split("; ") if n],
-        "profile_build": [n for n in slot.build_notes.split("; ") if n],
+        "profile_skipped": list(slot.profile_notes),
+        "profile_build": list(slot.build_notes),
         **accuracy_data(slot),
         "last_profile": slot.last_profile,
         "restarts": slot.restarts,
         "last_exit": slot.last_exit,
+        # Why its last worker could not load the model, in the worker's words (until a worker of the slot serves).
+        "load_error": slot.last_load_error or None,
         "last_event": slot.last_event,
         # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
         "starting": slot.start.status(now) if slot.state is SlotState.STARTING else None,
@@ -84,6 +86,7 @@ def models_status(
     """Per model: its health, spec, queue, counters and workers (members first, then successors and retiring ones)."""
     models: dict[str, Any] = {}
     config = pool.serving.current
+    errors = pool.load_errors()
     for name, slots in pool.members.items():
         queue = broker.queues[name]
         model = config.models[name]
@@ -91,6 +94,8 @@ def models_status(
         models[name] = {
             "health": report.health.value,
             "reason": report.reason,
+            # Why the model (or its last replacement) cannot load, in the worker's words; None when nothing failed.
+            "error": errors.get(name),
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
             "inputs": [
                 {

@@ -73,6 +73,11 @@ def broken() -> torch.nn.Module:
     raise FileNotFoundError("weights.bin not found")
 
 
+def unsteady() -> torch.nn.Module:
+    """A factory that fails differently each time, as a flaky download would: a crash loop, not one repeated error."""
+    raise ConnectionError(f"download interrupted after {os.getpid()} bytes")
+
+
 def command(kind: int, argument: float = 0.0) -> dict[str, np.ndarray]:
     """The request input for one behaviour."""
     return {"x": np.array([[kind, argument]], dtype=np.float32)}

@@ -16,7 +16,7 @@ from protocol.tensors import TensorSpec
 from worker.models import build_builtin
 from worker.profiles.export import BatchBuckets, at_batch, batch_only, buckets_for
 from worker.profiles.select import select_profile, served_batches
-from worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, noise_of, run_rounds
+from worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
 from worker.profiles.validate import Tolerance
 from worker.runner import ModelRunner
 from worker.serve import build_context
@@ -200,3 +200,17 @@ def test_padding_copies_a_real_row_and_keeps_channels_last() -> None:
     torch.testing.assert_close(padded[2:], image[:1].expand(3, 3, 4, 4))
     mask = torch.ones(1, 6, dtype=torch.int64)
     assert at_batch((mask,), 8)[0].sum().item() == 48
+
+
+def test_the_pick_note_figures_agree_with_its_medians() -> None:
+    """A candidate slower at every batch size reads as slower (ratio above 1) even when most per-round ratios favour
+    it; the one its medians say is fastest is x1.000 and no candidate is below it."""
+    # b loses rounds 1-2 by far and wins rounds 3-5 narrowly: its per-round median ratio is below 1, its medians higher.
+    a = [1.0, 1.0, 1.0, 10.0, 10.0]
+    b = [2.0, 2.0, 0.9, 9.0, 9.0]
+    decision = decide(["a", "b"], Rounds((1, 8), {"a": {1: a, 8: a}, "b": {1: b, 8: b}}))
+    assert all(decision.per_sample_ms["b"][n] > decision.per_sample_ms["a"][n] for n in (1, 8))
+    assert decision.fastest == "a" and decision.ratios["a"] == 1.0
+    assert decision.ratios["b"] == pytest.approx(2.0) and min(decision.ratios.values()) == 1.0
+    note = describe(decision, 1)
+    assert "a 1/1 ms (x1.000); b 2/2 ms (x2.000)" in note

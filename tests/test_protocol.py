@@ -141,8 +141,8 @@ READY: Final = wm.Ready(
     threads=1,
     cpus=[0],
     profile="eager",
-    profile_notes="",
-    build_notes="",
+    profile_notes=[],
+    build_notes=[],
 )
 REQUEST: Final = wm.Request(request_id=1, deadline=5.0, accepted_at=4.0, queue_ms=0.5)
 REPLY: Final = wm.Reply(request_id=1, error_code=None, message="")
@@ -570,7 +570,17 @@ def test_error_with_unknown_code_becomes_internal() -> None:
 
 
 WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
-    wm.Ready("m-0", 1234, 812.5, 40.25, 4, [0, 1, 2, 3], "jit", "jit_onednn: crashed", "compiled and cached package"),
+    wm.Ready(
+        "m-0",
+        1234,
+        812.5,
+        40.25,
+        4,
+        [0, 1, 2, 3],
+        "jit",
+        ["jit_onednn: crashed; see the log"],
+        ["compiled and cached package"],
+    ),
     wm.Heartbeat(),
     wm.Request(request_id=2**64 - 1, deadline=12345.678, accepted_at=12345.0, queue_ms=0.25),
     wm.Request(request_id=0, deadline=None, accepted_at=0.0, queue_ms=0.0),
@@ -579,6 +589,7 @@ WORKER_MESSAGES: Final[list[wm.WorkerMessage]] = [
     wm.Stats(100, 4, 1, [4, 5, 6, 7], 512 * 1024 * 1024),
     wm.Drain(),
     wm.Stop(),
+    wm.LoadError("FileNotFoundError: weights.bin not found; declare a path that exists"),
 ]
 
 

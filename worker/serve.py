@@ -17,6 +17,7 @@ import torch
 from common.cpuinfo import read_caps
 from common.json_logs import adopt_library_handlers
 from common.profiles import PROFILES, REFERENCE_PROFILE
+from common.text import clip
 from protocol import worker_messages as wm
 from protocol.arrays import wire_dtype
 from protocol.client_messages import encode_result
@@ -27,6 +28,7 @@ from protocol.tensors import TensorDesc, parse_descs
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from worker import batching
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.process_tree import become_subreaper, end_descendants
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, package_options
 from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
@@ -154,6 +156,9 @@ class WorkerLoop:
         self.profiler = profile(activities=[ProfilerActivity.CPU])
         self.profiler.__enter__()
         self.profile_request, self.profile_left = message, max(1, message.requests)
+        # Starting the profiler takes seconds: this heartbeat tells the supervisor it is over (its hang budget
+        # for the requests waiting behind it starts again from here).
+        self.send(wm.Heartbeat())
 
     def finish_profile(self) -> None:
         """Close the session and send the operators that took the most CPU themselves."""
@@ -341,10 +346,11 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
 
 def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
     """The crash markers of this model's profiles, keyed like their packages (model, spec, options, torch, CPU)."""
+    # What can make the profile crash, not what judges it: a validation set only changes the gate's inputs, so
+    # adding one must not retry a profile that crashed the worker (the key still holds model, spec and torch).
     options = {
         "channels_last": launch.channels_last,
         "calibration": launch.calibration or "",
-        "validation": launch.validation or "",
         **package_options(context.specs),
     }
     stems = {
@@ -369,9 +375,12 @@ def serve(launch: LaunchSpec) -> int:
         max(launch.max_frame_bytes, MAX_HEADER_BYTES),
     )
     progress = LinkProgress(link, launch.profiles, launch.heartbeat_interval_ms / 1000.0 * launch.heartbeat_liveness)
+    become_subreaper()
     try:
         return _start_and_serve(launch, link, progress)
     finally:
+        # Nothing the model started outlives the worker (a recycle, a stop, a failed load).
+        end_descendants()
         link.close()
 
 
@@ -413,12 +422,24 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         adopt_library_handlers()  # a model's libraries (transformers, ...) may have installed handlers while loading
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
-        return WorkerExitCode.LOAD_FAILED
+        return _load_failed(link, progress, str(exc))
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
         hint = open_dim_hint(ModelRunner(module, launch.inputs, None)) if "module" in locals() else None
-        log.error("model_warmup_failed", error=f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else ""))
-        return WorkerExitCode.LOAD_FAILED
+        error = f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else "")
+        log.error("model_warmup_failed", error=error)
+        return _load_failed(link, progress, error)
     return WorkerLoop(launch, runner, link).run(_ready(launch, selection, load_ms, warmup_ms))
+
+
+def _load_failed(link: Link, progress: LinkProgress, error: str) -> int:
+    """Tell the supervisor why the model cannot load (status shows it, not only this log), then exit LOAD_FAILED."""
+    try:
+        link.send(wm.encode(wm.LoadError(clip(error, MAX_MESSAGE_LEN))))
+        if link.wants_write:
+            link.flush_blocking(progress.send_timeout_s)
+    except LinkClosed as exc:
+        log.warning("load_error_not_sent", error=str(exc))
+    return WorkerExitCode.LOAD_FAILED
 
 
 def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: float) -> wm.Ready:
@@ -430,8 +451,8 @@ def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: 
         torch.get_num_threads(),
         sorted(os.sched_getaffinity(0)),
         selection.profile,
-        "; ".join(selection.skipped),
-        "; ".join(selection.notes),
+        list(selection.skipped),
+        list(selection.notes),
     )
     log.info(
         "worker_ready",

@@ -61,6 +61,9 @@ def format_status(status: dict[str, Any]) -> str:
     for name, model in status["models"].items():
         if model.get("health", "serving") != "serving":
             lines.append(f"model {name} {model['health']}: {model.get('reason') or 'no reason given'}")
+        rolled_back = (config.get("models") or {}).get(name, {}).get("error")
+        if model.get("error") and model["error"] not in (model.get("reason") or "") and model["error"] != rolled_back:
+            lines.append(f"model {name} error: {model['error']}")
         if model.get("fallback"):
             lines.append(describe_fallback(name, model["fallback"]))
     if config.get("last_error"):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from common.profiles import PROFILE_NAMES, PROFILES
+from common.text import clip
 from protocol.tensors import TensorSpec
 from worker.profiles.cache import (
     ArtifactCache,
@@ -317,9 +318,9 @@ def build_profile(name: str, context: BuildContext) -> Built:
         if isinstance(exc, ExportError | NoSpaceLeft):
             detail = str(exc)
         elif no_space_left(exc):
-            detail = f"no space left on device ({type(exc).__name__}: {str(exc)[:200]})"
+            detail = clip(f"no space left on device ({type(exc).__name__}: {exc})")
         else:
-            detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+            detail = clip(f"{type(exc).__name__}: {exc}")
         raise ProfileError(f"{name} failed to build: {detail}") from exc
 
 

@@ -32,6 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import structlog
 import torch
 
+from common.text import clip
 from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
 
@@ -302,7 +303,7 @@ class ArtifactCache:
                 self._move_aside(path, rejected)
             failed = path.with_suffix(".failed")
             if failed.exists() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
-                raise CachedBuildFailure(f"{failed.read_text()[:400]} (remembered in {failed.name})")
+                raise CachedBuildFailure(f"{clip(failed.read_text())} (remembered in {failed.name})")
             self._sweep(path.stem)
             handle, temporary = tempfile.mkstemp(dir=self.root, prefix=path.stem, suffix=".tmp.pt2")
             os.close(handle)

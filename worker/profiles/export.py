@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from common.text import clip
 from protocol.tensors import TensorSpec
 from worker.profiles.timing import MIN_MARGIN, Contender, noise_of, run_rounds
 
@@ -72,7 +73,7 @@ def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.e
                 module, traceable_example(example, specs), dynamic_shapes=dynamic_shapes(specs)
             )
     except Exception as exc:  # noqa: BLE001 - export fails in many ways on user models; each is a skip reason
-        raise ExportError(f"torch.export failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}") from exc
+        raise ExportError(clip(f"torch.export failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}")) from exc
     check_coverage(program, specs)
     return program
 
@@ -105,11 +106,11 @@ def guard_words(text: str, specs: Sequence[TensorSpec]) -> str:
     if "Guard failed" in text or "Constraints violated" in text or "guard" in text.lower():
         declared = ", ".join(f"{s.name} {_shape_text(s)}" for s in specs)
         worded = (
-            f"{worded[:400]} (the compiled program only holds where that condition on the input sizes does, and "
+            f"{clip(worded, 600)} (the compiled program only holds where that condition on the input sizes does, and "
             f"the config declares {declared}: declare only sizes where it holds, e.g. a fixed size or a narrower "
             "range, or take this profile out of the chain)"
         )
-    return worded[:700]
+    return worded
 
 
 def _shape_text(spec: TensorSpec) -> str:
@@ -227,7 +228,7 @@ def quantize(
                 prepared(*inputs)
             converted: torch.fx.GraphModule = convert_pt2e(prepared)
     except Exception as exc:  # noqa: BLE001 - quantizer annotation fails on some graph shapes; said plainly
-        message = guard_words(f"{type(exc).__name__}: {exc}", specs)
+        message = clip(guard_words(f"{type(exc).__name__}: {exc}", specs))
         if "more than one output node" in message:
             message += (
                 " (a module is called at several places, e.g. one self.relu applied twice: give each call"
@@ -255,7 +256,7 @@ def compile_package(
                 program, package_path=str(path), inductor_configs=dict(_INDUCTOR_CONFIGS)
             )
     except Exception as exc:  # noqa: BLE001 - a C++ compile or lowering failure is a skip reason
-        raise ExportError(f"AOTInductor compile failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}") from exc
+        raise ExportError(clip(f"AOTInductor compile failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}")) from exc
 
 
 class PackageRunner:

@@ -26,6 +26,7 @@ import torch
 
 from common.cpuinfo import CpuCaps
 from common.profiles import REFERENCE_PROFILE, cpu_refusal
+from common.text import clip
 from protocol.constants import StartPhase
 from protocol.tensors import TensorSpec
 from worker.profiles.attempts import AttemptLog
@@ -276,7 +277,7 @@ class _Trial:
         except ProfileError as exc:
             failure, outcome = str(exc), StartPhase.FAILED
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
-            failure = f"{name} crashed on golden inputs: {type(exc).__name__}: {str(exc)[:300]}"
+            failure = clip(f"{name} crashed on golden inputs: {type(exc).__name__}: {exc}")
             outcome = StartPhase.FAILED
         if failure is not None:
             self.progress.phase(outcome, name, failure)

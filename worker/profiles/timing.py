@@ -3,10 +3,12 @@
 Timing each candidate once, one after another, lets a burst of load on the box decide: on a shared
 machine profiles within 10-20% of each other swapped places from one start to the next. So every
 round runs each candidate once at every batch size the model will serve (A B C, then B C A, ...),
-a candidate's score in a round is the geometric mean of its per-sample times over those sizes, and
-each candidate is compared with the fastest round by round: load that slows a round slows everyone
-in it, and the per-round ratios keep what is left of the difference. Their spread says how well
-the ratio is known; the chain's order (the operator's preference) is overruled only beyond it.
+a candidate's speed is the geometric mean over those sizes of its median per-sample time, and its
+ratio to the fastest is the ratio of those speeds: the very medians the build note prints, so a
+candidate slower at every size never reads as faster. Each candidate is also compared with the
+fastest round by round (load that slows a round slows everyone in it); the spread of those
+per-round ratios says how well the ratio is known, and the chain's order (the operator's
+preference) is overruled only beyond it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class Rounds:
         """The candidate's median per-sample time at each batch size."""
         return {b: statistics.median(self.per_sample_ms[name][b]) for b in self.batches}
 
+    def speed_ms(self, name: str) -> float:
+        """The geometric mean over the batch sizes of the candidate's median per-sample times."""
+        return math.exp(statistics.fmean(math.log(ms) for ms in self.median_ms(name).values()))
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -69,9 +75,11 @@ class Decision:
     batches: tuple[int, ...]
     #: Median per-sample milliseconds by candidate and batch size.
     per_sample_ms: dict[str, dict[int, float]]
-    #: Each candidate's median per-round score over the fastest's (1.0 for the fastest itself).
+    #: Each candidate's speed over the fastest's (1.0 for the fastest itself, never below 1): the geometric mean over
+    #: the batch sizes of its medians in `per_sample_ms`, over the same of the fastest's.
     ratios: dict[str, float]
-    #: How far above 1 a ratio may be and still count as "as fast" (the measured noise, at least MIN_MARGIN).
+    #: How far above 1 a ratio may be and still count as "as fast": the notch of the per-round ratios to the
+    #: fastest (how well the ratio is known), at least MIN_MARGIN.
     noise: dict[str, float]
     reason: str
 
@@ -142,12 +150,14 @@ def decide(chain: Sequence[str], rounds: Rounds) -> Decision:
     """
     names = [n for n in chain if n in rounds.per_sample_ms]
     scores = {n: rounds.scores(n) for n in names}
-    fastest = min(names, key=lambda n: (statistics.median(scores[n]), names.index(n)))
+    speeds = {n: rounds.speed_ms(n) for n in names}
+    # The ratios are of the printed medians, so the fastest is the one they say is fastest (the chain breaks ties).
+    fastest = min(names, key=lambda n: (speeds[n], names.index(n)))
     ratios: dict[str, float] = {}
     noise: dict[str, float] = {}
     for name in names:
         per_round = [mine / best for mine, best in zip(scores[name], scores[fastest], strict=True)]
-        ratios[name] = statistics.median(per_round)
+        ratios[name] = speeds[name] / speeds[fastest]
         noise[name] = max(MIN_MARGIN, noise_of(per_round)) if name != fastest else 0.0
     chosen = next(n for n in names if ratios[n] <= 1.0 + noise[n])
     if chosen == fastest:
@@ -175,7 +185,10 @@ def decide(chain: Sequence[str], rounds: Rounds) -> Decision:
 
 
 def describe(decision: Decision, threads: int) -> str:
-    """One line for the worker's profile_build notes."""
+    """One line for the worker's profile_build notes: each candidate's medians and its ratio to the fastest.
+
+    The ratio is the geometric mean of the printed medians over the fastest's, so the figures support the decision.
+    """
     sizes = " and ".join(str(b) for b in decision.batches)
     figures = "; ".join(
         f"{name} {'/'.join(f'{ms:.3g}' for ms in by_batch.values())} ms (x{decision.ratios[name]:.3f})"
