@@ -256,7 +256,8 @@ def compile_package(
                 program, package_path=str(path), inductor_configs=dict(_INDUCTOR_CONFIGS)
             )
     except Exception as exc:  # noqa: BLE001 - a C++ compile or lowering failure is a skip reason
-        raise ExportError(clip(f"AOTInductor compile failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}")) from exc
+        worded = guard_words(f"{type(exc).__name__}: {exc}", specs)
+        raise ExportError(clip(f"AOTInductor compile failed: {worded}")) from exc
 
 
 class PackageRunner:
