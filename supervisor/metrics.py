@@ -180,6 +180,8 @@ class WorkerSample:
     rss_bytes: int | None
     #: Set for the pool's serving workers only: one profile per (model, slot).
     profile: str | None
+    #: Its proportional set size (shared pages divided among their users) as last sampled.
+    pss_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +220,9 @@ def take_snapshot(
     reloads: ReloadStats,
     anomalies: Mapping[str, int],
     now: float,
+    pss_mb: Mapping[int, float] | None = None,
 ) -> Snapshot:
-    """Copy what the loop knows now into a Snapshot; `rss_mb` is the memory monitor's last sample per pid.
+    """Copy what the loop knows now into a Snapshot; `rss_mb` (and `pss_mb`) the memory monitor's last sample per pid.
 
     The request times of a model no longer served are dropped here, with its other series.
     """
@@ -261,6 +264,7 @@ def take_snapshot(
             pid=pid,
             rss_bytes=round(rss_mb[pid] * MB) if pid in rss_mb else None,
             profile=slot.profile if id(slot) in serving else None,
+            pss_bytes=round(pss_mb[pid] * MB) if pss_mb and pid in pss_mb else None,
         )
         for slot in slots
         if (pid := slot.pid) is not None
@@ -401,12 +405,21 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
         labels=["model", "slot", "pid"],
         unit="bytes",
     )
+    pss = GaugeMetricFamily(
+        "infervisor_worker_proportional_memory_bytes",
+        "PSS of each serving or draining worker (shared pages divided among the processes mapping them): "
+        "what the box pays for it",
+        labels=["model", "slot", "pid"],
+        unit="bytes",
+    )
     profile = InfoMetricFamily(
         "infervisor_worker_profile", "the optimisation profile each serving worker runs", labels=["model", "slot"]
     )
     for worker in snapshot.workers:
         if worker.rss_bytes is not None:
             rss.add_metric([worker.model, str(worker.slot), str(worker.pid)], worker.rss_bytes)
+        if worker.pss_bytes is not None:
+            pss.add_metric([worker.model, str(worker.slot), str(worker.pid)], worker.pss_bytes)
         if worker.profile is not None:
             profile.add_metric([worker.model, str(worker.slot)], {"profile": worker.profile})
     restarts = CounterMetricFamily(
@@ -414,7 +427,7 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
     )
     for model_name, reason, count in snapshot.restarts:
         restarts.add_metric([model_name, reason], count)
-    yield from (states, rss, profile, restarts)
+    yield from (states, rss, pss, profile, restarts)
 
 
 def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:
