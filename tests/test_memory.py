@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 import psutil
+import torch
 
 from tests.conftest import TINY_INPUTS, Daemon, model_entry
+from worker.models import build_builtin
 
 #: A first start's worker may hold this much more than a cached start's (builds leave 2-3x without the restart).
 FIRST_START_BOUND = 1.25
@@ -26,11 +28,16 @@ def _config(cache: Path) -> dict[str, Any]:
 
 
 def _served_worker(daemon: Daemon) -> tuple[dict[str, Any], int]:
-    """The one tiny worker after 20 requests, and its PSS read from the kernel (bytes)."""
+    """The one tiny worker after 20 requests (answered as eager does), and its PSS read from the kernel (bytes)."""
     daemon.wait_ready(timeout=600)
+    x = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(1, 16)
+    with torch.inference_mode():
+        want = build_builtin("tiny")(torch.from_numpy(x)).numpy()
     with daemon.client() as client:
         for _ in range(20):
-            client.infer("tiny", {"x": np.ones((1, 16), dtype=np.float32)})
+            got = client.infer("tiny", {"x": x})["y"]
+            # The package's weights were unmapped from its library file after loading (worker/memory.py).
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     (worker,) = daemon.status()["models"]["tiny"]["workers"]
     return worker, int(psutil.Process(worker["pid"]).memory_full_info().pss)
 
@@ -38,7 +45,7 @@ def _served_worker(daemon: Daemon) -> tuple[dict[str, Any], int]:
 def test_a_worker_that_built_its_package_restarts_from_the_cache_and_costs_what_a_cached_start_does(
     start_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
-    """An empty cache: the worker compiles aoti, execs itself (same pid) and loads the package; PSS near a cached start's."""
+    """Empty cache: the worker compiles aoti, execs itself (same pid), loads the package; PSS near a cached start."""
     cache = tmp_path / "shared-cache"
     first = start_daemon(_config(cache))
     built, built_pss = _served_worker(first)
