@@ -1,4 +1,4 @@
-"""A worker that built a package restarts its own process image, so the builder's memory does not stay for its life.
+"""A worker that built a package (or timed a fresh fastest pick) restarts its own process image, dropping the build.
 
 Exporting, quantizing and compiling a model leaves hundreds of MB in the process (the exported and
 quantized graphs, inductor's caches, the C++ compiler's output read back, allocator arenas that never
@@ -36,6 +36,8 @@ class Carried:
     started: float
     #: Package builds the first image ran.
     builds: int
+    #: Profiles it built and checked that passed (more than one: a fresh fastest pick, timed).
+    passed: int
     #: Its proportional set size just before the exec, in MiB.
     pss_mb: float
     #: Its time from start to the exec, in ms.
@@ -44,7 +46,8 @@ class Carried:
     def note(self) -> str:
         """One line for the selection's notes (status `profile_build`)."""
         return (
-            f"restarted the process after {self.builds} package build(s) in {self.elapsed_ms / 1000.0:.1f} s, "
+            f"restarted the process after {self.builds} package build(s) and {self.passed} profile(s) passing "
+            f"in {self.elapsed_ms / 1000.0:.1f} s, "
             f"dropping the build's memory ({self.pss_mb:.0f} MB PSS before), and loaded from the cache"
         )
 
@@ -58,7 +61,7 @@ def carried() -> Carried | None:
         return Carried(**json.loads(text))
     except (ValueError, TypeError):
         # Still a restarted image: never restart again, only the figures are lost.
-        return Carried(time.perf_counter(), 0, 0.0, 0.0)
+        return Carried(time.perf_counter(), 0, 0, 0.0, 0.0)
 
 
 def restarted() -> bool:
@@ -76,7 +79,7 @@ def pss_mb() -> float:
         return 0.0
 
 
-def restart(link: Link, link_fd: int, started: float, builds: int, send_timeout_s: float) -> None:
+def restart(link: Link, link_fd: int, started: float, builds: int, passed: int, send_timeout_s: float) -> None:
     """Exec this worker again with the same argv and link; returns only if the exec failed (serve on as is).
 
     Nothing of the link may be lost: the outbox is flushed first, and a starting worker reads nothing
@@ -84,7 +87,8 @@ def restart(link: Link, link_fd: int, started: float, builds: int, send_timeout_
     """
     if restarted():
         return
-    record = Carried(started, builds, round(pss_mb(), 1), round((time.perf_counter() - started) * 1000.0, 1))
+    elapsed_ms = round((time.perf_counter() - started) * 1000.0, 1)
+    record = Carried(started, builds, passed, round(pss_mb(), 1), elapsed_ms)
     log.info("worker_restarting_after_build", builds=builds, pss_mb=record.pss_mb)
     link.flush_blocking(send_timeout_s)
     sys.stdout.flush()

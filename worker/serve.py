@@ -430,10 +430,14 @@ def _load_and_select(
             outcomes={k: v[0].value for k, v in progress.outcomes.items()},
         )
         return WorkerExitCode.OK
-    if context.cache is not None and context.cache.builds and not reexec.restarted():
+    builds = context.cache.builds if context.cache is not None else 0
+    # A fresh fastest pick built and timed every profile of the chain; its decision is remembered, so a
+    # restarted image builds the winner alone.
+    passed = sum(1 for phase, _ in progress.outcomes.values() if phase is StartPhase.PASSED)
+    if (builds or passed > 1) and not reexec.restarted():
         # The builder's memory would stay for the worker's life: start over from the cache (reexec.py).
         progress.phase(StartPhase.LOADING, "", "built into the cache: restarting the process to drop the build")
-        reexec.restart(link, launch.link_fd, started, context.cache.builds, progress.send_timeout_s)
+        reexec.restart(link, launch.link_fd, started, builds, passed, progress.send_timeout_s)
     return runner, selection, attempts
 
 
