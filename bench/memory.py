@@ -127,13 +127,16 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a start may take (a first start builds)")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--cache-dir", help="keep packages here (not deleted); with --starts cached, reuse them")
+    parser.add_argument("--starts", default="first,cached", help="which starts: first (empty cache), cached, or both")
     args = parser.parse_args()
     base = json.loads(Path(args.config).read_text())
     profiles = [p for p in args.profiles.split(",") if p] or ["(config)"]
     results: list[tuple[str, str, list[dict[str, Any]]]] = []
     for profile in profiles:
         scratch = Path(tempfile.mkdtemp(prefix="infervisor-memory-"))
-        config = {**base, "cache_dir": str(scratch / "cache"), "log_level": "warning"}
+        cache = Path(args.cache_dir) if args.cache_dir else scratch / "cache"
+        config = {**base, "cache_dir": str(cache), "log_level": "warning"}
         config["worker_start_timeout_s"] = max(float(config.get("worker_start_timeout_s", 0)), args.timeout)
         config["compile_timeout_s"] = max(float(config.get("compile_timeout_s", 0)), args.timeout)
         if profile != "(config)":
@@ -141,7 +144,9 @@ def main() -> int:
                 name: {**entry, "profiles": [profile], "pick": "first"} for name, entry in base["models"].items()
             }
         try:
-            for start in ("first", "cached"):
+            for start in args.starts.split(","):
+                if start == "first" and cache.exists() and any(cache.iterdir()):
+                    raise SystemExit(f"a first start needs an empty cache dir; {cache} has packages")
                 rows = serve_and_measure(config, scratch / start, args.requests, args.timeout)
                 results.append((profile, start, rows))
                 print(table([(profile, start, rows)]), file=sys.stderr, flush=True)
