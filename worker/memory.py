@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import gc
 import re
+import time
 from pathlib import Path
 
 import structlog
@@ -90,7 +91,11 @@ def release_unused_memory() -> None:
     the pages of each loaded package's weights still mapped from its library file go (25 MB per int8
     ResNet-50 package): the loader copied them out, and they are not read again.
     """
-    gc.collect()
+    started = time.perf_counter()
+    gc.collect()  # ~0.1 s with torch imported: it walks every object once
+    # What survived is the serving process's for life: later collections skip it (no 0.1 s pause mid-request).
+    gc.freeze()
     trimmed = _malloc_trim()
     dropped = drop_package_weight_pages()
-    log.debug("memory_released", trimmed=trimmed, package_pages_mb=round(dropped / 2**20, 1))
+    took_ms = round((time.perf_counter() - started) * 1000.0, 1)
+    log.info("memory_released", trimmed=trimmed, package_pages_mb=round(dropped / 2**20, 1), took_ms=took_ms)
