@@ -46,9 +46,9 @@ class Carried:
     def note(self) -> str:
         """One line for the selection's notes (status `profile_build`)."""
         return (
-            f"restarted the process after {self.builds} package build(s) and {self.passed} profile(s) passing "
-            f"in {self.elapsed_ms / 1000.0:.1f} s, "
-            f"dropping the build's memory ({self.pss_mb:.0f} MB PSS before), and loaded from the cache"
+            f"restarted the process after its build ({self.builds} cache miss(es), {self.passed} profile(s) "
+            f"passed, {self.elapsed_ms / 1000.0:.1f} s) to drop the build's memory ({self.pss_mb:.0f} MB PSS "
+            "before), then loaded from the cache"
         )
 
 
