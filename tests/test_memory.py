@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,7 @@ import numpy as np
 import psutil
 import torch
 
-from tests.conftest import TINY_INPUTS, Daemon, model_entry
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 from worker.models import build_builtin
 
 #: A first start's worker may hold this much more than a cached start's (builds leave 2-3x without the restart).
@@ -62,3 +65,16 @@ def test_a_worker_that_built_its_package_restarts_from_the_cache_and_costs_what_
     assert any(note.startswith("loaded cached package") for note in cached["profile_build"]), cached
     assert not any(note.startswith("restarted the process") for note in cached["profile_build"]), cached
     assert built_pss <= FIRST_START_BOUND * cached_pss, (built_pss / 2**20, cached_pss / 2**20)
+
+
+def test_status_shows_each_workers_pss_as_a_column_and_in_json(start_daemon: Callable[..., Daemon]) -> None:
+    """`infervisor status` has a pss MB column; `status --json` carries each worker's pss, at most its rss."""
+    daemon = start_daemon({"oversubscribe": True, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
+    daemon.wait_ready()
+    command = [sys.executable, "-m", "supervisor", "status", "--runtime-dir", str(daemon.runtime_dir)]
+    table = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True).stdout
+    header = next(line.split() for line in table.splitlines() if line.split()[:2] == ["slot", "pid"])
+    assert header[header.index("rss") : header.index("rss") + 4] == ["rss", "MB", "pss", "MB"], table
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+    (worker,) = json.loads(done.stdout)["models"]["tiny"]["workers"]
+    assert 10 * 2**20 < worker["pss"] <= worker["rss"], worker
