@@ -315,7 +315,10 @@ class Arbiter:
         """Hand the metrics endpoint a fresh snapshot (it never reads the loop's state itself)."""
         rss_mb = {pid: samples[-1][1] for pid, samples in self.memory.history.items() if samples}
         reading, reloads, anomalies = self.thermal.reading, self.reloader.stats, self.anomalies.counts
-        self.metrics.publish(take_snapshot(self.pool, self.broker, rss_mb, reading, reloads, anomalies, time.time()))
+        snapshot = take_snapshot(
+            self.pool, self.broker, rss_mb, reading, reloads, anomalies, time.time(), self.memory.pss_mb
+        )
+        self.metrics.publish(snapshot)
 
     def act(self, finding: Finding) -> None:
         """Log a finding as data, show it in status, and probe, recycle or kill as it says."""

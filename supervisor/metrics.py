@@ -187,6 +187,8 @@ class WorkerSample:
     rss_bytes: int | None
     #: Set for the pool's serving workers only: one profile per (model, slot).
     profile: str | None
+    #: Its proportional set size (shared pages divided among their users) as last sampled.
+    pss_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +227,9 @@ def take_snapshot(
     reloads: ReloadStats,
     anomalies: Mapping[str, int],
     now: float,
+    pss_mb: Mapping[int, float] | None = None,
 ) -> Snapshot:
-    """Copy what the loop knows now into a Snapshot; `rss_mb` is the memory monitor's last sample per pid.
+    """Copy what the loop knows now into a Snapshot; `rss_mb` (and `pss_mb`) the memory monitor's last sample per pid.
 
     The request times of a model no longer served are dropped here, with its other series.
     """
@@ -271,6 +274,7 @@ def take_snapshot(
             pid=pid,
             rss_bytes=round(rss_mb[pid] * MB) if pid in rss_mb else None,
             profile=slot.profile if id(slot) in serving else None,
+            pss_bytes=round(pss_mb[pid] * MB) if pss_mb and pid in pss_mb else None,
         )
         for slot in slots
         if (pid := slot.pid) is not None
@@ -411,12 +415,21 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
         labels=["model", "slot", "pid"],
         unit="bytes",
     )
+    pss = GaugeMetricFamily(
+        "infervisor_worker_proportional_memory_bytes",
+        "PSS of each serving or draining worker (shared pages divided among the processes mapping them): "
+        "what the box pays for it",
+        labels=["model", "slot", "pid"],
+        unit="bytes",
+    )
     profile = InfoMetricFamily(
         "infervisor_worker_profile", "the optimisation profile each serving worker runs", labels=["model", "slot"]
     )
     for worker in snapshot.workers:
         if worker.rss_bytes is not None:
             rss.add_metric([worker.model, str(worker.slot), str(worker.pid)], worker.rss_bytes)
+        if worker.pss_bytes is not None:
+            pss.add_metric([worker.model, str(worker.slot), str(worker.pid)], worker.pss_bytes)
         if worker.profile is not None:
             profile.add_metric([worker.model, str(worker.slot)], {"profile": worker.profile})
     restarts = CounterMetricFamily(
@@ -435,7 +448,7 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
         load_failures.add_metric([model.name], model.load_failures)
         if model.load_error:
             load_error.add_metric([model.name], {"error": model.load_error})
-    yield from (states, rss, profile, restarts, load_failures, load_error)
+    yield from (states, rss, pss, profile, restarts, load_failures, load_error)
 
 
 def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:

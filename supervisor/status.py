@@ -28,6 +28,16 @@ def rss_of(pid: int | None) -> int | None:
         return None
 
 
+def pss_of(pid: int | None) -> int | None:
+    """Proportional set size of a process in bytes (its shared pages divided among their users), or None."""
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_full_info().pss)
+    except (psutil.Error, AttributeError):  # gone, or a kernel without smaps
+        return None
+
+
 def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
     """One worker's row."""
     pid = slot.pid
@@ -44,6 +54,7 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
         "shared_cores": slot.assignment.shared,
         "threads": slot.threads_seen if slot.threads_seen is not None else slot.assignment.threads,
         "rss": rss_of(pid),
+        "pss": pss_of(pid),
         "requests": slot.requests,
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),

@@ -126,7 +126,7 @@ def _voice(tmp_path: Path) -> Path:
 
 
 def test_bench_measures_a_model_of_a_config_file_with_its_batch_column(tmp_path: Path) -> None:
-    """`bench --config F --models voice`: in process and through a daemon, per-sample ms at batch 1 and 8."""
+    """`bench --config F --models voice`: in process and through a daemon, per-sample ms at batch 1 and 8, and PSS."""
     config = _voice(tmp_path)
     rows_file = tmp_path / "rows.json"
     done = subprocess.run(
@@ -143,6 +143,7 @@ def test_bench_measures_a_model_of_a_config_file_with_its_batch_column(tmp_path:
         assert set(row["per_sample_ms"]) == {"1", "8"} and all(ms > 0 for ms in row["per_sample_ms"].values())
         assert row["batch_ratio"] > 0
         assert row["daemon_p50_ms"] > 0 and row["restart_ready_s"] > 0, row
+        assert row["pss_mb"] > 10 and row["process_pss_mb"] > 10, "each profile's worker by PSS"
 
 
 def test_bench_names_the_models_it_knows_when_given_another(tmp_path: Path) -> None:

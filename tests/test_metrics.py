@@ -224,7 +224,7 @@ def test_a_scrape_counts_every_request_by_outcome_and_code(daemon: Daemon) -> No
 
 
 def test_a_scrape_shows_the_serving_profile_the_build_memory_and_heat(daemon: Daemon) -> None:
-    """The info metrics name the profile each worker serves and the build; RSS per worker; the fake heat throttles."""
+    """Info metrics name the serving profile and the build; RSS and PSS per worker; the fake heat throttles."""
     status = daemon.status()
     (worker,) = status["models"]["tiny"]["workers"]
     samples = _scrape_until(
@@ -237,6 +237,9 @@ def test_a_scrape_shows_the_serving_profile_the_build_memory_and_heat(daemon: Da
     assert value == 1 and build["protocol_version"] == "1" and build["torch_version"].startswith("2.13")
     rss = _value(samples, "infervisor_worker_resident_memory_bytes", model="tiny", slot="0", pid=str(worker["pid"]))
     assert rss is not None and rss > 10 * 2**20
+    pss = _value(samples, "infervisor_worker_proportional_memory_bytes", model="tiny", slot="0", pid=str(worker["pid"]))
+    assert pss is not None and 10 * 2**20 < pss <= rss, "PSS sampled with RSS, never above it"
+    assert worker["pss"] is not None and 10 * 2**20 < worker["pss"] <= worker["rss"] * 1.1, worker
     assert _value(samples, "infervisor_cpu_temperature_celsius") == 95.0
     assert _value(samples, "infervisor_workers", model="tiny", state="serving") == 1
     assert _value(samples, "infervisor_config_info", digest=status["config"]["digest"]) == 1

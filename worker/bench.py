@@ -162,6 +162,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
         "batch_ratio": round(batch_ratio(turns, 1, args.batch), 3),
         "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "rss_added_mb": round((psutil.Process().memory_info().rss - rss_before) / 2**20, 1),
+        # This bench process after this profile (and the ones measured before it in the same process).
+        "process_pss_mb": round(psutil.Process().memory_full_info().pss / 2**20, 1),
     }, serve_one
 
 

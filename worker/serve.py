@@ -26,8 +26,9 @@ from protocol.errors import ProtocolError
 from protocol.launch import LaunchSpec
 from protocol.tensors import TensorDesc, parse_descs
 from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
-from worker import batching
+from worker import batching, reexec
 from worker.loader import ModelLoadError, default_output_names, load_model
+from worker.memory import release_unused_memory
 from worker.process_tree import become_subreaper, end_descendants
 from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, package_options
@@ -374,8 +375,11 @@ def serve(launch: LaunchSpec) -> int:
         WORKER_LINK_FRAMES,
         max(launch.max_frame_bytes, MAX_HEADER_BYTES),
     )
+    first = reexec.carried()
     progress = LinkProgress(link, launch.profiles, launch.heartbeat_interval_ms / 1000.0 * launch.heartbeat_liveness)
     become_subreaper()
+    if first is not None:  # a restarted image: its start began in the image that built
+        progress.started = first.started
     try:
         return _start_and_serve(launch, link, progress)
     finally:
@@ -385,34 +389,19 @@ def serve(launch: LaunchSpec) -> int:
 
 
 def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> int:
-    started = time.perf_counter()
-    progress.phase(StartPhase.LOADING)
+    first = reexec.carried()
+    started = first.started if first is not None else time.perf_counter()
+    progress.phase(StartPhase.LOADING, "", "" if first is None else "restarted after building: loading from the cache")
     try:
-        module = load_model(launch.source, launch.inputs)
-        names = launch.output_names or default_output_names(launch.source)
-        runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
-        refuse_stateful(runner)  # before warm-up and the gate advance a state that every client would share
-        context = build_context(launch, runner, progress)
-        attempts = attempt_log(launch, context)
-        validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None
-        tolerance = Tolerance(**launch.tolerance)
-        caps = read_caps()
-        selection = select_profile(
-            runner, launch.profiles, tolerance, caps, context, launch.pick, validation, attempts, progress
-        )
-        if selection.profile != REFERENCE_PROFILE:
-            # Only where it answers as eager does, shape by shape (coverage.Covered).
-            runner.module = Covered(runner.module, context.module, selection.profile)
-        if launch.build_only:
-            # The selection built what a worker would; the rest of the chain's packages too, for a later fallback.
-            rest = [p for p in launch.profiles if PROFILES[p].packaged and p not in progress.outcomes]
-            check_profiles(runner, rest, tolerance, caps, context, validation, attempts, progress)
-            log.info(
-                "worker_built",
-                profile=selection.profile,
-                outcomes={k: v[0].value for k, v in progress.outcomes.items()},
-            )
-            return WorkerExitCode.OK
+        chosen = _load_and_select(launch, link, progress, started)
+        if isinstance(chosen, int):
+            return chosen
+        runner, selection, attempts = chosen
+        # What only the selection used (the eager module a package replaced, the gate's inputs and outputs) is
+        # garbage now: collected and handed back to the kernel before the worker serves for days (memory.py).
+        release_unused_memory()
+        if first is not None:
+            selection.notes.append(first.note())
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
         progress.phase(StartPhase.WARMING, selection.profile)
@@ -424,8 +413,7 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         log.error("model_load_failed", error=str(exc))
         return _load_failed(link, progress, str(exc))
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
-        hint = open_dim_hint(ModelRunner(module, launch.inputs, None)) if "module" in locals() else None
-        error = f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else "")
+        error = f"{type(exc).__name__}: {exc}"
         log.error("model_warmup_failed", error=error)
         return _load_failed(link, progress, error)
     return WorkerLoop(launch, runner, link).run(_ready(launch, selection, load_ms, warmup_ms))
@@ -440,6 +428,58 @@ def _load_failed(link: Link, progress: LinkProgress, error: str) -> int:
     except LinkClosed as exc:
         log.warning("load_error_not_sent", error=str(exc))
     return WorkerExitCode.LOAD_FAILED
+
+
+def _load_and_select(
+    launch: LaunchSpec, link: Link, progress: LinkProgress, started: float
+) -> tuple[ModelRunner, Selection, AttemptLog] | int:
+    """Load the model and install the profile that serves (an exit code for build-only); restarts after a build.
+
+    Its own frame, so that the eager module, the build context and the validation set are unreferenced once
+    it returns: a packaged profile serves without them.
+    """
+    module = load_model(launch.source, launch.inputs)
+    names = launch.output_names or default_output_names(launch.source)
+    runner = ModelRunner(module, launch.inputs, names, launch.channels_last)
+    try:
+        refuse_stateful(runner)  # before warm-up and the gate advance a state that every client would share
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs cannot load
+        hint = open_dim_hint(ModelRunner(module, launch.inputs, None))
+        raise ModelLoadError(f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else "")) from exc
+    del module  # the runner and the context hold it while they need it
+    context = build_context(launch, runner, progress)
+    attempts = attempt_log(launch, context)
+    validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None
+    tolerance = Tolerance(**launch.tolerance)
+    caps = read_caps()
+    selection = select_profile(
+        runner, launch.profiles, tolerance, caps, context, launch.pick, validation, attempts, progress
+    )
+    if selection.profile != REFERENCE_PROFILE and any(None in spec.shape[1:] for spec in launch.inputs):
+        # A dim other than the batch is open: the profile serves only the input shapes where it answers as eager
+        # does, checked shape by shape (coverage.Covered), so this worker keeps the eager module for that.
+        runner.module = Covered(runner.module, context.module, selection.profile)
+    if launch.build_only:
+        # The selection built what a worker would; the rest of the chain's packages too, for a later fallback.
+        rest = [p for p in launch.profiles if PROFILES[p].packaged and p not in progress.outcomes]
+        check_profiles(runner, rest, tolerance, caps, context, validation, attempts, progress)
+        log.info(
+            "worker_built",
+            profile=selection.profile,
+            outcomes={k: v[0].value for k, v in progress.outcomes.items()},
+        )
+        return WorkerExitCode.OK
+    builds = context.cache.builds if context.cache is not None else 0
+    # A fresh fastest pick built and timed every profile of the chain; its decision is remembered, so a
+    # restarted image builds the winner alone.
+    passed = sum(1 for phase, _ in progress.outcomes.values() if phase is StartPhase.PASSED)
+    if (builds or passed > 1) and not reexec.restarted():
+        # The builder's memory would stay for the worker's life: start over from the cache (reexec.py).
+        progress.phase(StartPhase.LOADING, "", "built into the cache: restarting the process to drop the build")
+        reexec.restart(link, launch.link_fd, started, builds, passed, progress.send_timeout_s)
+    return runner, selection, attempts
 
 
 def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: float) -> wm.Ready:

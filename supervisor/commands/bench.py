@@ -112,6 +112,7 @@ def through_daemon(
                 started = time.perf_counter()
                 client.infer(model, arrays, timeout=60)
                 latencies.append((time.perf_counter() - started) * 1000.0)
+        served = _serving(process, runtime_dir, first["pid"], args.timeout)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -127,6 +128,8 @@ def through_daemon(
         "daemon_p50_ms": percentile(latencies, 50),
         "daemon_p95_ms": percentile(latencies, 95),
         "daemon_p99_ms": percentile(latencies, 99),
+        # The restarted (cached-start) worker after the timed requests: what one more worker of this profile costs.
+        "pss_mb": round(served["pss"] / 2**20, 1) if served.get("pss") else None,
     }
 
 
@@ -147,7 +150,7 @@ def format_table(rows: list[dict[str, Any]], batch: int) -> str:
     lines = [
         f"{'model':<9} {'thr':>3} {'profile':<12} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'qps':>8} "
         f"{'b1/row':>8} {per:>8} {'b' + str(batch) + '/b1':>6} {'speedup':>7} {'cosine':>8} {'max err':>8} "
-        f"{'build s':>7} {'ready s':>7} {'restart':>7} {'daemon p50':>10} {'added':>6}"
+        f"{'build s':>7} {'ready s':>7} {'restart':>7} {'daemon p50':>10} {'added':>6} {'pss MB':>6}"
     ]
     for r in rows:
         head = f"{r['model']:<9} {r['threads']:>3} {r['profile']:<12}"
@@ -163,7 +166,7 @@ def format_table(rows: list[dict[str, Any]], batch: int) -> str:
             f"{_ms(one, 8)} {_ms(many, 8)} {_cell(ratio, 6)} {_cell(r.get('speedup'), 7)} "
             f"{_cell(r['cosine'], 8, 5)} {r['max_abs_error']:>8.2g} {_cell(r['build_s'], 7, 1)} "
             f"{_cell(r.get('ready_s'), 7, 1)} {_cell(r.get('restart_ready_s'), 7, 1)} "
-            f"{_cell(r.get('daemon_p50_ms'), 10)} {_cell(added, 6)}"
+            f"{_cell(r.get('daemon_p50_ms'), 10)} {_cell(added, 6)} {_cell(r.get('pss_mb'), 6, 0)}"
         )
     return "\n".join(lines)
 
@@ -216,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "speedup: eager p50 / "
         "p50 at the same threads; build s: building the profile in process (compile, or load from the cache); "
         "ready s / restart: daemon worker spawn to READY, first start and after a restart; added: daemon p50 - "
-        "in-process p50"
+        "in-process p50; pss MB: the daemon's worker after a restart (a cached start) and the timed requests, by PSS"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

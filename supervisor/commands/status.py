@@ -83,8 +83,8 @@ def format_status(status: dict[str, Any]) -> str:
         )
         lines.append(f"cpu latency {latency['wanted_us']} us: {why}")
     header = (
-        f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'profile':<12} {'rss MB':>7} {'reqs':>7} "
-        f"{'p50 ms':>8} {'p99 ms':>8}  last exit"
+        f"  {'slot':>4} {'pid':>7} {'state':<9} {'cores':<10} {'thr':>3} {'profile':<12} {'rss MB':>7} {'pss MB':>7} "
+        f"{'reqs':>7} {'p50 ms':>8} {'p99 ms':>8}  last exit"
     )
     for name, model in status["models"].items():
         errors = ", ".join(f"{k} {v}" for k, v in sorted(model["errors"].items())) or "none"
@@ -98,8 +98,8 @@ def format_status(status: dict[str, Any]) -> str:
             cores = ",".join(str(c) for c in w["cores"])
             lines.append(
                 f"  {w['slot']:>4} {w['pid'] or '-':>7} {w['state']:<9} {cores:<10} {w['threads']:>3} "
-                f"{w.get('profile') or '-':<12} "
-                f"{_mb(w['rss']):>7} {w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  "
+                f"{w.get('profile') or '-':<12} {_mb(w['rss']):>7} {_mb(w.get('pss')):>7} "
+                f"{w['requests']:>7} {_ms(w['p50_ms']):>8} {_ms(w['p99_ms']):>8}  "
                 f"{w['last_exit'] or ''}"
             )
             if w.get("starting"):

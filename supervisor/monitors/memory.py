@@ -1,4 +1,10 @@
-"""RSS per worker: a hard limit kills, a soft limit recycles, a steady leak slope recycles."""
+"""RSS per worker: a hard limit kills, a soft limit recycles, a steady leak slope recycles; PSS is sampled alongside.
+
+The limits judge RSS: it is what the process itself has resident, so a worker is judged on its own
+growth, not on how many siblings happen to share its libraries right now (PSS of a worker rises
+when a sibling exits, with nothing of its own changed). PSS (each shared page divided among the
+processes that map it) is what the box pays for a worker, and is shown in status and the metrics.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +32,12 @@ def leak_slope_mb_per_min(samples: collections.deque[tuple[float, float]]) -> fl
 
 
 class MemoryWatch:
-    """Samples each worker's RSS once per monitor interval."""
+    """Samples each worker's RSS (judged) and PSS (shown) once per monitor interval."""
 
     def __init__(self) -> None:
         self.history: dict[int, collections.deque[tuple[float, float]]] = {}
+        #: Each live worker's last PSS sample in MiB, for the metrics.
+        self.pss_mb: dict[int, float] = {}
 
     def check(self, now: float, view: MonitorView) -> list[Finding]:
         """Serving workers against every limit of their model; draining ones against the hard limit only.
@@ -40,6 +48,8 @@ class MemoryWatch:
         findings += [f for slot in view.draining if (f := self.judge(slot, view.model_of(slot), now, True))]
         for pid in set(self.history) - view.live_pids:
             del self.history[pid]
+        for pid in set(self.pss_mb) - view.live_pids:
+            del self.pss_mb[pid]
         return findings
 
     def judge(self, slot: WorkerSlot, model: ModelConfig, now: float, hard_only: bool) -> Finding | None:
@@ -48,9 +58,12 @@ class MemoryWatch:
         if pid is None:
             return None
         try:
-            rss_mb = psutil.Process(pid).memory_info().rss / MB
+            # One read of /proc/PID/smaps_rollup gives both figures.
+            memory = psutil.Process(pid).memory_full_info()
         except psutil.Error:
             return None
+        rss_mb = memory.rss / MB
+        self.pss_mb[pid] = memory.pss / MB
         history = self.history.setdefault(pid, collections.deque())
         history.append((now, rss_mb))
         while history and now - history[0][0] > model.leak_window_s:

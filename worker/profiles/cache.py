@@ -224,6 +224,9 @@ class ArtifactCache:
         self.root = root
         #: A worker's progress: a wait for a sibling's compile is its own phase (its time is not this build's).
         self.watcher = watcher
+        #: Builds this process ran (cache misses, failed ones too): a worker that ran one restarts itself
+        #: from the cache so the compiler's memory does not stay for its life (worker/reexec.py).
+        self.builds = 0
 
     def path_for(self, profile: str, key: dict[str, Any]) -> Path:
         """Where the artifact of this key lives."""
@@ -305,6 +308,7 @@ class ArtifactCache:
             if failed.exists() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
                 raise CachedBuildFailure(f"{clip(failed.read_text())} (remembered in {failed.name})")
             self._sweep(path.stem)
+            self.builds += 1
             handle, temporary = tempfile.mkstemp(dir=self.root, prefix=path.stem, suffix=".tmp.pt2")
             os.close(handle)
             try:

@@ -1,0 +1,80 @@
+"""What a worker costs: no compile residue after a first start, and PSS per worker in status and the metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
+from worker.models import build_builtin
+
+#: A first start's worker may hold this much more than a cached start's (builds leave 2-3x without the restart).
+FIRST_START_BOUND = 1.25
+
+
+def _config(cache: Path) -> dict[str, Any]:
+    return {
+        "cache_dir": str(cache),
+        "oversubscribe": True,
+        "worker_start_timeout_s": 600,
+        "compile_timeout_s": 600,
+        "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS, profiles=["aoti", "eager"])},
+    }
+
+
+def _served_worker(daemon: Daemon) -> tuple[dict[str, Any], int]:
+    """The one tiny worker after 20 requests (answered as eager does), and its PSS read from the kernel (bytes)."""
+    daemon.wait_ready(timeout=600)
+    x = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(1, 16)
+    with torch.inference_mode():
+        want = build_builtin("tiny")(torch.from_numpy(x)).numpy()
+    with daemon.client() as client:
+        for _ in range(20):
+            got = client.infer("tiny", {"x": x})["y"]
+            # The package's weights were unmapped from its library file after loading (worker/memory.py).
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    (worker,) = daemon.status()["models"]["tiny"]["workers"]
+    return worker, int(psutil.Process(worker["pid"]).memory_full_info().pss)
+
+
+def test_a_worker_that_built_its_package_restarts_from_the_cache_and_costs_what_a_cached_start_does(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Empty cache: the worker compiles aoti, execs itself (same pid), loads the package; PSS near a cached start."""
+    cache = tmp_path / "shared-cache"
+    first = start_daemon(_config(cache))
+    built, built_pss = _served_worker(first)
+    assert built["profile"] == "aoti", built
+    assert any(note.startswith("compiled and cached") for note in built["profile_build"]) is False, built
+    assert any(note.startswith("restarted the process after") for note in built["profile_build"]), built
+    restarts = [e for e in first.log_events() if e.get("event") == "worker_restarting_after_build"]
+    assert len(restarts) == 1, "one restart, never a second"
+    assert built["restarts"] == 0, "the exec is the same worker, not a respawn"
+    assert built["pss"] and built["pss"] > 10 * 2**20, built
+    first.stop()
+
+    cached, cached_pss = _served_worker(start_daemon(_config(cache)))
+    assert any(note.startswith("loaded cached package") for note in cached["profile_build"]), cached
+    assert not any(note.startswith("restarted the process") for note in cached["profile_build"]), cached
+    assert built_pss <= FIRST_START_BOUND * cached_pss, (built_pss / 2**20, cached_pss / 2**20)
+
+
+def test_status_shows_each_workers_pss_as_a_column_and_in_json(start_daemon: Callable[..., Daemon]) -> None:
+    """`infervisor status` has a pss MB column; `status --json` carries each worker's pss, at most its rss."""
+    daemon = start_daemon({"oversubscribe": True, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
+    daemon.wait_ready()
+    command = [sys.executable, "-m", "supervisor", "status", "--runtime-dir", str(daemon.runtime_dir)]
+    table = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True).stdout
+    header = next(line.split() for line in table.splitlines() if line.split()[:2] == ["slot", "pid"])
+    assert header[header.index("rss") : header.index("rss") + 4] == ["rss", "MB", "pss", "MB"], table
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+    (worker,) = json.loads(done.stdout)["models"]["tiny"]["workers"]
+    assert 10 * 2**20 < worker["pss"] <= worker["rss"], worker

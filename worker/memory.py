@@ -1,0 +1,101 @@
+"""What a worker does to hold only the memory serving needs: collect the start's garbage and return it to the kernel."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import re
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("worker")
+
+_MADV_DONTNEED = 4
+#: Where torch's AOTInductor loader extracts a package's shared library before loading it.
+_PACKAGE_LIBRARY = re.compile(r"/aotinductor_[^/]+/.*\.so$")
+#: A mapping's first line in /proc/self/smaps: `start-end perms offset dev inode [path]`.
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \d+\s*(.*)$")
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+
+
+def package_weight_mappings(smaps: str) -> list[tuple[int, int]]:
+    """The read-only, never-written file mappings of loaded package libraries: (start, length) each.
+
+    AOTInductor copies a package's weights out of its library into a buffer of its own at load time;
+    the library's copy (the bulk of the file) is never read again. Only mappings with no anonymous
+    (copy-on-write) page qualify: the relocated RELRO segment is read-only too, but written once.
+    """
+    found: list[tuple[int, int]] = []
+    current: tuple[int, int] | None = None
+    for line in smaps.splitlines():
+        match = _MAPPING.match(line)
+        if match is not None:
+            start, end, perms, path = match.groups()
+            wanted = perms == "r--p" and _PACKAGE_LIBRARY.search(path) is not None
+            current = (int(start, 16), int(end, 16) - int(start, 16)) if wanted else None
+        elif current is not None and line.startswith("Anonymous:"):
+            if line.split()[1] == "0":
+                found.append(current)
+            current = None
+    return found
+
+
+def drop_package_weight_pages() -> int:
+    """Unmap the resident pages of the packages' on-file weights (they fault back in from the file if read); bytes."""
+    libc = _libc()
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    if libc is None:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for start, length in package_weight_mappings(smaps):
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED) == 0:
+            dropped += length
+    return dropped
+
+
+def _malloc_trim() -> bool:
+    """glibc's malloc_trim(0): free heap pages go back to the kernel (False where the C library has none)."""
+    libc = _libc()
+    try:
+        trim = libc.malloc_trim if libc is not None else None
+    except AttributeError:  # musl and others: nothing to trim with
+        return False
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
+def release_unused_memory() -> None:
+    """Collect unreachable objects (a module's reference cycles), then hand the freed heap back to the kernel.
+
+    Without the trim, glibc keeps the freed arenas of a start (the eager weights a package replaced, the
+    gate's golden inputs and outputs): 40-50 MB of a ResNet-50 worker that never shrinks otherwise. Then
+    the pages of each loaded package's weights still mapped from its library file go (25 MB per int8
+    ResNet-50 package): the loader copied them out, and they are not read again.
+    """
+    started = time.perf_counter()
+    gc.collect()  # ~0.1 s with torch imported: it walks every object once
+    # What survived is the serving process's for life: later collections skip it (no 0.1 s pause mid-request).
+    gc.freeze()
+    trimmed = _malloc_trim()
+    dropped = drop_package_weight_pages()
+    took_ms = round((time.perf_counter() - started) * 1000.0, 1)
+    log.info("memory_released", trimmed=trimmed, package_pages_mb=round(dropped / 2**20, 1), took_ms=took_ms)
