@@ -14,7 +14,7 @@ from common.cpuinfo import read_caps
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
 from worker.models import build_builtin
-from worker.profiles.export import BatchBuckets, at_batch, batch_only, buckets_for
+from worker.profiles.export import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
 from worker.profiles.select import select_profile, served_batches
 from worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
 from worker.profiles.validate import Tolerance
@@ -183,12 +183,13 @@ def test_a_bounded_batch_is_served_from_buckets_inside_its_bounds() -> None:
 
 
 def test_buckets_refuse_inputs_of_different_batches_and_outputs_without_a_batch() -> None:
-    """Two inputs with 2 and 3 rows, or an output whose first dim is not the batch, are errors, not garbage."""
+    """Two inputs with 2 and 3 rows are an error, and an output whose first dim is not the batch a shape the
+    package does not serve (the worker answers it with eager): neither is garbage."""
     two = BatchBuckets({1: lambda a, b: a + b, 8: lambda a, b: a + b}, {1: 1.0, 8: 2.0})
     with pytest.raises(ValueError, match="share a non-empty batch"):
         two(torch.zeros(2, 4), torch.zeros(3, 4))
     summed = BatchBuckets({1: lambda a: a.sum(), 8: lambda a: a.sum()}, {1: 1.0, 8: 2.0})
-    with pytest.raises(ValueError, match="does not carry the batch"):
+    with pytest.raises(ShapeNotServed, match="does not carry the batch"):
         summed(torch.zeros(5, 4))
 
 
