@@ -15,7 +15,7 @@ from protocol.client import InferenceError
 from protocol.tensors import TensorSpec
 from tests.conftest import Daemon, model_entry
 from tests.shape_models import fully_convolutional, line_recognizer
-from worker.profiles.coverage import Covered
+from worker.profiles.coverage import Covered, Reloaded
 from worker.profiles.export import ShapeNotServed
 from worker.profiles.select import golden_set, remembered_pick
 from worker.runner import ModelRunner, open_dim_hint
@@ -127,6 +127,28 @@ def test_a_reply_never_carries_a_shape_eager_would_not_give() -> None:
         assert not covered.gave_up
         covered(torch.randn(1, 3, 13, 13))
     assert covered.gave_up and "aoti" in covered.reason and "3 input shapes" in covered.reason
+
+
+def test_a_batch_only_model_reloads_eager_only_when_the_profile_refuses_a_shape() -> None:
+    """With only the batch open, shapes are not checked against eager and no eager module is held; a refusal of the
+    daemon's own (an output without the batch) is answered by eager, loaded then and kept."""
+    loads: list[int] = []
+
+    def load() -> torch.nn.Module:
+        loads.append(1)
+        return torch.nn.Linear(4, 2)
+
+    def package(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 8:
+            raise ShapeNotServed("an output of shape [] does not carry the batch (8) in its first dim")
+        return torch.zeros(x.shape[0], 2)
+
+    covered = Covered(package, Reloaded(load), "aoti", check_shapes=False)
+    with torch.inference_mode():
+        assert covered(torch.ones(3, 4)).shape == (3, 2) and loads == []
+        assert covered(torch.ones(8, 4)).shape == (8, 2) and loads == [1]
+        covered(torch.ones(8, 4))
+    assert loads == [1] and covered.verdicts == {((8, 4),): False}
 
 
 def test_an_open_dim_warmed_at_one_says_what_minimum_to_declare() -> None:

@@ -34,7 +34,7 @@ from worker.profiles.attempts import AttemptLog
 from worker.profiles.build import BuildContext, package_options
 from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from worker.profiles.calibration import load_calibration
-from worker.profiles.coverage import Covered
+from worker.profiles.coverage import Covered, Reloaded
 from worker.profiles.select import Selection, check_profiles, select_profile
 from worker.profiles.validate import Tolerance
 from worker.progress import LinkProgress
@@ -457,10 +457,13 @@ def _load_and_select(
     selection = select_profile(
         runner, launch.profiles, tolerance, caps, context, launch.pick, validation, attempts, progress
     )
-    if selection.profile != REFERENCE_PROFILE and any(None in spec.shape[1:] for spec in launch.inputs):
-        # A dim other than the batch is open: the profile serves only the input shapes where it answers as eager
-        # does, checked shape by shape (coverage.Covered), so this worker keeps the eager module for that.
-        runner.module = Covered(runner.module, context.module, selection.profile)
+    if selection.profile != REFERENCE_PROFILE:
+        # The profile serves only the input shapes where it answers as eager does (coverage.Covered). With a dim
+        # other than the batch open, each new shape is checked against eager, so the worker keeps the eager
+        # module; with only the batch open, eager is loaded again if the profile ever refuses a shape.
+        open_dims = any(None in spec.shape[1:] for spec in launch.inputs)
+        eager = context.module if open_dims else Reloaded(lambda: load_model(launch.source, launch.inputs))
+        runner.module = Covered(runner.module, eager, selection.profile, check_shapes=open_dims)
     if launch.build_only:
         # The selection built what a worker would; the rest of the chain's packages too, for a later fallback.
         rest = [p for p in launch.profiles if PROFILES[p].packaged and p not in progress.outcomes]

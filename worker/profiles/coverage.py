@@ -49,11 +49,15 @@ class Covered:
         fallback: Callable[..., Any],
         profile: str,
         give_up_after: int = GIVE_UP_AFTER,
+        check_shapes: bool = True,
     ) -> None:
+        """`check_shapes` False: new input shapes are trusted (a model whose only open dim is the batch, whose
+        sizes the gate checked); only the daemon's own refusals go to `fallback`."""
         self.primary = primary
         self.fallback = fallback
         self.profile = profile
         self.give_up_after = give_up_after
+        self.check_shapes = check_shapes
         #: Input shapes -> whether the profile serves them (checked against eager once).
         self.verdicts: dict[Shapes, bool] = {}
         self.misses = 0
@@ -73,7 +77,7 @@ class Covered:
         except ShapeNotServed as exc:
             self._miss(key, str(exc))
             return self.fallback(*inputs)
-        if verdict is None:
+        if verdict is None and self.check_shapes:
             expected = self.fallback(*inputs)
             got, want = output_shapes(result), output_shapes(expected)
             if got != want:
@@ -96,3 +100,17 @@ class Covered:
                 f"as eager does (last at {inputs}: {why})"
             )
             log.error("profile_fell_back", profile=self.profile, reason=self.reason)
+
+
+class Reloaded:
+    """A module loaded again only when first called: the eager fallback of a worker that freed its eager module."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self.load = load
+        self.module: Any = None
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if self.module is None:
+            log.warning("eager_fallback_loading", reason="a profile did not serve an input shape")
+            self.module = self.load()
+        return self.module(*inputs)
