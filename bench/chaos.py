@@ -31,7 +31,7 @@ from protocol.client_messages import InferRequest, encode_infer  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.sockets import send_frames  # noqa: E402
 from protocol.tensors import TensorDesc  # noqa: E402
-from supervisor.control import control_request  # noqa: E402
+from supervisor.core.control import control_request  # noqa: E402
 from supervisor.observe.stats import percentile  # noqa: E402
 
 

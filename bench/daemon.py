@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from supervisor.control import DaemonNotReady, await_status
+from supervisor.core.control import DaemonNotReady, await_status
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from supervisor.control import await_status, control_request  # noqa: E402
+from supervisor.core.control import await_status, control_request  # noqa: E402
 from supervisor.toolkit.inputs import random_inputs  # noqa: E402
 
 KB = 1024

@@ -28,7 +28,7 @@ from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from protocol.client import Client  # noqa: E402
 from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from protocol.errors import InferenceError  # noqa: E402
-from supervisor.control import control_request  # noqa: E402
+from supervisor.core.control import control_request  # noqa: E402
 from supervisor.observe.stats import percentile  # noqa: E402
 
 

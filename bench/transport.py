@@ -273,7 +273,7 @@ def baselines(
 ) -> list[dict[str, Any]]:
     """The eager model in-process, and behind the bare pyzmq broker with 1 and N clients."""
     from bench import bare_broker
-    from supervisor.cpu_latency import CpuLatencyHold
+    from supervisor.host.cpu_latency import CpuLatencyHold
 
     # The baselines get the idle policy the daemon will hold for itself; the daemon's rows run on its own hold.
     hold = CpuLatencyHold()

@@ -18,7 +18,7 @@ import pytest
 
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.control import ControlError, control_request
+from supervisor.core.control import ControlError, control_request
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import collections
 
-from supervisor.batcher import take
-from supervisor.config import BatchingConfig
-from supervisor.pending import PendingRequest
+from supervisor.routing.batcher import take
+from supervisor.routing.pending import PendingRequest
+from supervisor.settings.config import BatchingConfig
 
 WIDE = (("x", "float32", (16,)),)
 NARROW = (("x", "float32", (8,)),)

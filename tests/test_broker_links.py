@@ -17,15 +17,15 @@ from protocol import worker_messages as wm
 from protocol.client_messages import InferRequest, encode_infer, encode_result
 from protocol.tensors import TensorDesc
 from protocol.worker_link import WORKER_LINK_FRAMES, Link
-from supervisor.anomalies import Anomalies
-from supervisor.broker import Broker
-from supervisor.config import parse_config
-from supervisor.endpoints import ClientEndpoints
-from supervisor.event_loop import EventLoop
-from supervisor.planner import Assignment
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import SlotState, WorkerSlot
-from supervisor.worker_links import WorkerLinks
+from supervisor.core.event_loop import EventLoop
+from supervisor.host.planner import Assignment
+from supervisor.lifecycle.slot import SlotState, WorkerSlot
+from supervisor.lifecycle.worker_links import WorkerLinks
+from supervisor.observe.anomalies import Anomalies
+from supervisor.routing.broker import Broker
+from supervisor.routing.endpoints import ClientEndpoints
+from supervisor.settings.config import parse_config
+from supervisor.settings.serving_config import ServingConfig
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
 DESC = (TensorDesc("x", "float32", (1, 16)),)

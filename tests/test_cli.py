@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from supervisor.cli import build_parser
-from supervisor.config_path import CONFIG_ENV, ETC_CONFIG, ConfigPathError, resolve_config_path
+from supervisor.settings.config_path import CONFIG_ENV, ETC_CONFIG, ConfigPathError, resolve_config_path
 from tests.cli_models import IMAGE_INPUTS, LIBRARY_LOG_TEXT, TINY_INPUTS, TORCH_LOG_TEXT, WARNING_TEXT
 from tests.conftest import ROOT, Daemon, model_entry, wait_for
 
@@ -278,7 +278,7 @@ def test_supervisor_logs_route_warnings_and_library_records_to_stdout_as_json() 
     """In the supervisor, a Python warning and a library's warning record come out on stdout as JSON events."""
     script = (
         "import logging, warnings\n"
-        "from supervisor.logs import configure_logging\n"
+        "from supervisor.host.logs import configure_logging\n"
         "configure_logging('info')\n"
         "warnings.warn('supervisor side warning')\n"
         "logging.getLogger('watchdog.observers').warning('a library record %s', 42)\n"

@@ -32,8 +32,8 @@ import zmq
 from protocol.codec import pack, unpack
 from protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME, SHM_DIR, STATUS_SOCKET_NAME
 from protocol.shared_memory import SharedRegion
-from supervisor.config import ConfigError, parse_config
-from supervisor.socket_group import MAX_GID, SocketGroup
+from supervisor.host.socket_group import MAX_GID, SocketGroup
+from supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
 #: What the daemon and the clients import, copied where every test user can read it (the checkout may not be).
@@ -482,8 +482,8 @@ def test_a_region_given_to_a_group_is_never_open_to_another_one() -> None:
 
 def test_without_socket_group_a_left_status_socket_is_removed(tmp_path: Path) -> None:
     """A daemon without socket_group removes a status.sock an earlier one left, so status goes to control.sock."""
-    from supervisor.anomalies import Anomalies
-    from supervisor.control import ControlServer, control_socket, status_server
+    from supervisor.core.control import ControlServer, control_socket, status_server
+    from supervisor.observe.anomalies import Anomalies
 
     (tmp_path / STATUS_SOCKET_NAME).write_text("")
     assert control_socket(tmp_path, {"cmd": "status"}) == tmp_path / STATUS_SOCKET_NAME

@@ -15,10 +15,10 @@ import pytest
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import ModelSource
 from protocol.tensors import TensorSpec
-from supervisor import config_docs
-from supervisor.config import MODEL_KEYS, TOP_KEYS, Config, ConfigError, ModelConfig, load_config, parse_config
-from supervisor.config_diff import diff_configs, unclassified_keys
-from supervisor.config_keys import Applied, Choice, Custom, Flag, Fraction, Integer, Key, Number, Text
+from supervisor.settings import config_docs
+from supervisor.settings.config import MODEL_KEYS, TOP_KEYS, Config, ConfigError, ModelConfig, load_config, parse_config
+from supervisor.settings.config_diff import diff_configs, unclassified_keys
+from supervisor.settings.config_keys import Applied, Choice, Custom, Flag, Fraction, Integer, Key, Number, Text
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG: Final = ROOT / "configs" / "default.json"
@@ -697,7 +697,7 @@ def test_every_config_key_has_a_reload_rule() -> None:
 
 
 def test_docs_key_tables_match_the_declarations() -> None:
-    """docs/configuration.md shows the tables the declarations render (`python -m supervisor.config_docs --write`)."""
+    """docs/configuration.md shows the tables the declarations render (`python -m supervisor.settings.config_docs --write`)."""
     text = config_docs.DOCS.read_text()
     assert config_docs.render(text) == text, f"the docs tables are stale: run `{config_docs.COMMAND}`"
     assert config_docs.main([]) == 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.file_watch import DEBOUNCE_S, FileWatcher, link_folders
+from supervisor.host.file_watch import DEBOUNCE_S, FileWatcher, link_folders
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.control_commands import CONTROL_COMMANDS, READ_ONLY_COMMANDS, ControlCommand, ControlHost, dispatch
+from supervisor.core.control_commands import CONTROL_COMMANDS, READ_ONLY_COMMANDS, ControlCommand, ControlHost, dispatch
 from tests.conftest import ROOT
 
 

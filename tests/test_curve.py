@@ -11,7 +11,7 @@ import zmq.auth
 
 from protocol import ErrorCode, InferenceError
 from protocol.client import Client
-from supervisor.config import ConfigError, parse_config
+from supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import TINY_INPUTS, Daemon, free_loopback_port, model_entry
 
 MODELS = (

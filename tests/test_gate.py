@@ -22,7 +22,7 @@ from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import Synthetic, TensorDesc, TensorSpec, check_against_spec
 from supervisor.commands.optimize import synthetic_warnings
 from supervisor.commands.status import format_status
-from supervisor.config import ConfigError, parse_config
+from supervisor.settings.config import ConfigError, parse_config
 from supervisor.toolkit.constraints import Accuracy
 from supervisor.toolkit.doctor import Status, check_accuracy_data
 from supervisor.toolkit.optimize import within_budget

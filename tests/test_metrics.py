@@ -23,9 +23,9 @@ from prometheus_client.samples import Sample
 from protocol.client import Client
 from protocol.constants import ErrorCode
 from protocol.errors import InferenceError
-from supervisor.config import ConfigError, parse_config
-from supervisor.metrics import BUCKETS_S, RequestTimes
-from supervisor.slot import RestartReason, SlotState
+from supervisor.lifecycle.slot import RestartReason, SlotState
+from supervisor.observe.metrics import BUCKETS_S, RequestTimes
+from supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for, write_thermal_sysfs
 from tests.test_pool_states import Rig
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from protocol import InferenceError
-from supervisor.config_diff import unclassified_keys
+from supervisor.settings.config_diff import unclassified_keys
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import ECHO, FAULT_INPUTS, command
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import Config, parse_config
+from supervisor.host.topology import LogicalCpu, Topology
+from supervisor.settings.config import Config, parse_config
 from supervisor.toolkit.constraints import Accuracy, Sla
 from supervisor.toolkit.layouts import Layout, layouts, placement
 from supervisor.toolkit.optimize import chain_at, choose
 from supervisor.toolkit.sweep import Point
-from supervisor.topology import LogicalCpu, Topology
 from tests.conftest import ROOT, TINY_INPUTS, Daemon
 
 INF = float("inf")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.planner import (
+from supervisor.host.planner import (
     Assignment,
     PlanError,
     WorkerDemand,
     plan_cores,
     usable_cpus,
 )
-from supervisor.topology import (
+from supervisor.host.topology import (
     LogicalCpu,
     Topology,
     TopologyError,

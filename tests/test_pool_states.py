@@ -15,19 +15,19 @@ import zmq
 
 from protocol import worker_messages as wm
 from protocol.constants import StartPhase
-from supervisor import state_diagram
-from supervisor.anomalies import Anomalies
-from supervisor.broker import Broker
-from supervisor.config import Config, ModelConfig, parse_config
-from supervisor.config_diff import diff_configs
-from supervisor.endpoints import ClientEndpoints
-from supervisor.event_loop import EventLoop
-from supervisor.launcher import ExitRecord, Launched
-from supervisor.planner import Assignment
-from supervisor.pool import WorkerPool
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import TRANSITIONS, IllegalTransition, SlotState, WorkerSlot, allowed_transitions
-from supervisor.worker_links import WorkerLinks
+from supervisor.core import state_diagram
+from supervisor.core.event_loop import EventLoop
+from supervisor.host.planner import Assignment
+from supervisor.lifecycle.launcher import ExitRecord, Launched
+from supervisor.lifecycle.pool import WorkerPool
+from supervisor.lifecycle.slot import TRANSITIONS, IllegalTransition, SlotState, WorkerSlot, allowed_transitions
+from supervisor.lifecycle.worker_links import WorkerLinks
+from supervisor.observe.anomalies import Anomalies
+from supervisor.routing.broker import Broker
+from supervisor.routing.endpoints import ClientEndpoints
+from supervisor.settings.config import Config, ModelConfig, parse_config
+from supervisor.settings.config_diff import diff_configs
+from supervisor.settings.serving_config import ServingConfig
 from worker.profiles.attempts import AttemptLog
 
 MODEL = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
@@ -391,8 +391,8 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
 
 
 def test_the_documented_state_diagram_is_the_transition_table() -> None:
-    """docs/architecture.md's diagram is what supervisor/slot.py's TRANSITIONS renders, arrow for arrow."""
+    """docs/architecture.md's diagram is what supervisor/lifecycle/slot.py's TRANSITIONS renders, arrow for arrow."""
     text = state_diagram.DOCS.read_text()
-    assert state_diagram.render(text) == text, "run `python -m supervisor.state_diagram --write`"
+    assert state_diagram.render(text) == text, "run `python -m supervisor.core.state_diagram --write`"
     arrows = sum(len(moves) for moves in TRANSITIONS.values())
     assert state_diagram.diagram().count(" --> ") == arrows + 1  # and the initial [*] --> STOPPED

@@ -12,7 +12,7 @@ import torch
 
 from protocol.launch import LaunchSpec, ModelSource
 from protocol.tensors import TensorSpec
-from supervisor.config import ConfigError, parse_config
+from supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, TINY_INPUTS, Daemon, model_entry, wait_for
 from worker.models import build_builtin
 from worker.profiles.build import BuildContext, ProfileError, build_profile

@@ -22,8 +22,8 @@ from protocol.client_messages import InferRequest, encode_infer
 from protocol.constants import TIMING_KEYS, ErrorCode
 from protocol.errors import InferenceError, ProtocolError
 from protocol.tensors import TensorDesc, TensorSpec
-from supervisor.health import DaemonState, ModelHealth
-from supervisor.slot import SlotState
+from supervisor.lifecycle.slot import SlotState
+from supervisor.observe.health import DaemonState, ModelHealth
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry
 from tests.test_pool_states import Rig
 from worker.runner import EXACT_WIDENING, ModelRunner

@@ -94,7 +94,7 @@ def test_numerics_changing_profiles_are_the_int8_and_bf16_ones() -> None:
 
 def test_the_supervisor_reads_the_registry_without_loading_torch() -> None:
     """Config validation, the CLI, optimize and doctor import the declarations and no torch, at run time too."""
-    modules = "supervisor.cli, supervisor.config, supervisor.commands.optimize, supervisor.toolkit.doctor"
+    modules = "supervisor.cli, supervisor.settings.config, supervisor.commands.optimize, supervisor.toolkit.doctor"
     code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('worker')))"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True

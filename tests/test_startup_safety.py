@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME
-from supervisor.control import ControlError, control_request
+from supervisor.core.control import ControlError, control_request
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 #: Exit status of a refused start (supervisor/commands/serve.py: EXIT_CONFIG).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.text import clip
-from supervisor.pool import same_error
+from supervisor.lifecycle.pool import same_error
 
 
 def test_a_short_reason_is_kept_whole() -> None:

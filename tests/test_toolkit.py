@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import Config, parse_config
+from supervisor.settings.config import Config, parse_config
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints, parse_constraints
 from supervisor.toolkit.doctor import Machine, Status, run_checks
 from supervisor.toolkit.probe import STAGES, Sample, parse_perf_stat, stage_table, where_time_goes

@@ -24,11 +24,11 @@ from common.builtin_models import BUILTIN_MODELS
 from common.profiles import REFERENCE_PROFILE
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.cache_dir import resolve_cache_dir
-from supervisor.config import ConfigError, load_config
-from supervisor.config_path import ConfigPathError, resolve_config_path
-from supervisor.control import DaemonNotReady, await_status, control_request
+from supervisor.core.control import DaemonNotReady, await_status, control_request
+from supervisor.host.cache_dir import resolve_cache_dir
 from supervisor.observe.stats import percentile
+from supervisor.settings.config import ConfigError, load_config
+from supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.inputs import random_inputs
 from supervisor.toolkit.models import Measured, UnknownModel, resolve
 

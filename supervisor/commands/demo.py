@@ -21,10 +21,10 @@ from protocol.errors import InferenceError
 from supervisor.commands.build import run_build
 from supervisor.commands.infer import summarize
 from supervisor.commands.status import describe_start, format_status
-from supervisor.config import ConfigError, load_config
-from supervisor.config_path import ConfigPathError, resolve_config_path
-from supervisor.control import ControlError, control_request
+from supervisor.core.control import ControlError, control_request
 from supervisor.observe.stats import percentile
+from supervisor.settings.config import ConfigError, load_config
+from supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.inputs import random_inputs
 
 #: Worker states the demo waits out: anything else is still on its way to serving (or to giving up).

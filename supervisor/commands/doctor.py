@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from supervisor.config import ConfigError, load_config
-from supervisor.config_path import ConfigPathError, resolve_config_path
+from supervisor.settings.config import ConfigError, load_config
+from supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.doctor import Check, Machine, Status, run_checks
 

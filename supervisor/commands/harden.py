@@ -9,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.control import ControlError, model_status
-from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.core.control import ControlError, model_status
+from supervisor.host.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.harden import Target, run_protocol
 from supervisor.toolkit.inputs import random_inputs

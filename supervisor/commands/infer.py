@@ -18,8 +18,8 @@ import psutil
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME, DEFAULT_MAX_FRAME_BYTES
 from protocol.errors import InferenceError
-from supervisor.control import ControlError, control_request
-from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.core.control import ControlError, control_request
+from supervisor.host.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.inputs import random_inputs, random_shape
 
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from common.profiles import PROFILES, REFERENCE_PROFILE
-from supervisor.cache_dir import resolve_cache_dir
-from supervisor.config import Config, ConfigError, ModelConfig, load_config, parse_config
-from supervisor.config_path import ConfigPathError, resolve_config_path
-from supervisor.planner import PlanError
+from supervisor.host.cache_dir import resolve_cache_dir
+from supervisor.host.planner import PlanError
+from supervisor.host.topology import TopologyError, read_topology
+from supervisor.settings.config import Config, ConfigError, ModelConfig, load_config, parse_config
+from supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.check import CheckFailed, DaemonCheck, check
 from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
 from supervisor.toolkit.layouts import Layout, layouts, placement
@@ -25,7 +26,6 @@ from supervisor.toolkit.models import entry_of, launch_of
 from supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
 from supervisor.toolkit.provenance import command_line, measured_on
 from supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
-from supervisor.topology import TopologyError, read_topology
 
 
 def _say(text: str) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 from protocol.client import Client
 from protocol.constants import CLIENT_SOCKET_NAME
 from protocol.errors import InferenceError
-from supervisor.control import ControlError, control_request, model_status
-from supervisor.runtime_dir import resolve_runtime_dir
+from supervisor.core.control import ControlError, control_request, model_status
+from supervisor.host.runtime_dir import resolve_runtime_dir
 from supervisor.toolkit.inputs import random_inputs
 from supervisor.toolkit.load import paced_load
 from supervisor.toolkit.probe import (

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import ConfigError, load_config
-from supervisor.config_path import ConfigPathError, resolve_config_path
+from supervisor.settings.config import ConfigError, load_config
+from supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from supervisor.toolkit.doctor import run_checks
 from supervisor.toolkit.provenance import measured_on, sha256_of

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from supervisor.config import ModelConfig
+from supervisor.lifecycle.slot import WorkerSlot
 from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.view import MonitorView
-from supervisor.slot import WorkerSlot
+from supervisor.settings.config import ModelConfig
 
 #: The settings a process's limits were drawn from, and the drawn age and request limits.
 _Limits = tuple[tuple[float | None, int | None, float], float | None, float | None]

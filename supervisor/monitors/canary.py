@@ -11,10 +11,10 @@ import collections
 from dataclasses import dataclass
 
 from protocol import worker_messages as wm
-from supervisor.config import ModelConfig
+from supervisor.lifecycle.slot import WorkerSlot
 from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.view import MonitorView
-from supervisor.slot import WorkerSlot
+from supervisor.settings.config import ModelConfig
 
 #: How long a mismatch counts toward a repeat: longer than any recycle takes, short of an unrelated fault.
 REPEAT_WINDOW_S = 3600.0

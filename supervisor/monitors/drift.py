@@ -5,10 +5,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from supervisor.config import ModelConfig
+from supervisor.lifecycle.slot import WorkerSlot
 from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.view import MonitorView
-from supervisor.slot import WorkerSlot
+from supervisor.settings.config import ModelConfig
 
 
 class DriftWatch:

@@ -12,10 +12,10 @@ import collections
 
 import psutil
 
-from supervisor.config import ModelConfig
+from supervisor.lifecycle.slot import WorkerSlot
 from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.view import MonitorView
-from supervisor.slot import WorkerSlot
+from supervisor.settings.config import ModelConfig
 
 MB = 2**20
 

@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from supervisor.config import Config, ModelConfig
+from supervisor.lifecycle.slot import WorkerSlot
 from supervisor.monitors.findings import Finding
-from supervisor.slot import WorkerSlot
+from supervisor.settings.config import Config, ModelConfig
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.control import DaemonNotReady, await_status
+from supervisor.core.control import DaemonNotReady, await_status
 from supervisor.toolkit.inputs import random_inputs
 from supervisor.toolkit.load import closed_loop, paced_load
 from supervisor.toolkit.probe import quantile

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from common.cpuinfo import parse_cpuinfo
 from common.profiles import PROFILES, cpu_refusal
-from supervisor.config import Config
-from supervisor.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
-from supervisor.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from supervisor.host.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
+from supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from supervisor.host.topology import TopologyError, read_topology
+from supervisor.settings.config import Config
 from supervisor.toolkit.constraints import Constraints
-from supervisor.topology import TopologyError, read_topology
 
 #: What the supervisor itself and one idle worker's interpreter, torch and pools take before the model.
 SUPERVISOR_MB = 60

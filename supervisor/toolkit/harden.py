@@ -28,7 +28,7 @@ from protocol.client_messages import InferRequest, decode_reply, encode_infer
 from protocol.constants import ErrorCode
 from protocol.errors import InferenceError, ProtocolError
 from protocol.tensors import TensorDesc
-from supervisor.control import control_request
+from supervisor.core.control import control_request
 from supervisor.toolkit.probe import quantile
 
 #: A memory hog run by `python -c`: allocates and touches MB in 64 MB steps, holds them, exits on its timeout.

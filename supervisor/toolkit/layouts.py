@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from supervisor.config import Config
-from supervisor.planner import PlanError, WorkerDemand, plan_cores
-from supervisor.topology import Topology
+from supervisor.host.planner import PlanError, WorkerDemand, plan_cores
+from supervisor.host.topology import Topology
+from supervisor.settings.config import Config
 
 
 @dataclass(frozen=True, order=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from common.builtin_models import BUILTIN_MODELS
 from protocol.launch import LaunchSpec, ModelSource
-from supervisor.config import Config, ModelConfig
+from supervisor.settings.config import Config, ModelConfig
 
 #: Input specs of the built-ins (dynamic batch), as a config would declare them.
 BUILTIN_INPUTS: dict[str, list[dict[str, Any]]] = {

@@ -15,9 +15,9 @@ from typing import IO, Any, Protocol
 from protocol.constants import MAX_HEADER_BYTES
 from protocol.launch import LaunchSpec
 from protocol.worker_link import WORKER_LINK_FRAMES, Link
-from supervisor.cache_dir import resolve_cache_dir
-from supervisor.config import Config, ModelConfig
-from supervisor.planner import Assignment
+from supervisor.host.cache_dir import resolve_cache_dir
+from supervisor.host.planner import Assignment
+from supervisor.settings.config import Config, ModelConfig
 
 _generations = itertools.count(1)
 

@@ -8,10 +8,10 @@ from typing import Any
 import zmq
 
 from protocol.constants import CLIENT_SOCKET_NAME, MAX_HEADER_BYTES
-from supervisor.client_ledger import PEER_SNDHWM
-from supervisor.config import Config
-from supervisor.curve import ThreadAuthenticator, enable_curve_server
-from supervisor.socket_group import bind_ipc
+from supervisor.host.curve import ThreadAuthenticator, enable_curve_server
+from supervisor.host.socket_group import bind_ipc
+from supervisor.routing.client_ledger import PEER_SNDHWM
+from supervisor.settings.config import Config
 
 #: Requests ZeroMQ may queue per connection before reading; the broker's bounded queues do admission control.
 _RCVHWM = 10_000

@@ -19,9 +19,9 @@ import zmq
 from protocol.codec import pack, unpack
 from protocol.constants import CONTROL_SOCKET_NAME, STATUS_SOCKET_NAME, ErrorCode
 from protocol.errors import ProtocolError
-from supervisor.anomalies import Anomalies
-from supervisor.control_commands import READ_ONLY_COMMANDS
-from supervisor.socket_group import SocketGroup, bind_ipc
+from supervisor.core.control_commands import READ_ONLY_COMMANDS
+from supervisor.host.socket_group import SocketGroup, bind_ipc
+from supervisor.observe.anomalies import Anomalies
 
 log = structlog.get_logger("supervisor")
 
@@ -99,7 +99,7 @@ class ControlServer:
     def close(self) -> None:
         """Close the socket and remove its file, so a client finds no socket rather than a dead one."""
         self.socket.close(linger=0)
-        # Ours to remove: the daemon holds the runtime dir's lock (supervisor/instance_lock.py) until after this.
+        # Ours to remove: the daemon holds the runtime dir's lock (supervisor/host/instance_lock.py) until after this.
         self.path.unlink(missing_ok=True)
 
 

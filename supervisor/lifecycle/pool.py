@@ -17,16 +17,16 @@ import structlog
 
 from protocol import worker_messages as wm
 from protocol.constants import ErrorCode, WorkerExitCode
-from supervisor.broker import Broker
-from supervisor.config import Config, ModelConfig
-from supervisor.config_diff import ConfigDiff, builds_differ, worker_keys_changed
-from supervisor.health import ModelReport, model_report
-from supervisor.launcher import ExitRecord, Launcher, launch_worker
-from supervisor.planner import Assignment
-from supervisor.rollout import Replacement, Rollout
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
-from supervisor.worker_links import WorkerLinks
+from supervisor.host.planner import Assignment
+from supervisor.lifecycle.launcher import ExitRecord, Launcher, launch_worker
+from supervisor.lifecycle.rollout import Replacement, Rollout
+from supervisor.lifecycle.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from supervisor.lifecycle.worker_links import WorkerLinks
+from supervisor.observe.health import ModelReport, model_report
+from supervisor.routing.broker import Broker
+from supervisor.settings.config import Config, ModelConfig
+from supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
+from supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

@@ -20,7 +20,8 @@ from common.profiles import PROFILE_NAMES
 from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from protocol.launch import PICK_MODES, ModelSource
 from protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
-from supervisor.config_keys import (
+from supervisor.host.socket_group import SocketGroup, SocketGroupError, lookup_group
+from supervisor.settings.config_keys import (
     Applied,
     Choice,
     Custom,
@@ -33,9 +34,8 @@ from supervisor.config_keys import (
     Text,
     read_object,
 )
-from supervisor.fields import FieldReader, join_path
-from supervisor.module_lookup import module_missing
-from supervisor.socket_group import SocketGroup, SocketGroupError, lookup_group
+from supervisor.settings.fields import FieldReader, join_path
+from supervisor.settings.module_lookup import module_missing
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).
@@ -81,7 +81,7 @@ class CurveConfig:
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    """Server-side batching of one model (Triton's dynamic batcher terms); see supervisor/batcher.py."""
+    """Server-side batching of one model (Triton's dynamic batcher terms); see supervisor/routing/batcher.py."""
 
     #: Rows (dim 0, summed over the joined requests) one forward pass may carry.
     max_batch_size: int
@@ -137,7 +137,7 @@ class Config:
 
     models: dict[str, ModelConfig]
     runtime_dir: str | None
-    #: Who besides the daemon's user may use infer.sock and status.sock (supervisor/socket_group.py); None: nobody.
+    #: Who besides the daemon's user may use infer.sock and status.sock (supervisor/host/socket_group.py); None: nobody.
     socket_group: SocketGroup | None
     #: Compiled packages and fastest-pick decisions, kept across restarts (None: the default, see cache_dir.py).
     cache_dir: str | None
@@ -146,19 +146,19 @@ class Config:
     curve: CurveConfig | None
     #: Let metrics_listen name an address that is not loopback (the operator's explicit choice).
     metrics_allow_remote: bool
-    #: HOST:PORT of the Prometheus endpoint (supervisor/metrics.py), or None for none.
+    #: HOST:PORT of the Prometheus endpoint (supervisor/observe/metrics.py), or None for none.
     metrics_listen: str | None
     oversubscribe: bool
-    #: Keep the supervisor on the allowed cpus no worker holds (supervisor/affinity.py).
+    #: Keep the supervisor on the allowed cpus no worker holds (supervisor/host/affinity.py).
     pin_supervisor: bool
-    #: A CPU latency QoS request in µs held while serving (supervisor/cpu_latency.py); None holds none.
+    #: A CPU latency QoS request in µs held while serving (supervisor/host/cpu_latency.py); None holds none.
     cpu_latency_us: int | None
     heartbeat_interval_ms: int
     heartbeat_liveness: int
     hang_factor: float
     hang_min_s: float
     worker_start_timeout_s: float
-    #: The per-profile build limit of a starting worker (supervisor/start_clock.py).
+    #: The per-profile build limit of a starting worker (supervisor/lifecycle/start_clock.py).
     compile_timeout_s: float
     shutdown_grace_s: float
     max_frame_bytes: int

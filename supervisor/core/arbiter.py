@@ -19,21 +19,21 @@ import structlog
 import zmq
 
 from protocol import worker_messages as wm
-from supervisor import status
-from supervisor.affinity import SupervisorAffinity
-from supervisor.anomalies import Anomalies
-from supervisor.broker import Broker
-from supervisor.config import Config
-from supervisor.control import ControlServer, status_server
-from supervisor.control_commands import dispatch
-from supervisor.cpu_latency import CpuLatencyHold
-from supervisor.endpoints import ClientEndpoints
-from supervisor.event_loop import CONTROL, EventLoop
-from supervisor.fallback_control import FallbackControl
-from supervisor.file_watch import FileWatcher
-from supervisor.health import DaemonState, daemon_state, ready_to_announce, status_line
-from supervisor.launcher import Launcher, launch_worker
-from supervisor.metrics import Metrics, take_snapshot
+from supervisor.core.control import ControlServer, status_server
+from supervisor.core.control_commands import dispatch
+from supervisor.core.event_loop import CONTROL, EventLoop
+from supervisor.core.fallback_control import FallbackControl
+from supervisor.core.reloader import ConfigReloader
+from supervisor.host.affinity import SupervisorAffinity
+from supervisor.host.cpu_latency import CpuLatencyHold
+from supervisor.host.file_watch import FileWatcher
+from supervisor.host.planner import Assignment, WorkerDemand, plan_cores
+from supervisor.host.sd_notify import Notifier
+from supervisor.host.topology import read_topology
+from supervisor.lifecycle.launcher import Launcher, launch_worker
+from supervisor.lifecycle.pool import WorkerPool
+from supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from supervisor.lifecycle.worker_links import WorkerLinks
 from supervisor.monitors.age import AgeWatch
 from supervisor.monitors.canary import CanaryWatch
 from supervisor.monitors.drift import DriftWatch
@@ -41,14 +41,14 @@ from supervisor.monitors.findings import Action, Finding
 from supervisor.monitors.memory import MemoryWatch
 from supervisor.monitors.thermal import ThermalWatch
 from supervisor.monitors.view import Monitor, MonitorView
-from supervisor.planner import Assignment, WorkerDemand, plan_cores
-from supervisor.pool import WorkerPool
-from supervisor.reloader import ConfigReloader
-from supervisor.sd_notify import Notifier
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import RestartReason, SlotState, WorkerSlot
-from supervisor.topology import read_topology
-from supervisor.worker_links import WorkerLinks
+from supervisor.observe import status
+from supervisor.observe.anomalies import Anomalies
+from supervisor.observe.health import DaemonState, daemon_state, ready_to_announce, status_line
+from supervisor.observe.metrics import Metrics, take_snapshot
+from supervisor.routing.broker import Broker
+from supervisor.routing.endpoints import ClientEndpoints
+from supervisor.settings.config import Config
+from supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 
@@ -371,7 +371,7 @@ class Arbiter:
     # ---- control ----------------------------------------------------------------------------
 
     def control_command(self, command: dict[str, Any]) -> dict[str, Any]:
-        """Answer one control-socket command (the table is supervisor/control_commands.py)."""
+        """Answer one control-socket command (the table is supervisor/core/control_commands.py)."""
         return dispatch(self, command)
 
     # ---- what control commands ask of the daemon (ControlHost) ---------------------------------

@@ -2,7 +2,7 @@
 
 A bad file changes nothing and says why. A good one is applied by its difference: live keys at
 once, added, removed and scaled models at once, a model whose workers must be rebuilt by a rolling
-replacement that keeps its old config serving until the new workers are READY (supervisor/pool.py).
+replacement that keeps its old config serving until the new workers are READY (supervisor/lifecycle/pool.py).
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import Config, ConfigError, load_config
-from supervisor.config_diff import ConfigDiff, diff_configs, held_back
-from supervisor.fallback import Fallbacks
-from supervisor.file_watch import FileWatcher
-from supervisor.logs import configure_logging
-from supervisor.metrics import ReloadOutcome, ReloadStats
-from supervisor.planner import Assignment, PlanError
-from supervisor.pool import WorkerPool
-from supervisor.sd_notify import Notifier
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import RestartReason
-from supervisor.topology import TopologyError
+from supervisor.core.fallback import Fallbacks
+from supervisor.host.file_watch import FileWatcher
+from supervisor.host.logs import configure_logging
+from supervisor.host.planner import Assignment, PlanError
+from supervisor.host.sd_notify import Notifier
+from supervisor.host.topology import TopologyError
+from supervisor.lifecycle.pool import WorkerPool
+from supervisor.lifecycle.slot import RestartReason
+from supervisor.observe.metrics import ReloadOutcome, ReloadStats
+from supervisor.settings.config import Config, ConfigError, load_config
+from supervisor.settings.config_diff import ConfigDiff, diff_configs, held_back
+from supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

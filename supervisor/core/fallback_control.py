@@ -1,6 +1,6 @@
 """The live fallback's steps: `infervisor fallback` and a repeated canary mismatch roll a model down its chain.
 
-supervisor/fallback.py decides the chains and keeps what is in force; this module turns a decision
+supervisor/core/fallback.py decides the chains and keeps what is in force; this module turns a decision
 into a readiness-gated rollout of the model's pool (the rollout target, then one worker at a time).
 """
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import structlog
 
-from supervisor.fallback import Fallback, FallbackOrigin, Fallbacks
+from supervisor.core.fallback import Fallback, FallbackOrigin, Fallbacks
+from supervisor.lifecycle.pool import WorkerPool
+from supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
 from supervisor.monitors.findings import Finding
-from supervisor.pool import WorkerPool
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import RestartReason, SlotState, WorkerSlot
+from supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

@@ -16,7 +16,7 @@ CONFIG_ENV = "INFERVISOR_CONFIG"
 #: Where a box's config lives (docs/deploy.md, systemd/infervisor.service).
 ETC_CONFIG = Path("/etc/infervisor/config.json")
 #: The default config of this source tree: a checkout or an editable install has it one level above the package.
-SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.json"
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.json"
 
 
 class ConfigPathError(Exception):

@@ -24,17 +24,17 @@ from protocol.constants import ErrorCode
 from protocol.errors import ProtocolError
 from protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
-from supervisor import batcher
-from supervisor.anomalies import Anomalies
-from supervisor.client_ledger import ClientLedger
-from supervisor.config import ModelConfig
-from supervisor.endpoints import ClientEndpoints
-from supervisor.event_loop import CLIENTS, EventLoop
-from supervisor.metrics import RequestTimes
-from supervisor.pending import Peer, PendingRequest
-from supervisor.serving_config import ServingConfig
-from supervisor.slot import SlotState, WorkerSlot
-from supervisor.worker_links import WorkerLinks
+from supervisor.core.event_loop import CLIENTS, EventLoop
+from supervisor.lifecycle.slot import SlotState, WorkerSlot
+from supervisor.lifecycle.worker_links import WorkerLinks
+from supervisor.observe.anomalies import Anomalies
+from supervisor.observe.metrics import RequestTimes
+from supervisor.routing import batcher
+from supervisor.routing.client_ledger import ClientLedger
+from supervisor.routing.endpoints import ClientEndpoints
+from supervisor.routing.pending import Peer, PendingRequest
+from supervisor.settings.config import ModelConfig
+from supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 
@@ -113,7 +113,7 @@ class Broker:
         self.queues: dict[str, ModelQueue] = {}
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
         self.refused: collections.Counter[str] = collections.Counter()
-        #: Queue wait, service and total time of every successful request, per model (supervisor/metrics.py).
+        #: Queue wait, service and total time of every successful request, per model (supervisor/observe/metrics.py).
         self.times = RequestTimes()
         self.next_id = 1
         self.inflight_count = 0

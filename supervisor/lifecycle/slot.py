@@ -1,6 +1,6 @@
 """One worker slot: its pinned cores, its current process, and the one state machine that governs it.
 
-Only the pool (supervisor/pool.py) changes a slot's state; everything else reads it.
+Only the pool (supervisor/lifecycle/pool.py) changes a slot's state; everything else reads it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import structlog
 
 from protocol.constants import WorkerExitCode
 from protocol.worker_link import Link
-from supervisor.config import ModelConfig
-from supervisor.launcher import Launched, WorkerProcess
-from supervisor.planner import Assignment
-from supervisor.process_tree import descendants_of, kill_all, own_child
-from supervisor.start_clock import StartClock
+from supervisor.host.planner import Assignment
+from supervisor.lifecycle.launcher import Launched, WorkerProcess
+from supervisor.lifecycle.process_tree import descendants_of, kill_all, own_child
+from supervisor.lifecycle.start_clock import StartClock
+from supervisor.settings.config import ModelConfig
 
 if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
-    from supervisor.pending import PendingRequest
+    from supervisor.routing.pending import PendingRequest
 
 log = structlog.get_logger("supervisor")
 
@@ -41,7 +41,7 @@ class SlotState(enum.Enum):
 
 
 #: Every move a slot may make, each with what causes it: the one table the pool is held to, and what
-#: docs/architecture.md's state diagram is generated from (python -m supervisor.state_diagram --write).
+#: docs/architecture.md's state diagram is generated from (python -m supervisor.core.state_diagram --write).
 TRANSITIONS: dict[SlotState, dict[SlotState, str]] = {
     SlotState.STOPPED: {
         SlotState.STARTING: "spawn",
@@ -175,7 +175,7 @@ class WorkerSlot:
     #: When a `profile` command was sent: starting torch.profiler takes seconds, which is not a hang.
     profile_started_at: float | None = None
     #: The current process as psutil sees it (None unless it is our child), and the processes below it at the
-    #: last look (supervisor/process_tree.py): killed with it.
+    #: last look (supervisor/lifecycle/process_tree.py): killed with it.
     tree_root: psutil.Process | None = None
     descendants: list[psutil.Process] = field(default_factory=list)
     #: The last torch.profiler report of this process: seq, requests profiled, top operators.

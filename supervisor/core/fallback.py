@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from common.profiles import REFERENCE_PROFILE
-from supervisor.config import Config, ModelConfig
+from supervisor.settings.config import Config, ModelConfig
 
 log = structlog.get_logger("supervisor")
 

@@ -9,13 +9,13 @@ import psutil
 
 from common.profiles import PROFILES
 from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
-from supervisor.broker import Broker, ModelQueue
-from supervisor.config import BatchingConfig, Config
-from supervisor.fallback import Fallbacks
-from supervisor.health import ModelReport
+from supervisor.core.fallback import Fallbacks
+from supervisor.lifecycle.pool import WorkerPool
+from supervisor.lifecycle.slot import SlotState, WorkerSlot
+from supervisor.observe.health import ModelReport
 from supervisor.observe.stats import percentile
-from supervisor.pool import WorkerPool
-from supervisor.slot import SlotState, WorkerSlot
+from supervisor.routing.broker import Broker, ModelQueue
+from supervisor.settings.config import BatchingConfig, Config
 
 
 def rss_of(pid: int | None) -> int | None:

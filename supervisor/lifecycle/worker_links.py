@@ -8,9 +8,9 @@ from typing import Any
 from protocol import worker_messages as wm
 from protocol.errors import ProtocolError
 from protocol.worker_link import Link, LinkClosed
-from supervisor.anomalies import Anomalies
-from supervisor.event_loop import POLLIN, POLLOUT, READABLE, WORKERS, EventLoop
-from supervisor.slot import WorkerSlot
+from supervisor.core.event_loop import POLLIN, POLLOUT, READABLE, WORKERS, EventLoop
+from supervisor.lifecycle.slot import WorkerSlot
+from supervisor.observe.anomalies import Anomalies
 
 #: Whole messages read from one link per call, so one chatty worker cannot hold the loop.
 _BATCH = 256

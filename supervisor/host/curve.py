@@ -9,7 +9,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from supervisor.config import CurveConfig
+from supervisor.settings.config import CurveConfig
 
 log = structlog.get_logger("supervisor")
 

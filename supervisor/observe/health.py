@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.text import clip
-from supervisor.slot import SlotState, WorkerSlot
+from supervisor.lifecycle.slot import SlotState, WorkerSlot
 
 
 class ModelHealth(enum.Enum):

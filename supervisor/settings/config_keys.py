@@ -1,6 +1,6 @@
 """Config keys declared once: how each is read, its default, what it allows, how a change applies, what it means.
 
-supervisor/config.py holds the two tables of `Key`s; the parser (`read_object`), the reload diff (config_diff.py)
+supervisor/settings/config.py holds the two tables of `Key`s; the parser (`read_object`), the reload diff (config_diff.py)
 and the key tables of docs/configuration.md (config_docs.py) are all derived from them.
 """
 
@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, get_type_hints
 
-from supervisor.fields import INTEGER_LIMIT, FieldReader, join_path
+from supervisor.settings.fields import INTEGER_LIMIT, FieldReader, join_path
 
 
 class Applied(Enum):

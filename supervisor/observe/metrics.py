@@ -37,11 +37,11 @@ from prometheus_client.metrics_core import (
 
 from common.text import clip
 from protocol.constants import PROTOCOL_VERSION, ErrorCode
-from supervisor.slot import RestartReason, SlotState
+from supervisor.lifecycle.slot import RestartReason, SlotState
 
 if TYPE_CHECKING:  # types only: the broker imports this module
-    from supervisor.broker import Broker
-    from supervisor.pool import WorkerPool
+    from supervisor.lifecycle.pool import WorkerPool
+    from supervisor.routing.broker import Broker
 
 log = structlog.get_logger("supervisor")
 

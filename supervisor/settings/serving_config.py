@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from supervisor.config import Config, ModelConfig
+from supervisor.settings.config import Config, ModelConfig
 
 
 class ServingConfig:
