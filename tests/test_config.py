@@ -697,7 +697,7 @@ def test_every_config_key_has_a_reload_rule() -> None:
 
 
 def test_docs_key_tables_match_the_declarations() -> None:
-    """docs/configuration.md shows the tables the declarations render (`python -m supervisor.settings.config_docs --write`)."""
+    """docs/configuration.md shows the tables the declarations render (`config_docs --write`)."""
     text = config_docs.DOCS.read_text()
     assert config_docs.render(text) == text, f"the docs tables are stale: run `{config_docs.COMMAND}`"
     assert config_docs.main([]) == 0

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write:
         DOCS.write_text(wanted)
     elif wanted != text:
-        print(f"{DOCS}: the slot state diagram differs from supervisor/lifecycle/slot.py; run with --write", file=sys.stderr)
+        print(f"{DOCS}: the slot state diagram differs from TRANSITIONS; run with --write", file=sys.stderr)
         return 1
     return 0
 

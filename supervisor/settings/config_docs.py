@@ -1,7 +1,7 @@
 """The key tables of docs/configuration.md, rendered from the declarations in supervisor/settings/config.py.
 
-`python -m supervisor.settings.config_docs` exits 1 when the file's tables differ from the declarations; `--write` rewrites
-them. Everything outside the marked blocks is left as written.
+`python -m supervisor.settings.config_docs` exits 1 when the file's tables differ from the declarations;
+`--write` rewrites them. Everything outside the marked blocks is left as written.
 """
 
 from __future__ import annotations

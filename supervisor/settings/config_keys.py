@@ -1,7 +1,7 @@
 """Config keys declared once: how each is read, its default, what it allows, how a change applies, what it means.
 
-supervisor/settings/config.py holds the two tables of `Key`s; the parser (`read_object`), the reload diff (config_diff.py)
-and the key tables of docs/configuration.md (config_docs.py) are all derived from them.
+supervisor/settings/config.py holds the two tables of `Key`s; the parser (`read_object`), the reload diff
+(config_diff.py) and the key tables of docs/configuration.md (config_docs.py) are all derived from them.
 """
 
 from __future__ import annotations
