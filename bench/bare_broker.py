@@ -49,7 +49,7 @@ def worker(runtime_dir: str, model: str, cpu: int) -> None:
     import numpy as np
     import torch
 
-    from worker.models import BUILTIN_OUTPUTS, build_builtin
+    from infervisor.worker.models import BUILTIN_OUTPUTS, build_builtin
 
     torch.set_num_threads(1)
     module = build_builtin(model)

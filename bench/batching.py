@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.daemon import start_daemon  # noqa: E402
-from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from supervisor.core.control import control_request  # noqa: E402
-from supervisor.observe.stats import percentile  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.supervisor.core.control import control_request  # noqa: E402
+from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 #: Each model's inputs (one request's), and its config entry without batching.
 MODELS: dict[str, tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Any]]] = {
@@ -93,8 +93,8 @@ def client(endpoint: str, model: str, shapes: dict[str, tuple[str, tuple[int, ..
     """One client process: warm, say so, wait for the common start, then back-to-back requests; send latencies home."""
     import zmq
 
-    from protocol.client_messages import InferRequest, encode_infer
-    from protocol.tensors import TensorDesc
+    from infervisor.protocol.client_messages import InferRequest, encode_infer
+    from infervisor.protocol.tensors import TensorDesc
 
     inputs = request_inputs(shapes, seed)
     descs = tuple(TensorDesc(name, array.dtype.name, array.shape) for name, array in inputs.items())

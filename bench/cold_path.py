@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.observe.stats import percentile  # noqa: E402
+from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 #: Input shapes of the models this drives (batch 1).
 _SHAPES = {"tiny": (1, 16), "resnet18": (1, 3, 224, 224), "resnet50": (1, 3, 224, 224)}
@@ -55,11 +55,11 @@ def reply_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]
     """The worker's post-model steps by name, each a real call into the project's code, and an untimed clean-up."""
     import numpy as np
 
-    from protocol import worker_messages as wm
-    from protocol.client_messages import encode_result
-    from protocol.constants import TIMING_KEYS
-    from protocol.tensors import TensorDesc
-    from protocol.worker_link import WORKER_LINK_FRAMES, Link
+    from infervisor.protocol import worker_messages as wm
+    from infervisor.protocol.client_messages import encode_result
+    from infervisor.protocol.constants import TIMING_KEYS
+    from infervisor.protocol.tensors import TensorDesc
+    from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     sender = Link(ours, WORKER_LINK_FRAMES, 2**30)
@@ -88,9 +88,9 @@ def reply_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]
 
 def broker_steps() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """The broker's own checks and codec calls on a 600 KB image request, for comparison (same cache state)."""
-    from protocol import worker_messages as wm
-    from protocol.client_messages import InferRequest, decode_infer, encode_infer
-    from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
+    from infervisor.protocol import worker_messages as wm
+    from infervisor.protocol.client_messages import InferRequest, decode_infer, encode_infer
+    from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
 
     desc = TensorDesc("image", "float32", (1, 3, 224, 224))
     header = encode_infer(InferRequest(12345, "resnet18", (desc,), 30_000))
@@ -109,7 +109,7 @@ def measure(model_name: str, rounds: int) -> list[tuple[str, list[float], list[f
     """Per step: microseconds right after a forward pass, and repeated at once."""
     import torch
 
-    from worker.models import build_builtin
+    from infervisor.worker.models import build_builtin
 
     torch.set_num_threads(1)
     model = build_builtin(model_name).eval()

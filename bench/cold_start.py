@@ -37,7 +37,7 @@ def one_run(model: str, folder: Path) -> tuple[float, float]:
     notify.settimeout(120)
     started = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "serve", "--config", str(folder / "config.json"), "--runtime-dir",
+        [sys.executable, "-m", "infervisor", "serve", "--config", str(folder / "config.json"), "--runtime-dir",
          str(folder / "run")],
         cwd=ROOT, env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

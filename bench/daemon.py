@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.control import DaemonNotReady, await_status
+from infervisor.supervisor.core.control import DaemonNotReady, await_status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def start_daemon(
     path.write_text(json.dumps(config))
     log = (runtime_dir.parent / f"{runtime_dir.name}-daemon.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
+        [sys.executable, "-m", "infervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
         cwd=root,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -28,19 +28,19 @@ DEFAULT_PROFILES = "eager,jit,jit_onednn,aoti,int8_static,int8_dynamic,bf16"
 
 def _models(names: list[str], data: Path) -> dict[str, tuple[Any, Any, str | None, str | None]]:
     """name -> (source, specs, calibration, validation)."""
-    from protocol.launch import ModelSource
-    from protocol.tensors import Synthetic, TensorSpec
-    from worker.bench import BUILTIN_SPECS
+    from infervisor.protocol.launch import ModelSource
+    from infervisor.protocol.tensors import Synthetic, TensorSpec
+    from infervisor.worker.bench import BUILTIN_SPECS
 
     models: dict[str, tuple[Any, Any, str | None, str | None]] = {}
     for name in names:
         if name in BUILTIN_SPECS:
             models[name] = (ModelSource("builtin", name), BUILTIN_SPECS[name], None, None)
             continue
-        from worker.models.minilm import write_sets
+        from infervisor.worker.models.minilm import write_sets
 
         calibration, validation = write_sets(data)
-        source = ModelSource("python", "worker.models.minilm:minilm")
+        source = ModelSource("python", "infervisor.worker.models.minilm:minilm")
         specs = BUILTIN_SPECS["encoder"]
         if name == "minilm":
             models[name] = (source, specs, str(calibration), str(validation))
@@ -58,17 +58,17 @@ def measure(
     """Every profile of one model through the gate."""
     import torch
 
-    from common.cpuinfo import read_caps
-    from common.profiles import cpu_refusal
-    from protocol.launch import LaunchSpec
-    from worker.loader import default_output_names, load_model
-    from worker.profiles.build import ProfileError, build_profile
-    from worker.profiles.calibration import load_calibration
-    from worker.profiles.flags import reset_global_flags
-    from worker.profiles.select import golden_set
-    from worker.profiles.validate import compare, worst_of
-    from worker.runner import ModelRunner
-    from worker.serve import build_context
+    from infervisor.common.cpuinfo import read_caps
+    from infervisor.common.profiles import cpu_refusal
+    from infervisor.protocol.launch import LaunchSpec
+    from infervisor.worker.loader import default_output_names, load_model
+    from infervisor.worker.profiles.build import ProfileError, build_profile
+    from infervisor.worker.profiles.calibration import load_calibration
+    from infervisor.worker.profiles.flags import reset_global_flags
+    from infervisor.worker.profiles.select import golden_set
+    from infervisor.worker.profiles.validate import compare, worst_of
+    from infervisor.worker.runner import ModelRunner
+    from infervisor.worker.serve import build_context
 
     source, specs, calibration, validation = model
     launch = LaunchSpec(
@@ -129,7 +129,7 @@ def main() -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.cache_dir) / "inductor"))
     import torch
 
-    from common.accuracy import cosine_text
+    from infervisor.common.accuracy import cosine_text
 
     torch.set_num_threads(len(cpus))
     with tempfile.TemporaryDirectory() as data:

@@ -32,10 +32,10 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
-from protocol.client_messages import InferRequest, encode_infer  # noqa: E402
-from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from protocol.shared_memory import SharedRegion  # noqa: E402
-from protocol.tensors import TensorDesc  # noqa: E402
+from infervisor.protocol.client_messages import InferRequest, encode_infer  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.protocol.shared_memory import SharedRegion  # noqa: E402
+from infervisor.protocol.tensors import TensorDesc  # noqa: E402
 
 LEGS = ("send", "dispatch", "decode", "model", "encode", "reply", "overhead")
 _SKIP = 20

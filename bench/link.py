@@ -23,8 +23,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protocol.worker_link import WORKER_LINK_FRAMES, Link  # noqa: E402
-from supervisor.observe.stats import percentile  # noqa: E402
+from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link  # noqa: E402
+from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 #: Round trips before timing starts: connection set-up and first-call costs.
 _WARMUP = 200

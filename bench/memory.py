@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from protocol.client import Client  # noqa: E402
-from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from supervisor.core.control import await_status, control_request  # noqa: E402
-from supervisor.toolkit.inputs import random_inputs  # noqa: E402
+from infervisor.protocol.client import Client  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.supervisor.core.control import await_status, control_request  # noqa: E402
+from infervisor.supervisor.toolkit.inputs import random_inputs  # noqa: E402
 
 KB = 1024
 MB = 2**20
@@ -57,7 +57,7 @@ def serve_and_measure(config: dict[str, Any], folder: Path, requests: int, timeo
     runtime_dir = folder / "run"
     with (folder / "daemon.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
+            [sys.executable, "-m", "infervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.daemon import builtin_entry, start_daemon  # noqa: E402
 from bench.transport import client_loop  # noqa: E402
-from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from supervisor.observe.stats import percentile  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 
 def _free_port() -> int:

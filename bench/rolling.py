@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
-from protocol.client import Client  # noqa: E402
-from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from protocol.errors import InferenceError  # noqa: E402
-from supervisor.core.control import control_request  # noqa: E402
-from supervisor.observe.stats import percentile  # noqa: E402
+from infervisor.protocol.client import Client  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.protocol.errors import InferenceError  # noqa: E402
+from infervisor.supervisor.core.control import control_request  # noqa: E402
+from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 
 class Recorder:

@@ -53,12 +53,12 @@ def _cosine_rows(reference: Arrays, got: Arrays) -> float:
 
 def daemon_profile(name: str, model: str, threads: int, cache_dir: Path) -> Run:
     """One daemon profile, built as a worker builds it for the built-in `model`."""
-    from protocol.launch import LaunchSpec, ModelSource
-    from worker.bench import BUILTIN_SPECS
-    from worker.models import build_builtin
-    from worker.profiles.build import build_profile
-    from worker.runner import ModelRunner
-    from worker.serve import build_context
+    from infervisor.protocol.launch import LaunchSpec, ModelSource
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.models import build_builtin
+    from infervisor.worker.profiles.build import build_profile
+    from infervisor.worker.runner import ModelRunner
+    from infervisor.worker.serve import build_context
 
     specs = BUILTIN_SPECS[model]
     launch = LaunchSpec("bench", model, -1, ModelSource("builtin", model), specs, None, (), threads,
@@ -154,11 +154,11 @@ def main() -> int:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
     import torch
 
-    from common.cpuinfo import read_caps
-    from common.profiles import cpu_refusal
-    from worker.bench import BUILTIN_SPECS
-    from worker.models import build_builtin
-    from worker.runner import ModelRunner
+    from infervisor.common.cpuinfo import read_caps
+    from infervisor.common.profiles import cpu_refusal
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.models import build_builtin
+    from infervisor.worker.runner import ModelRunner
 
     torch.set_num_threads(args.threads)
     module = build_builtin(args.model)

@@ -49,17 +49,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
-from protocol.client import Client  # noqa: E402
-from protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from protocol.sockets import send_frames  # noqa: E402
-from supervisor.observe.stats import percentile  # noqa: E402
+from infervisor.protocol.client import Client  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.protocol.sockets import send_frames  # noqa: E402
+from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 
 def in_process(model: str, seconds: float, threads: int) -> list[float]:
     """Latencies (ms) of the eager model called directly, pinned like a worker with `threads` threads."""
     import torch
 
-    from worker.models import build_builtin
+    from infervisor.worker.models import build_builtin
 
     torch.set_num_threads(threads)
     module = build_builtin(model)
@@ -101,9 +101,9 @@ def client_loop(endpoint: str, model: str, seconds: float, warm: Any, kind: str,
     """
     import zmq
 
-    from protocol.client_messages import InferRequest, encode_infer
-    from protocol.shared_memory import SharedRegion
-    from protocol.tensors import TensorDesc
+    from infervisor.protocol.client_messages import InferRequest, encode_infer
+    from infervisor.protocol.shared_memory import SharedRegion
+    from infervisor.protocol.tensors import TensorDesc
 
     name, shape = SHAPES[model]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -273,7 +273,7 @@ def baselines(
 ) -> list[dict[str, Any]]:
     """The eager model in-process, and behind the bare pyzmq broker with 1 and N clients."""
     from bench import bare_broker
-    from supervisor.host.cpu_latency import CpuLatencyHold
+    from infervisor.supervisor.host.cpu_latency import CpuLatencyHold
 
     # The baselines get the idle policy the daemon will hold for itself; the daemon's rows run on its own hold.
     hold = CpuLatencyHold()

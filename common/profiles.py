@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from common.cpuinfo import CpuCaps
+from infervisor.common.cpuinfo import CpuCaps
 
 
 class GlobalFlag(enum.Enum):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from protocol.constants import PROTOCOL_VERSION, ErrorCode
-from protocol.errors import InferenceError, ProtocolError
+from infervisor.protocol.constants import PROTOCOL_VERSION, ErrorCode
+from infervisor.protocol.errors import InferenceError, ProtocolError
 
 if TYPE_CHECKING:
-    from protocol.client import Client
-    from protocol.shared_memory import SharedRegion, SharedTensor
+    from infervisor.protocol.client import Client
+    from infervisor.protocol.shared_memory import SharedRegion, SharedTensor
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -25,11 +25,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing the package for its constants and codecs does not import the client's socket code.
     if name == "Client":
-        from protocol.client import Client
+        from infervisor.protocol.client import Client
 
         return Client
     if name in ("SharedRegion", "SharedTensor"):
-        from protocol import shared_memory
+        from infervisor.protocol import shared_memory
 
         return getattr(shared_memory, name)
     raise AttributeError(name)

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from protocol.constants import DTYPE_ITEMSIZE, ErrorCode
-from protocol.errors import ProtocolError
-from protocol.tensors import TensorDesc, TensorSpec
+from infervisor.protocol.constants import DTYPE_ITEMSIZE, ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.tensors import TensorDesc, TensorSpec
 
 #: Native-order dtypes and their wire names; `dtype.name` runs Python code in numpy 2 (~1.5 us a call).
 _WIRE_NAMES: dict[np.dtype[Any], str] = {np.dtype(name): name for name in DTYPE_ITEMSIZE}

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from protocol.arrays import from_frame, to_frame
-from protocol.client_messages import InferRequest, decode_reply, encode_infer
-from protocol.constants import MAX_DEADLINE_MS, ErrorCode
-from protocol.errors import InferenceError, ProtocolError
-from protocol.shared_memory import SharedTensor
-from protocol.sockets import recv_frames, send_frames
-from protocol.tensors import TensorDesc
+from infervisor.protocol.arrays import from_frame, to_frame
+from infervisor.protocol.client_messages import InferRequest, decode_reply, encode_infer
+from infervisor.protocol.constants import MAX_DEADLINE_MS, ErrorCode
+from infervisor.protocol.errors import InferenceError, ProtocolError
+from infervisor.protocol.shared_memory import SharedTensor
+from infervisor.protocol.sockets import recv_frames, send_frames
+from infervisor.protocol.tensors import TensorDesc
 
 #: What an input may be: an array sent as a frame, or a tensor already in a shared-memory region.
 Input = np.ndarray[Any, Any] | SharedTensor

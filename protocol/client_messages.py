@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.codec import pack, unpack
-from protocol.constants import (
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import (
     MAX_DEADLINE_MS,
     MAX_NAME_LEN,
     MAX_REQUEST_ID_LEN,
@@ -15,8 +15,8 @@ from protocol.constants import (
     ClientMessageType,
     ErrorCode,
 )
-from protocol.errors import ProtocolError, shown
-from protocol.tensors import TensorDesc, check_frames, parse_descs
+from infervisor.protocol.errors import ProtocolError, shown
+from infervisor.protocol.tensors import TensorDesc, check_frames, parse_descs
 
 RequestId = int | str | bytes
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import msgpack
 
-from protocol.constants import MAX_HEADER_BYTES, ErrorCode
-from protocol.errors import ProtocolError
+from infervisor.protocol.constants import MAX_HEADER_BYTES, ErrorCode
+from infervisor.protocol.errors import ProtocolError
 
 # Limits are per object, so a hostile header cannot make the decoder allocate much more
 # than its own length; ext types are refused (no hook), so nothing but plain data decodes.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import reprlib
 
-from protocol.constants import MAX_MESSAGE_LEN, ErrorCode
+from infervisor.protocol.constants import MAX_MESSAGE_LEN, ErrorCode
 
 _shown = reprlib.Repr()
 _shown.maxlevel, _shown.maxstring, _shown.maxother, _shown.maxlist, _shown.maxdict = 3, 64, 64, 8, 8

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from protocol.tensors import TensorSpec
+from infervisor.protocol.tensors import TensorSpec
 
 #: How a worker chooses among the profiles of its chain that meet the tolerance.
 PICK_MODES = ("first", "fastest")

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from protocol.arrays import wire_dtype
-from protocol.constants import MAX_SHM_OFFSET, SHM_DIR, SHM_NAME_PATTERN
-from protocol.tensors import ShmRef, TensorDesc
+from infervisor.protocol.arrays import wire_dtype
+from infervisor.protocol.constants import MAX_SHM_OFFSET, SHM_DIR, SHM_NAME_PATTERN
+from infervisor.protocol.tensors import ShmRef, TensorDesc
 
 #: Where `SharedRegion.tensor` places each next tensor: a cache line, so no two share one.
 _ALIGNMENT = 64

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.constants import (
+from infervisor.protocol.constants import (
     DTYPE_ITEMSIZE,
     MAX_NAME_LEN,
     MAX_RANK,
@@ -16,7 +16,7 @@ from protocol.constants import (
     SHM_NAME_PATTERN,
     ErrorCode,
 )
-from protocol.errors import ProtocolError, shown
+from infervisor.protocol.errors import ProtocolError, shown
 
 
 @dataclass(frozen=True, slots=True)

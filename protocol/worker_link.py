@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.constants import MAX_BATCH_REQUESTS, MAX_TENSORS, ErrorCode
-from protocol.errors import ProtocolError
+from infervisor.protocol.constants import MAX_BATCH_REQUESTS, MAX_TENSORS, ErrorCode
+from infervisor.protocol.errors import ProtocolError
 
 #: Frames in one link message at most: a batch of MAX_BATCH_REQUESTS requests (its header, then per member a
 #: REQUEST header, the client's header and its tensors).

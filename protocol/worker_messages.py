@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
-from protocol.codec import pack, unpack
-from protocol.constants import ErrorCode, WorkerMessageType
-from protocol.errors import ProtocolError
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import ErrorCode, WorkerMessageType
+from infervisor.protocol.errors import ProtocolError
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
-"""`python -m supervisor` is the `infervisor` command."""
+"""`python -m infervisor.supervisor` is the `infervisor` command."""
 
 import sys
 
-from supervisor.cli import main
+from infervisor.supervisor.cli import main
 
 sys.exit(main())

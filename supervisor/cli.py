@@ -11,8 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.profiles import PROFILE_NAMES
-from protocol.constants import PROTOCOL_VERSION
+from infervisor.common.profiles import PROFILE_NAMES
+from infervisor.protocol.constants import PROTOCOL_VERSION
 
 RUNTIME_DIR_HELP = (
     "the daemon's socket directory (default: $RUNTIME_DIRECTORY, /run/infervisor, $XDG_RUNTIME_DIR/infervisor "
@@ -268,58 +268,58 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from supervisor.commands.serve import run_serve
+        from infervisor.supervisor.commands.serve import run_serve
 
         return run_serve(args)
     if args.command == "status":
-        from supervisor.commands.status import run_status
+        from infervisor.supervisor.commands.status import run_status
 
         return run_status(args)
     if args.command == "metrics":
-        from supervisor.commands.metrics import run_metrics
+        from infervisor.supervisor.commands.metrics import run_metrics
 
         return run_metrics(args)
     if args.command == "infer":
-        from supervisor.commands.infer import run_infer
+        from infervisor.supervisor.commands.infer import run_infer
 
         return run_infer(args)
     if args.command in ("restart", "reload"):
-        from supervisor.commands.ops import run_control
+        from infervisor.supervisor.commands.ops import run_control
 
         return run_control(args)
     if args.command == "fallback":
-        from supervisor.commands.fallback import run_fallback
+        from infervisor.supervisor.commands.fallback import run_fallback
 
         return run_fallback(args)
     if args.command == "build":
-        from supervisor.commands.build import run_build
+        from infervisor.supervisor.commands.build import run_build
 
         return run_build(args)
     if args.command == "report":
-        from supervisor.commands.report import run_report
+        from infervisor.supervisor.commands.report import run_report
 
         return run_report(args)
     if args.command == "harden":
-        from supervisor.commands.harden import run_harden
+        from infervisor.supervisor.commands.harden import run_harden
 
         return run_harden(args)
     if args.command == "probe":
-        from supervisor.commands.probe import run_probe
+        from infervisor.supervisor.commands.probe import run_probe
 
         return run_probe(args)
     if args.command == "optimize":
-        from supervisor.commands.optimize import run_optimize
+        from infervisor.supervisor.commands.optimize import run_optimize
 
         return run_optimize(args)
     if args.command == "doctor":
-        from supervisor.commands.doctor import run_doctor
+        from infervisor.supervisor.commands.doctor import run_doctor
 
         return run_doctor(args)
     if args.command == "bench":
-        from supervisor.commands.bench import run_bench
+        from infervisor.supervisor.commands.bench import run_bench
 
         return run_bench(args)
-    from supervisor.commands.demo import run_demo
+    from infervisor.supervisor.commands.demo import run_demo
 
     return run_demo(args)
 

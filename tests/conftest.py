@@ -16,9 +16,9 @@ from typing import Any
 import psutil
 import pytest
 
-from protocol.client import Client
-from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.core.control import ControlError, control_request
+from infervisor.protocol.client import Client
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.supervisor.core.control import ControlError, control_request
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ class Daemon:
                 *command_prefix,
                 sys.executable,
                 "-m",
-                "supervisor",
+                "infervisor",
                 "serve",
                 "--config",
                 str(self.config_path),

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from protocol import ErrorCode, InferenceError
+from infervisor.protocol import ErrorCode, InferenceError
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.slow_model import SLOW_INPUTS, rounds, write_slow_model
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from supervisor.host.affinity import supervisor_cpus
-from supervisor.host.topology import parse_cpu_list
+from infervisor.supervisor.host.affinity import supervisor_cpus
+from infervisor.supervisor.host.topology import parse_cpu_list
 from tests.conftest import TINY_INPUTS, Daemon, model_entry, wait_for
 
 ALLOWED = frozenset(os.sched_getaffinity(0))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import collections
 
-from supervisor.routing.batcher import take
-from supervisor.routing.pending import PendingRequest
-from supervisor.settings.config import BatchingConfig
+from infervisor.supervisor.routing.batcher import take
+from infervisor.supervisor.routing.pending import PendingRequest
+from infervisor.supervisor.settings.config import BatchingConfig
 
 WIDE = (("x", "float32", (16,)),)
 NARROW = (("x", "float32", (8,)),)

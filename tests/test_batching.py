@@ -14,8 +14,8 @@ import numpy as np
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.client_messages import InferRequest, encode_infer
-from protocol.tensors import TensorDesc
+from infervisor.protocol.client_messages import InferRequest, encode_infer
+from infervisor.protocol.tensors import TensorDesc
 from tests.conftest import ENCODER_INPUTS, ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.fault_models import ROW_INPUTS, SEGFAULT, SLEEP
 

@@ -130,7 +130,7 @@ def test_bench_measures_a_model_of_a_config_file_with_its_batch_column(tmp_path:
     config = _voice(tmp_path)
     rows_file = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "bench", "--config", str(config), "--models", "voice",
+        [sys.executable, "-m", "infervisor", "bench", "--config", str(config), "--models", "voice",
          "--profiles", "eager,jit", "--threads", "1", "--seconds", "0.3", "--json", str(rows_file)],
         capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
     )  # fmt: skip
@@ -150,7 +150,7 @@ def test_bench_names_the_models_it_knows_when_given_another(tmp_path: Path) -> N
     """An unknown model is exit 2 with the built-ins and the config's models listed, not a traceback."""
     config = _voice(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "bench", "--config", str(config), "--models", "speaker"],
+        [sys.executable, "-m", "infervisor", "bench", "--config", str(config), "--models", "speaker"],
         capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr

@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol import worker_messages as wm
-from protocol.client_messages import InferRequest, encode_infer, encode_result
-from protocol.tensors import TensorDesc
-from protocol.worker_link import WORKER_LINK_FRAMES, Link
-from supervisor.core.event_loop import EventLoop
-from supervisor.host.planner import Assignment
-from supervisor.lifecycle.slot import SlotState, WorkerSlot
-from supervisor.lifecycle.worker_links import WorkerLinks
-from supervisor.observe.anomalies import Anomalies
-from supervisor.routing.broker import Broker
-from supervisor.routing.endpoints import ClientEndpoints
-from supervisor.settings.config import parse_config
-from supervisor.settings.serving_config import ServingConfig
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.client_messages import InferRequest, encode_infer, encode_result
+from infervisor.protocol.tensors import TensorDesc
+from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
+from infervisor.supervisor.core.event_loop import EventLoop
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
+from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.settings.config import parse_config
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
 DESC = (TensorDesc("x", "float32", (1, 16)),)

@@ -37,7 +37,7 @@ def _build(config: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProces
     path = tmp_path / "build.json"
     path.write_text(json.dumps(config))
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "build", "--config", str(path), "--json", str(tmp_path / "built.json")],
+        [sys.executable, "-m", "infervisor", "build", "--config", str(path), "--json", str(tmp_path / "built.json")],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, **ENV}, timeout=900, check=False,
     )  # fmt: skip
 

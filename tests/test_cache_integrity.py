@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import Daemon, model_entry, wait_for
-from worker.models import build_builtin
-from worker.profiles.cache import (
+from infervisor.worker.models import build_builtin
+from infervisor.worker.profiles.cache import (
     ArtifactCache,
     CachedBuildFailure,
     NoSpaceLeft,
     no_space_left,
 )
-from worker.profiles.export import ExportError
+from infervisor.worker.profiles.export import ExportError
+from tests.conftest import Daemon, model_entry, wait_for
 
 #: One static shape: the aoti profile compiles a single package (no batch buckets), which keeps the test short.
 _STATIC_TINY = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]

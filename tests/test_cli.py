@@ -17,8 +17,8 @@ import numpy as np
 import psutil
 import pytest
 
-from supervisor.cli import build_parser
-from supervisor.settings.config_path import CONFIG_ENV, ETC_CONFIG, ConfigPathError, resolve_config_path
+from infervisor.supervisor.cli import build_parser
+from infervisor.supervisor.settings.config_path import CONFIG_ENV, ETC_CONFIG, ConfigPathError, resolve_config_path
 from tests.cli_models import IMAGE_INPUTS, LIBRARY_LOG_TEXT, TINY_INPUTS, TORCH_LOG_TEXT, WARNING_TEXT
 from tests.conftest import ROOT, Daemon, model_entry, wait_for
 
@@ -27,9 +27,9 @@ ENV = {**{k: v for k, v in os.environ.items() if k != CONFIG_ENV}, "PYTHONPATH":
 
 
 def cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
-    """`python -m supervisor ARGS` as a user would run it; the completed process."""
+    """`python -m infervisor.supervisor ARGS` as a user would run it; the completed process."""
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
+        [sys.executable, "-m", "infervisor", *args],
         capture_output=True, text=True, cwd=cwd, env=env or ENV, timeout=timeout, check=False,
     )  # fmt: skip
 
@@ -130,7 +130,7 @@ def test_status_into_a_closed_pipe_ends_quietly(daemon: Daemon) -> None:
         os.close(read_end)  # the reader left before we write: every write hits EPIPE
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "supervisor", *args],
+                [sys.executable, "-m", "infervisor", *args],
                 stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV, timeout=60, check=False,
             )  # fmt: skip
         finally:
@@ -252,7 +252,7 @@ def test_library_warnings_reach_the_log_as_json_events(tmp_path: Path) -> None:
     # No --config: serve takes $INFERVISOR_CONFIG, as the other commands do.
     with out.open("wb") as stdout, err.open("wb") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--runtime-dir", str(runtime)],
+            [sys.executable, "-m", "infervisor", "serve", "--runtime-dir", str(runtime)],
             stdout=stdout, stderr=stderr, cwd=tmp_path, env={**ENV, CONFIG_ENV: str(config)},
         )  # fmt: skip
     try:
@@ -346,7 +346,7 @@ def test_demo_shows_the_daemons_reason_when_it_cannot_start(tmp_path: Path) -> N
 def test_demo_interrupted_stops_the_daemon_and_removes_its_runtime_dir(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the demo's process group) while the pool starts: daemon gone, directory gone, exit 130."""
     demo = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "demo", "--config", str(_demo_config(tmp_path))],
+        [sys.executable, "-m", "infervisor", "demo", "--config", str(_demo_config(tmp_path))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV, start_new_session=True,
     )  # fmt: skip
     try:

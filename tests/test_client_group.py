@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol.codec import pack, unpack
-from protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME, SHM_DIR, STATUS_SOCKET_NAME
-from protocol.shared_memory import SharedRegion
-from supervisor.host.socket_group import MAX_GID, SocketGroup
-from supervisor.settings.config import ConfigError, parse_config
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME, SHM_DIR, STATUS_SOCKET_NAME
+from infervisor.protocol.shared_memory import SharedRegion
+from infervisor.supervisor.host.socket_group import MAX_GID, SocketGroup
+from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
 #: What the daemon and the clients import, copied where every test user can read it (the checkout may not be).
@@ -45,9 +45,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making users and grou
 CLIENT_SCRIPT = r"""
 import json, os, socket, sys
 import numpy as np
-from protocol.client import Client
-from protocol.errors import InferenceError
-from protocol.shared_memory import SharedRegion
+from infervisor.protocol.client import Client
+from infervisor.protocol.errors import InferenceError
+from infervisor.protocol.shared_memory import SharedRegion
 
 run_dir, timeout, other_gid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 path = os.path.join(run_dir, "infer.sock")
@@ -319,20 +319,20 @@ def test_a_client_outside_the_group_is_refused_by_the_kernel(daemon: Daemon, acc
 def test_the_cli_gives_group_members_status_but_not_the_operator_commands(daemon: Daemon, accounts: Accounts) -> None:
     """As a member, status --check and infer work through status.sock; restart is refused saying whose it is."""
     run = str(daemon.runtime_dir)
-    check = _as(accounts.member, accounts, "-m", "supervisor", "status", "--check", "--runtime-dir", run)
+    check = _as(accounts.member, accounts, "-m", "infervisor", "status", "--check", "--runtime-dir", run)
     assert check.returncode == 0 and check.stdout.startswith("ready"), check.stdout + check.stderr
-    infer = _as(accounts.member, accounts, "-m", "supervisor", "infer", "--runtime-dir", run, "--model", "tiny",
+    infer = _as(accounts.member, accounts, "-m", "infervisor", "infer", "--runtime-dir", run, "--model", "tiny",
                 "--random", "--json")  # fmt: skip
     assert infer.returncode == 0 and json.loads(infer.stdout)["model"] == "tiny", infer.stdout + infer.stderr
     pid = daemon.status()["models"]["tiny"]["workers"][0]["pid"]
-    restart = _as(accounts.member, accounts, "-m", "supervisor", "restart", "--runtime-dir", run)
+    restart = _as(accounts.member, accounts, "-m", "infervisor", "restart", "--runtime-dir", run)
     assert restart.returncode == 2, restart.stderr
     assert restart.stderr.strip() == (
         f"infervisor restart: permission denied on {run}/control.sock: operator commands (restart, reload, profile) "
         f"are for the daemon's user; run them as {accounts.daemon.name} (sudo -u {accounts.daemon.name} "
         "infervisor ...) or as root"
     )
-    outside = _as(accounts.outsider, accounts, "-m", "supervisor", "status", "--runtime-dir", run)
+    outside = _as(accounts.outsider, accounts, "-m", "infervisor", "status", "--runtime-dir", run)
     assert outside.returncode == 2
     assert outside.stderr.strip() == (
         f"infervisor status: permission denied on {run}/control.sock: {run} admits only the daemon's user and, "
@@ -377,7 +377,7 @@ def test_a_second_daemon_refused_by_the_lock_leaves_the_first_ones_directory_ope
     """A daemon without socket_group on the same runtime dir exits 78 and does not close the directory to clients."""
     config = daemon.tmp / "second.json"
     config.write_text(json.dumps({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}))
-    second = _as(accounts.daemon, accounts, "-m", "supervisor", "serve", "--config", str(config),
+    second = _as(accounts.daemon, accounts, "-m", "infervisor", "serve", "--config", str(config),
                  "--runtime-dir", str(daemon.runtime_dir), timeout=60)  # fmt: skip
     assert second.returncode == 78
     assert "another infervisor" in second.stdout, second.stdout[-2000:]
@@ -405,7 +405,7 @@ def test_a_group_the_daemons_user_is_not_in_is_a_config_error(accounts: Accounts
     config.write_text(json.dumps({"socket_group": group, "models": {"tiny": model_entry({"builtin": "tiny"},
                                                                                        TINY_INPUTS)}}))  # fmt: skip
     run = folder / "run"
-    done = _as(accounts.daemon, accounts, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
+    done = _as(accounts.daemon, accounts, "-m", "infervisor", "serve", "--config", str(config), "--runtime-dir",
                str(run), timeout=60)  # fmt: skip
     assert done.returncode == 78, done.stdout[-2000:]
     refusal = next(e for e in _events(done.stdout) if e.get("event") == "config_invalid")
@@ -482,8 +482,8 @@ def test_a_region_given_to_a_group_is_never_open_to_another_one() -> None:
 
 def test_without_socket_group_a_left_status_socket_is_removed(tmp_path: Path) -> None:
     """A daemon without socket_group removes a status.sock an earlier one left, so status goes to control.sock."""
-    from supervisor.core.control import ControlServer, control_socket, status_server
-    from supervisor.observe.anomalies import Anomalies
+    from infervisor.supervisor.core.control import ControlServer, control_socket, status_server
+    from infervisor.supervisor.observe.anomalies import Anomalies
 
     (tmp_path / STATUS_SOCKET_NAME).write_text("")
     assert control_socket(tmp_path, {"cmd": "status"}) == tmp_path / STATUS_SOCKET_NAME

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from supervisor.cli import SERVER_HINT, SERVER_MODULES, build_parser
+from infervisor.supervisor.cli import SERVER_HINT, SERVER_MODULES, build_parser
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
 #: The client's whole dependency closure, at the versions the test suite runs with.
@@ -26,8 +26,8 @@ CLIENT_DEPS = ("pyzmq", "msgpack", "numpy")
 CLIENT_SCRIPT = """
 import json, sys
 import numpy as np
-import protocol
-from protocol.client import Client
+import infervisor.protocol as protocol
+from infervisor.protocol.client import Client
 with Client(sys.argv[1]) as client:
     y = client.infer("tiny", {"x": np.arange(16, dtype=np.float32).reshape(1, 16)})["y"]
 print(json.dumps({"protocol": protocol.__file__, "y": y.tolist(), "torch_loaded": "torch" in sys.modules}))

@@ -12,13 +12,31 @@ from typing import Any, Final, get_type_hints
 import numpy as np
 import pytest
 
-from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
-from protocol.launch import ModelSource
-from protocol.tensors import TensorSpec
-from supervisor.settings import config_docs
-from supervisor.settings.config import MODEL_KEYS, TOP_KEYS, Config, ConfigError, ModelConfig, load_config, parse_config
-from supervisor.settings.config_diff import diff_configs, unclassified_keys
-from supervisor.settings.config_keys import Applied, Choice, Custom, Flag, Fraction, Integer, Key, Number, Text
+from infervisor.protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
+from infervisor.protocol.launch import ModelSource
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.supervisor.settings import config_docs
+from infervisor.supervisor.settings.config import (
+    MODEL_KEYS,
+    TOP_KEYS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    load_config,
+    parse_config,
+)
+from infervisor.supervisor.settings.config_diff import diff_configs, unclassified_keys
+from infervisor.supervisor.settings.config_keys import (
+    Applied,
+    Choice,
+    Custom,
+    Flag,
+    Fraction,
+    Integer,
+    Key,
+    Number,
+    Text,
+)
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG: Final = ROOT / "configs" / "default.json"

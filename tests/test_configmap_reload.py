@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.host.file_watch import DEBOUNCE_S, FileWatcher, link_folders
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.supervisor.host.file_watch import DEBOUNCE_S, FileWatcher, link_folders
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 
@@ -64,7 +64,7 @@ class MountedDaemon(Daemon):
         self.config_path = volume.config_path
         self.log_path = tmp / "daemon.log"
         self._log = self.log_path.open("wb")
-        command = [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path)]
+        command = [sys.executable, "-m", "infervisor", "serve", "--config", str(self.config_path)]
         self.process = subprocess.Popen(
             [*command, "--runtime-dir", str(self.runtime_dir)],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ),

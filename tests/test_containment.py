@@ -19,9 +19,9 @@ import psutil
 import pytest
 import zmq
 
-from protocol import ErrorCode, InferenceError
-from protocol.client_messages import InferRequest, encode_infer
-from protocol.tensors import ShmRef, TensorDesc
+from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.protocol.client_messages import InferRequest, encode_infer
+from infervisor.protocol.tensors import ShmRef, TensorDesc
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import ECHO, FAULT_INPUTS, SEGFAULT, SLEEP, command
 
@@ -33,7 +33,7 @@ ENV = {"PYTHONPATH": str(ROOT)}
 
 def _cli(daemon: Daemon, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args, "--runtime-dir", str(daemon.runtime_dir)],
+        [sys.executable, "-m", "infervisor", *args, "--runtime-dir", str(daemon.runtime_dir)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.core.control_commands import CONTROL_COMMANDS, READ_ONLY_COMMANDS, ControlCommand, ControlHost, dispatch
+from infervisor.supervisor.core.control_commands import (
+    CONTROL_COMMANDS,
+    READ_ONLY_COMMANDS,
+    ControlCommand,
+    ControlHost,
+    dispatch,
+)
 from tests.conftest import ROOT
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from supervisor.host.cpu_latency import DEVICE, CpuLatencyHold, current_limit
+from infervisor.supervisor.host.cpu_latency import DEVICE, CpuLatencyHold, current_limit
 from tests.conftest import TINY_INPUTS, Daemon, model_entry, wait_for, write_thermal_sysfs
 
 WRITABLE = DEVICE.exists() and os.access(DEVICE, os.W_OK)

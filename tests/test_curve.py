@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import zmq.auth
 
-from protocol import ErrorCode, InferenceError
-from protocol.client import Client
-from supervisor.settings.config import ConfigError, parse_config
+from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.protocol.client import Client
+from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import TINY_INPUTS, Daemon, free_loopback_port, model_entry
 
 MODELS = (

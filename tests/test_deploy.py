@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from supervisor.settings.config import ConfigError, parse_config
+from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
 SYSTEMD = ROOT / "systemd"

@@ -19,7 +19,7 @@ DRIFTS = {"python": "tests.fault_models:drifts_when_traced"}
 
 def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args, "--runtime-dir", str(daemon.runtime_dir)],
+        [sys.executable, "-m", "infervisor", *args, "--runtime-dir", str(daemon.runtime_dir)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
     )  # fmt: skip
 

@@ -18,10 +18,10 @@ import psutil
 import pytest
 import zmq
 
-from protocol import ErrorCode, InferenceError
-from protocol.client_messages import InferRequest, encode_infer
-from protocol.tensors import TensorDesc
-from supervisor.host.topology import parse_cpu_list
+from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.protocol.client_messages import InferRequest, encode_infer
+from infervisor.protocol.tensors import TensorDesc
+from infervisor.supervisor.host.topology import parse_cpu_list
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.fault_models import ALLOCATE, ECHO, FAULT_INPUTS, GARBLE, SEGFAULT, SLEEP, command
 

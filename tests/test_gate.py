@@ -12,28 +12,28 @@ import numpy as np
 import pytest
 import torch
 
-from common.accuracy import cosine_text
-from common.cpuinfo import read_caps
-from common.profiles import cpu_refusal
-from protocol.client import InferenceError
-from protocol.constants import ErrorCode
-from protocol.errors import ProtocolError
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import Synthetic, TensorDesc, TensorSpec, check_against_spec
-from supervisor.commands.optimize import synthetic_warnings
-from supervisor.commands.status import format_status
-from supervisor.settings.config import ConfigError, parse_config
-from supervisor.toolkit.constraints import Accuracy
-from supervisor.toolkit.doctor import Status, check_accuracy_data
-from supervisor.toolkit.optimize import within_budget
+from infervisor.common.accuracy import cosine_text
+from infervisor.common.cpuinfo import read_caps
+from infervisor.common.profiles import cpu_refusal
+from infervisor.protocol.client import InferenceError
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import Synthetic, TensorDesc, TensorSpec, check_against_spec
+from infervisor.supervisor.commands.optimize import synthetic_warnings
+from infervisor.supervisor.commands.status import format_status
+from infervisor.supervisor.settings.config import ConfigError, parse_config
+from infervisor.supervisor.toolkit.constraints import Accuracy
+from infervisor.supervisor.toolkit.doctor import Status, check_accuracy_data
+from infervisor.supervisor.toolkit.optimize import within_budget
+from infervisor.worker.loader import ModelLoadError, load_model
+from infervisor.worker.profiles.build import BuildContext
+from infervisor.worker.profiles.calibration import load_calibration, random_calibration
+from infervisor.worker.profiles.select import golden_set, select_profile
+from infervisor.worker.profiles.validate import Tolerance, compare
+from infervisor.worker.runner import ModelRunner
 from tests.conftest import Daemon, model_entry
 from tests.gate_models import batch_dependent, validation_samples
-from worker.loader import ModelLoadError, load_model
-from worker.profiles.build import BuildContext
-from worker.profiles.calibration import load_calibration, random_calibration
-from worker.profiles.select import golden_set, select_profile
-from worker.profiles.validate import Tolerance, compare
-from worker.runner import ModelRunner
 
 GATE_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 4]}]
 GATE_SPECS = (TensorSpec("x", "float32", (None, 4)),)
@@ -98,7 +98,7 @@ def test_a_profile_that_passes_batched_but_fails_one_sample_alone_is_refused(tmp
     runner = ModelRunner(batch_dependent(), GATE_SPECS, None)
     context = BuildContext(runner.module, (validation[0][0],), GATE_SPECS, "digest")
     # What the gate used to check, the first sample alone and all of them as one batch, passes.
-    from worker.profiles.build import _autocast_bf16
+    from infervisor.worker.profiles.build import _autocast_bf16
 
     bf16 = _autocast_bf16(runner.module)
     with torch.inference_mode():

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.tensors import TensorSpec
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.loader import ModelLoadError
+from infervisor.worker.profiles.validate import Tolerance, compare
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.state_check import refuse_stateful
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.measure_models import (
     CARRIED_INPUTS,
@@ -23,10 +27,6 @@ from tests.measure_models import (
     counts_calls,
     score_off_when_traced,
 )
-from worker.loader import ModelLoadError
-from worker.profiles.validate import Tolerance, compare
-from worker.runner import ModelRunner
-from worker.state_check import refuse_stateful
 
 _STATE_SPECS = (TensorSpec("x", "float32", (None, 4)),)
 

@@ -8,7 +8,7 @@ import logging
 
 import structlog
 
-from common.json_logs import configure_json_logs
+from infervisor.common.json_logs import configure_json_logs
 
 
 class RecordingRaw(io.RawIOBase):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli
+from infervisor.supervisor import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "common", "supervisor", "worker")

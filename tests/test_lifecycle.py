@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from protocol import ErrorCode, InferenceError
-from supervisor.host.topology import parse_cpu_list
+from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.supervisor.host.topology import parse_cpu_list
 from tests.conftest import TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.slow_model import SLOW_INPUTS, rounds, write_slow_model
 

@@ -13,15 +13,15 @@ import numpy as np
 import psutil
 import pytest
 
-from protocol import ErrorCode, InferenceError
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorSpec
+from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.models import build_builtin
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.serve import attempt_log, build_context
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import FAULT_INPUTS
 from tests.tree_models import ECHO, SLEEP, SPAWN, TREE_INPUTS, command
-from worker.models import build_builtin
-from worker.runner import ModelRunner
-from worker.serve import attempt_log, build_context
 
 ENV = {"PYTHONPATH": str(ROOT)}
 BROKEN = {"python": "tests.fault_models:broken"}
@@ -30,7 +30,7 @@ SPAWNER = {"python": "tests.tree_models:spawner"}
 
 def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args, "--runtime-dir", str(daemon.runtime_dir)],
+        [sys.executable, "-m", "infervisor", *args, "--runtime-dir", str(daemon.runtime_dir)],
         capture_output=True,
         text=True,
         cwd=ROOT,

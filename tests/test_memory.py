@@ -13,8 +13,8 @@ import numpy as np
 import psutil
 import torch
 
+from infervisor.worker.models import build_builtin
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
-from worker.models import build_builtin
 
 #: A first start's worker may hold this much more than a cached start's (builds leave 2-3x without the restart).
 FIRST_START_BOUND = 1.25
@@ -71,7 +71,7 @@ def test_status_shows_each_workers_pss_as_a_column_and_in_json(start_daemon: Cal
     """`infervisor status` has a pss MB column; `status --json` carries each worker's pss, at most its rss."""
     daemon = start_daemon({"oversubscribe": True, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
     daemon.wait_ready()
-    command = [sys.executable, "-m", "supervisor", "status", "--runtime-dir", str(daemon.runtime_dir)]
+    command = [sys.executable, "-m", "infervisor", "status", "--runtime-dir", str(daemon.runtime_dir)]
     table = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True).stdout
     header = next(line.split() for line in table.splitlines() if line.split()[:2] == ["slot", "pid"])
     assert header[header.index("rss") : header.index("rss") + 4] == ["rss", "MB", "pss", "MB"], table

@@ -20,12 +20,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from protocol.client import Client
-from protocol.constants import ErrorCode
-from protocol.errors import InferenceError
-from supervisor.lifecycle.slot import RestartReason, SlotState
-from supervisor.observe.metrics import BUCKETS_S, RequestTimes
-from supervisor.settings.config import ConfigError, parse_config
+from infervisor.protocol.client import Client
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import InferenceError
+from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState
+from infervisor.supervisor.observe.metrics import BUCKETS_S, RequestTimes
+from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for, write_thermal_sysfs
 from tests.test_pool_states import Rig
 
@@ -211,7 +211,7 @@ def test_a_scrape_counts_every_request_by_outcome_and_code(daemon: Daemon) -> No
 
     # The same families over the control socket, from the CLI.
     shown = subprocess.run(
-        [sys.executable, "-m", "supervisor", "metrics", "--runtime-dir", str(daemon.runtime_dir)],
+        [sys.executable, "-m", "infervisor", "metrics", "--runtime-dir", str(daemon.runtime_dir)],
         capture_output=True,
         text=True,
         timeout=60,

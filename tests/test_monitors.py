@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import ErrorCode, InferenceError
+from infervisor.protocol import ErrorCode, InferenceError
 from tests.conftest import ROOT, Daemon, model_entry, wait_for, write_thermal_sysfs
 from tests.fault_models import CORRUPT, ECHO, FAULT_INPUTS, GROW, LEAK, SLOW, command
 from tests.slow_model import SLOW_INPUTS, rounds, write_slow_model

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from common.cpuinfo import CpuCaps, read_caps
-from common.profiles import NATIVE_BF16, cpu_refusal
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorSpec
+from infervisor.common.cpuinfo import CpuCaps, read_caps
+from infervisor.common.profiles import NATIVE_BF16, cpu_refusal
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.models import build_builtin
+from infervisor.worker.profiles.openvino import NOT_INSTALLED
+from infervisor.worker.profiles.select import select_profile
+from infervisor.worker.profiles.validate import Tolerance
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.serve import build_context
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.openvino_models import ROW_INPUTS
-from worker.models import build_builtin
-from worker.profiles.openvino import NOT_INSTALLED
-from worker.profiles.select import select_profile
-from worker.profiles.validate import Tolerance
-from worker.runner import ModelRunner
-from worker.serve import build_context
 
 pytest.importorskip("openvino", reason="the openvino extra is not installed")
 

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from protocol import InferenceError
-from supervisor.settings.config_diff import unclassified_keys
+from infervisor.protocol import InferenceError
+from infervisor.supervisor.settings.config_diff import unclassified_keys
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import ECHO, FAULT_INPUTS, command
 
@@ -85,7 +85,7 @@ def test_rolling_restart_under_load_fails_nothing_and_keeps_n_minus_1(start_daem
     with Load(daemon, "tiny", {"x": np.ones((1, 16), np.float32)}) as load:
         watcher.start()
         answer = subprocess.run(
-            [sys.executable, "-m", "supervisor", "restart", "--runtime-dir", str(daemon.runtime_dir), "--json"],
+            [sys.executable, "-m", "infervisor", "restart", "--runtime-dir", str(daemon.runtime_dir), "--json"],
             capture_output=True, text=True, cwd=ROOT, timeout=60,
         )  # fmt: skip
         assert json.loads(answer.stdout)["queued"] == 2

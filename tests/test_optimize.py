@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.topology import LogicalCpu, Topology
-from supervisor.settings.config import Config, parse_config
-from supervisor.toolkit.constraints import Accuracy, Sla
-from supervisor.toolkit.layouts import Layout, layouts, placement
-from supervisor.toolkit.optimize import chain_at, choose
-from supervisor.toolkit.sweep import Point
+from infervisor.supervisor.host.topology import LogicalCpu, Topology
+from infervisor.supervisor.settings.config import Config, parse_config
+from infervisor.supervisor.toolkit.constraints import Accuracy, Sla
+from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
+from infervisor.supervisor.toolkit.optimize import chain_at, choose
+from infervisor.supervisor.toolkit.sweep import Point
 from tests.conftest import ROOT, TINY_INPUTS, Daemon
 
 INF = float("inf")
@@ -103,7 +103,7 @@ def test_a_profile_outside_the_accuracy_budget_is_never_chosen_nor_chained() -> 
 
 def _optimize(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "optimize", *argv],
+        [sys.executable, "-m", "infervisor", "optimize", *argv],
         capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
     )  # fmt: skip
 
@@ -135,7 +135,7 @@ def test_optimize_sweeps_the_layouts_checks_the_choice_through_a_daemon_and_writ
     daemon = start_daemon(json.loads(config.read_text()))
     daemon.wait_ready()
     probed = subprocess.run(
-        [sys.executable, "-m", "supervisor", *argv[1:], "--runtime-dir", str(daemon.runtime_dir),
+        [sys.executable, "-m", "infervisor", *argv[1:], "--runtime-dir", str(daemon.runtime_dir),
          "--profile-requests", "5", "--json", str(tmp_path / "probe.json")],
         capture_output=True, text=True, cwd=ROOT, timeout=180, check=False,
     )  # fmt: skip

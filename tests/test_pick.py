@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.cpuinfo import read_caps
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorSpec
-from worker.models import build_builtin
-from worker.profiles.export import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
-from worker.profiles.select import select_profile, served_batches
-from worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
-from worker.profiles.validate import Tolerance
-from worker.runner import ModelRunner
-from worker.serve import build_context
+from infervisor.common.cpuinfo import read_caps
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.models import build_builtin
+from infervisor.worker.profiles.export import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
+from infervisor.worker.profiles.select import select_profile, served_batches
+from infervisor.worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
+from infervisor.worker.profiles.validate import Tolerance
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.serve import build_context
 
 
 def _rounds(per_sample_ms: dict[str, list[float]], batches: tuple[int, ...] = (1,)) -> Rounds:

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.planner import (
+from infervisor.supervisor.host.planner import (
     Assignment,
     PlanError,
     WorkerDemand,
     plan_cores,
     usable_cpus,
 )
-from supervisor.host.topology import (
+from infervisor.supervisor.host.topology import (
     LogicalCpu,
     Topology,
     TopologyError,

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorSpec
-from supervisor.settings.config import ConfigError, parse_config
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.supervisor.settings.config import ConfigError, parse_config
+from infervisor.worker.models import build_builtin
+from infervisor.worker.profiles.build import BuildContext, ProfileError, build_profile
+from infervisor.worker.profiles.cache import ArtifactCache, CachedBuildFailure, model_digest
+from infervisor.worker.profiles.calibration import CalibrationError, load_calibration
+from infervisor.worker.profiles.validate import Tolerance, compare
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.serve import build_context
 from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, TINY_INPUTS, Daemon, model_entry, wait_for
-from worker.models import build_builtin
-from worker.profiles.build import BuildContext, ProfileError, build_profile
-from worker.profiles.cache import ArtifactCache, CachedBuildFailure, model_digest
-from worker.profiles.calibration import CalibrationError, load_calibration
-from worker.profiles.validate import Tolerance, compare
-from worker.runner import ModelRunner
-from worker.serve import build_context
 
 
 def test_agreement_measures_cosine_error_and_top1() -> None:
@@ -197,14 +197,14 @@ def test_the_int8_gate_on_real_minilm_weights_refuses_what_random_weights_would_
     start_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     """Real MiniLM: int8 loses measurable accuracy, so cosine 0.999 keeps eager while 0.98 serves int8, per sentence."""
-    minilm = pytest.importorskip("worker.models.minilm")
+    minilm = pytest.importorskip("infervisor.worker.models.minilm")
     try:
         minilm.model_dir()
     except ImportError:
         pytest.skip("the optional extra `minilm` is not installed")
     calibration, validation = minilm.write_sets(tmp_path / "data")
     entry = {
-        "source": {"python": "worker.models.minilm:minilm"}, "inputs": ENCODER_INPUTS, "outputs": ["embedding"],
+        "source": {"python": "infervisor.worker.models.minilm:minilm"}, "inputs": ENCODER_INPUTS, "outputs": ["embedding"],
         "warmup_iterations": 1, "profiles": ["int8_static", "eager"],
         "calibration": str(calibration), "validation": str(validation),
     }  # fmt: skip

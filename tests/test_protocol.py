@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from protocol import worker_messages as wm
-from protocol.arrays import check_finite, from_frame, to_frame
-from protocol.client_messages import (
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.arrays import check_finite, from_frame, to_frame
+from infervisor.protocol.client_messages import (
     InferRequest,
     InferResult,
     decode_infer,
@@ -30,8 +30,8 @@ from protocol.client_messages import (
     encode_infer,
     encode_result,
 )
-from protocol.codec import pack, unpack
-from protocol.constants import (
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import (
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_ITEMSIZE,
     MAX_DEADLINE_MS,
@@ -46,9 +46,9 @@ from protocol.constants import (
     ErrorCode,
     WorkerMessageType,
 )
-from protocol.errors import InferenceError, ProtocolError
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorDesc, TensorSpec, check_against_spec, check_frames, parse_descs
+from infervisor.protocol.errors import InferenceError, ProtocolError
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec, check_frames, parse_descs
 
 ROOT = Path(__file__).resolve().parent.parent
 P = ParamSpec("P")

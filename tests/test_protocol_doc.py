@@ -17,16 +17,16 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
-from protocol.client import Client
-from protocol.client_messages import InferRequest, encode_infer
-from protocol.constants import TIMING_KEYS, ErrorCode
-from protocol.errors import InferenceError, ProtocolError
-from protocol.tensors import TensorDesc, TensorSpec
-from supervisor.lifecycle.slot import SlotState
-from supervisor.observe.health import DaemonState, ModelHealth
+from infervisor.protocol.client import Client
+from infervisor.protocol.client_messages import InferRequest, encode_infer
+from infervisor.protocol.constants import TIMING_KEYS, ErrorCode
+from infervisor.protocol.errors import InferenceError, ProtocolError
+from infervisor.protocol.tensors import TensorDesc, TensorSpec
+from infervisor.supervisor.lifecycle.slot import SlotState
+from infervisor.supervisor.observe.health import DaemonState, ModelHealth
+from infervisor.worker.runner import EXACT_WIDENING, ModelRunner
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry
 from tests.test_pool_states import Rig
-from worker.runner import EXACT_WIDENING, ModelRunner
 
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.cpuinfo import WATCHED_FLAGS, parse_cpuinfo, read_caps
-from common.profiles import PROFILE_NAMES, PROFILES, GlobalFlag, cpu_refusal
-from protocol.tensors import TensorSpec
-from worker.models import build_builtin
-from worker.profiles.build import BUILDERS, BuildContext, ProfileError, build_profile, builds
-from worker.profiles.flags import SETTERS, apply_global_flags, reset_global_flags
+from infervisor.common.cpuinfo import WATCHED_FLAGS, parse_cpuinfo, read_caps
+from infervisor.common.profiles import PROFILE_NAMES, PROFILES, GlobalFlag, cpu_refusal
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.models import build_builtin
+from infervisor.worker.profiles.build import BUILDERS, BuildContext, ProfileError, build_profile, builds
+from infervisor.worker.profiles.flags import SETTERS, apply_global_flags, reset_global_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SSE_ONLY = (
@@ -104,7 +104,7 @@ def test_the_supervisor_reads_the_registry_without_loading_torch() -> None:
 
 def test_the_builtin_names_the_supervisor_checks_are_the_models_the_worker_builds() -> None:
     """A config naming a built-in is refused by the supervisor exactly when no worker could build it."""
-    from common.builtin_models import BUILTIN_MODELS
-    from worker.models import BUILTIN_OUTPUTS, BUILTINS
+    from infervisor.common.builtin_models import BUILTIN_MODELS
+    from infervisor.worker.models import BUILTIN_OUTPUTS, BUILTINS
 
     assert set(BUILTIN_MODELS) == set(BUILTINS) == set(BUILTIN_OUTPUTS)

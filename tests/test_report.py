@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.toolkit.harden import Target, check_thermal
-from supervisor.toolkit.probe import STAGES
-from supervisor.toolkit.provenance import cpu_model
+from infervisor.supervisor.toolkit.harden import Target, check_thermal
+from infervisor.supervisor.toolkit.probe import STAGES
+from infervisor.supervisor.toolkit.provenance import cpu_model
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "configs" / "constraints.example.json"
@@ -108,7 +108,7 @@ def _report(tmp_path: Path, target_cpu: str, **documents: Any) -> tuple[subproce
         argv += [f"--{name}", str(path)]
     out = tmp_path / "report.html"
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "report", *argv, "--out", str(out)],
+        [sys.executable, "-m", "infervisor", "report", *argv, "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
     )  # fmt: skip
     assert out.exists(), done.stdout + done.stderr

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.client_messages import InferRequest, encode_infer
-from protocol.constants import ErrorCode
-from protocol.errors import ProtocolError
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorDesc, TensorSpec
-from worker.models import build_builtin
-from worker.request_path import prepare
-from worker.runner import ModelRunner
-from worker.shared_inputs import SharedInputs
+from infervisor.protocol.client_messages import InferRequest, encode_infer
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorDesc, TensorSpec
+from infervisor.worker.models import build_builtin
+from infervisor.worker.request_path import prepare
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.shared_inputs import SharedInputs
 
 # Frames are read-only buffers, as the link delivers them; worker.runner silences this in a worker.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")

@@ -15,10 +15,10 @@ import pytest
 import torch
 import zmq
 
-from protocol import ErrorCode, InferenceError
-from protocol.client import Client
+from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.protocol.client import Client
+from infervisor.worker.models import build_builtin
 from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, ROOT, TINY_INPUTS, Daemon, model_entry
-from worker.models import build_builtin
 
 
 class TwoHeads(torch.nn.Module):
@@ -309,7 +309,7 @@ def test_supervisor_never_imports_torch_or_numpy(zoo: Daemon) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "infervisor", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
 
 

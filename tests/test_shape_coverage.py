@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.client import InferenceError
-from protocol.tensors import TensorSpec
+from infervisor.protocol.client import InferenceError
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.coverage import Covered, Reloaded
+from infervisor.worker.profiles.export import ShapeNotServed
+from infervisor.worker.profiles.select import golden_set, remembered_pick
+from infervisor.worker.runner import ModelRunner, open_dim_hint
 from tests.conftest import Daemon, model_entry
 from tests.shape_models import fully_convolutional, line_recognizer
-from worker.profiles.coverage import Covered, Reloaded
-from worker.profiles.export import ShapeNotServed
-from worker.profiles.select import golden_set, remembered_pick
-from worker.runner import ModelRunner, open_dim_hint
 
 CONV_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 3, [12, None], [12, None]]}]
 LINE_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 1, 64, [64, 1024]]}]
@@ -160,9 +160,9 @@ def test_an_open_dim_warmed_at_one_says_what_minimum_to_declare() -> None:
 
 def test_a_fastest_pick_is_keyed_on_the_declared_input_spec(tmp_path: Path) -> None:
     """The same model, chain and machine with another declared range is decided again, not reused."""
-    from worker.profiles.build import BuildContext
-    from worker.profiles.cache import ArtifactCache
-    from worker.profiles.validate import Tolerance
+    from infervisor.worker.profiles.build import BuildContext
+    from infervisor.worker.profiles.cache import ArtifactCache
+    from infervisor.worker.profiles.validate import Tolerance
 
     def path(bounds: Any) -> Path | None:
         spec = TensorSpec("x", "float32", (None, 1, 64, None), bounds=bounds)
@@ -175,7 +175,7 @@ def test_a_fastest_pick_is_keyed_on_the_declared_input_spec(tmp_path: Path) -> N
 @pytest.mark.parametrize("batch", [None, 1])
 def test_package_keys_differ_by_declared_spec(batch: int | None) -> None:
     """Build records and packages of `[null, 1, 64, [64, 1024]]` are never those of `[1, 1, 64, [64, 1024]]`."""
-    from worker.profiles.build import package_options
+    from infervisor.worker.profiles.build import package_options
 
     wide = TensorSpec("x", "float32", (None, 1, 64, None), bounds=(None, None, None, (64, 1024)))
     one = TensorSpec("x", "float32", (batch, 1, 64, None), bounds=(None, None, None, (64, 1024)))

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from protocol import ErrorCode, InferenceError, SharedRegion
-from protocol.client import Client
-from protocol.client_messages import InferRequest, decode_infer, encode_infer
-from protocol.constants import SHM_DIR
-from protocol.errors import ProtocolError
-from protocol.shared_memory import SharedTensor
-from protocol.tensors import ShmRef, TensorDesc, check_frames, parse_descs
+from infervisor.protocol import ErrorCode, InferenceError, SharedRegion
+from infervisor.protocol.client import Client
+from infervisor.protocol.client_messages import InferRequest, decode_infer, encode_infer
+from infervisor.protocol.constants import SHM_DIR
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.shared_memory import SharedTensor
+from infervisor.protocol.tensors import ShmRef, TensorDesc, check_frames, parse_descs
+from infervisor.worker.models import build_builtin
+from infervisor.worker.shared_inputs import SharedInputs
 from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
-from worker.models import build_builtin
-from worker.shared_inputs import SharedInputs
 
 IMAGE = (1, 3, 224, 224)
 
@@ -116,7 +116,7 @@ def test_a_region_is_a_private_dev_shm_file_that_close_unlinks(region: SharedReg
 
 _FULL_SHM_SCRIPT = """
 import errno, os
-from protocol import SharedRegion
+from infervisor.protocol import SharedRegion
 try:
     SharedRegion(1 << 20)
 except OSError as exc:

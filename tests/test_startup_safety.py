@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME
-from supervisor.core.control import ControlError, control_request
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME
+from infervisor.supervisor.core.control import ControlError, control_request
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 #: Exit status of a refused start (supervisor/commands/serve.py: EXIT_CONFIG).
@@ -31,7 +31,7 @@ TRIAL_MARK = "INFERVISOR_TEST_STARTUP_TRIAL"
 def _serve(config_path: Path, runtime_dir: Path, timeout: float = 60.0) -> tuple[int, str]:
     """Run `infervisor serve` expecting it to exit by itself; its exit code and output."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "serve", "--config", str(config_path), "--runtime-dir", str(runtime_dir)],
+        [sys.executable, "-m", "infervisor", "serve", "--config", str(config_path), "--runtime-dir", str(runtime_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
@@ -62,7 +62,7 @@ def _events(output: str, name: str) -> list[dict[str, Any]]:
 def _cli(*args: str) -> tuple[int, str]:
     """Run an `infervisor` command; its exit code and output."""
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "infervisor", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     return done.returncode, done.stdout + done.stderr
 

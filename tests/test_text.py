@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.text import clip
-from supervisor.lifecycle.pool import same_error
+from infervisor.common.text import clip
+from infervisor.supervisor.lifecycle.pool import same_error
 
 
 def test_a_short_reason_is_kept_whole() -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from supervisor.settings.config import Config, parse_config
-from supervisor.toolkit.constraints import ConstraintsError, load_constraints, parse_constraints
-from supervisor.toolkit.doctor import Machine, Status, run_checks
-from supervisor.toolkit.probe import STAGES, Sample, parse_perf_stat, stage_table, where_time_goes
+from infervisor.supervisor.settings.config import Config, parse_config
+from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints, parse_constraints
+from infervisor.supervisor.toolkit.doctor import Machine, Status, run_checks
+from infervisor.supervisor.toolkit.probe import STAGES, Sample, parse_perf_stat, stage_table, where_time_goes
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 from tests.test_planner import make_sysfs
 
@@ -164,7 +164,7 @@ def test_doctor_command_exits_non_zero_on_a_fail(tmp_path: Path) -> None:
     constraints = tmp_path / "constraints.json"
     constraints.write_text(json.dumps(_constraints(hardware__memory_mb=256)))
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "doctor", "--config", str(ROOT / "configs" / "default.json"),
+        [sys.executable, "-m", "infervisor", "doctor", "--config", str(ROOT / "configs" / "default.json"),
          "--constraints", str(constraints), "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=180, check=False,
     )  # fmt: skip
@@ -176,7 +176,7 @@ def test_doctor_command_exits_non_zero_on_a_fail(tmp_path: Path) -> None:
 
 def _optimize(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "optimize", *argv],
+        [sys.executable, "-m", "infervisor", "optimize", *argv],
         capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
     )  # fmt: skip
 
@@ -264,7 +264,7 @@ def test_probe_against_a_live_daemon_reports_stages_counters_and_operators(
     assert "requests (1..10000)" in daemon.control({"cmd": "profile", "model": "tiny", "requests": 0})["error"]
     report = tmp_path / "probe.json"
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "probe", "--model", "tiny", "--runtime-dir", str(daemon.runtime_dir),
+        [sys.executable, "-m", "infervisor", "probe", "--model", "tiny", "--runtime-dir", str(daemon.runtime_dir),
          "--qps", "50", "--duration", "2", "--profile-requests", "10", "--json", str(report)],
         capture_output=True, text=True, cwd=ROOT, timeout=180, check=False,
     )  # fmt: skip
@@ -295,7 +295,7 @@ def test_harden_runs_every_check_against_a_live_daemon_and_fails_an_impossible_p
     constraints.write_text(json.dumps(_constraints(sla__p99_ms=0.001)))
     results_path = tmp_path / "harden.json"
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "harden", "--model", "tiny", "--runtime-dir", str(daemon.runtime_dir),
+        [sys.executable, "-m", "infervisor", "harden", "--model", "tiny", "--runtime-dir", str(daemon.runtime_dir),
          "--duration", "6", "--hog-mb", "128", "--constraints", str(constraints), "--json", str(results_path)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
     )  # fmt: skip

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import ProtocolError
-from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 
 
 @pytest.fixture

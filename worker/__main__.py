@@ -1,13 +1,13 @@
-"""Worker entry point: `python -m worker LAUNCH_JSON`; pins itself before torch is imported."""
+"""Worker entry point: `python -m infervisor.worker LAUNCH_JSON`; pins itself before torch is imported."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from protocol.constants import WorkerExitCode
-from protocol.launch import LaunchSpec
-from worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
+from infervisor.protocol.constants import WorkerExitCode
+from infervisor.protocol.launch import LaunchSpec
+from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
 
 
 def main(argv: list[str]) -> int:
@@ -31,12 +31,12 @@ def main(argv: list[str]) -> int:
         return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
-    from common.json_logs import adopt_library_handlers
-    from worker.logs import configure_logging
+    from infervisor.common.json_logs import adopt_library_handlers
+    from infervisor.worker.logs import configure_logging
 
     configure_logging()
     # torch is imported only now, so its OpenMP pool is created inside the pinned cpu set.
-    from worker.serve import serve
+    from infervisor.worker.serve import serve
 
     adopt_library_handlers()  # torch's import installed console handlers of its own
     return serve(launch)

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.constants import ErrorCode
-from protocol.errors import ProtocolError
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import ProtocolError
 
 Outputs = list[tuple[str, np.ndarray[Any, Any]]]
 

@@ -1,8 +1,8 @@
 """In-process half of `infervisor bench` and `infervisor optimize`: profiles of one model, timed on pinned cores.
 
-    python -m worker.bench --model resnet50 --profiles eager,jit --threads 2 --batch 8 --seconds 3 --cache-dir D
-    python -m worker.bench --launch LAUNCH_JSON --profiles int8_static --started-at EPOCH ...
-    python -m worker.bench --launch LAUNCH_JSON --profiles aoti --cpus 1 --build-only --hold ...
+    python -m infervisor.worker.bench --model resnet50 --profiles eager,jit --threads 2 --batch 8 --seconds 3 --cache-dir D
+    python -m infervisor.worker.bench --launch LAUNCH_JSON --profiles int8_static --started-at EPOCH ...
+    python -m infervisor.worker.bench --launch LAUNCH_JSON --profiles aoti --cpus 1 --build-only --hold ...
 
 Prints one JSON object per line: first the model's input spec, then one row per profile. The process
 pins itself to its first `threads` CPUs and sizes the thread pools before torch is imported, like a worker.
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.cpuinfo import read_caps
-from common.profiles import PROFILE_NAMES, PROFILES, cpu_refusal
-from protocol.launch import LaunchSpec, ModelSource
-from protocol.tensors import TensorSpec
+from infervisor.common.cpuinfo import read_caps
+from infervisor.common.profiles import PROFILE_NAMES, PROFILES, cpu_refusal
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.protocol.tensors import TensorSpec
 
 #: Input specs of the built-ins (dynamic batch), as a config would declare them.
 BUILTIN_SPECS: dict[str, tuple[TensorSpec, ...]] = {
@@ -98,13 +98,13 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     """
     import psutil
 
-    from worker.loader import load_model
-    from worker.profiles.build import ProfileError, build_profile
-    from worker.profiles.calibration import load_calibration
-    from worker.profiles.select import golden_cases
-    from worker.profiles.validate import compare
-    from worker.runner import ModelRunner
-    from worker.serve import build_context
+    from infervisor.worker.loader import load_model
+    from infervisor.worker.profiles.build import ProfileError, build_profile
+    from infervisor.worker.profiles.calibration import load_calibration
+    from infervisor.worker.profiles.select import golden_cases
+    from infervisor.worker.profiles.validate import compare
+    from infervisor.worker.runner import ModelRunner
+    from infervisor.worker.serve import build_context
 
     launch = LaunchSpec.from_json(json.dumps({**json.loads(launch.to_json()), "profiles": [profile]}))
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
@@ -169,12 +169,12 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
 
 def auto_pick(launch: LaunchSpec) -> dict[str, Any]:
     """What a worker's `pick: fastest` over the launch's chain serves here, decided afresh (not remembered)."""
-    from worker.loader import load_model
-    from worker.profiles.calibration import load_calibration
-    from worker.profiles.select import remembered_pick, select_profile
-    from worker.profiles.validate import Tolerance
-    from worker.runner import ModelRunner
-    from worker.serve import build_context
+    from infervisor.worker.loader import load_model
+    from infervisor.worker.profiles.calibration import load_calibration
+    from infervisor.worker.profiles.select import remembered_pick, select_profile
+    from infervisor.worker.profiles.validate import Tolerance
+    from infervisor.worker.runner import ModelRunner
+    from infervisor.worker.serve import build_context
 
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
     context = build_context(launch, runner)

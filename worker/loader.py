@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.utils._sympy.numbers import int_oo
 
-from protocol.launch import ModelSource
-from protocol.tensors import DimRange, TensorSpec
-from worker.models import BUILTIN_OUTPUTS, build_builtin
+from infervisor.protocol.launch import ModelSource
+from infervisor.protocol.tensors import DimRange, TensorSpec
+from infervisor.worker.models import BUILTIN_OUTPUTS, build_builtin
 
 
 class ModelLoadError(Exception):

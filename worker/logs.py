@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from common.json_logs import configure_json_logs
+from infervisor.common.json_logs import configure_json_logs
 
 
 def configure_logging() -> None:

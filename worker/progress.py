@@ -13,9 +13,9 @@ from typing import Protocol
 
 import structlog
 
-from protocol import worker_messages as wm
-from protocol.constants import MAX_MESSAGE_LEN, OUTCOME_PHASES, StartPhase
-from protocol.worker_link import Link, LinkClosed
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import MAX_MESSAGE_LEN, OUTCOME_PHASES, StartPhase
+from infervisor.protocol.worker_link import Link, LinkClosed
 
 log = structlog.get_logger("worker")
 

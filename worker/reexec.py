@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import structlog
 
-from protocol.worker_link import Link
+from infervisor.protocol.worker_link import Link
 
 log = structlog.get_logger("worker")
 

@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from protocol.client_messages import InferRequest, decode_infer
-from protocol.constants import ErrorCode
-from protocol.errors import ProtocolError
-from protocol.launch import LaunchSpec
-from protocol.tensors import check_against_spec
-from worker.runner import ModelRunner
-from worker.shared_inputs import SharedInputs
+from infervisor.protocol.client_messages import InferRequest, decode_infer
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.launch import LaunchSpec
+from infervisor.protocol.tensors import check_against_spec
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.shared_inputs import SharedInputs
 
 
 @dataclass(frozen=True, slots=True)

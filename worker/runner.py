@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.arrays import check_finite
-from protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS, ErrorCode
-from protocol.errors import ProtocolError
-from protocol.tensors import TensorDesc, TensorSpec
-from worker.synthetic import TORCH_DTYPES, draw, probe_steps, probed_inputs, synthetic_inputs
+from infervisor.protocol.arrays import check_finite
+from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS, ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.tensors import TensorDesc, TensorSpec
+from infervisor.worker.synthetic import TORCH_DTYPES, draw, probe_steps, probed_inputs, synthetic_inputs
 
 # Frames are received into zmq-owned memory exposed read-only; the model only reads them, so
 # torch's warning about non-writable buffers is noise on every request.

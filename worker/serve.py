@@ -14,34 +14,34 @@ import psutil
 import structlog
 import torch
 
-from common.cpuinfo import read_caps
-from common.json_logs import adopt_library_handlers
-from common.profiles import PROFILES, REFERENCE_PROFILE
-from common.text import clip
-from protocol import worker_messages as wm
-from protocol.arrays import wire_dtype
-from protocol.client_messages import encode_result
-from protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, StartPhase, WorkerExitCode
-from protocol.errors import ProtocolError
-from protocol.launch import LaunchSpec
-from protocol.tensors import TensorDesc, parse_descs
-from protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
-from worker import batching, reexec
-from worker.loader import ModelLoadError, default_output_names, load_model
-from worker.memory import release_unused_memory
-from worker.process_tree import become_subreaper, end_descendants
-from worker.profiles.attempts import AttemptLog
-from worker.profiles.build import BuildContext, package_options
-from worker.profiles.cache import ArtifactCache, artifact_key, model_digest
-from worker.profiles.calibration import load_calibration
-from worker.profiles.coverage import Covered, Reloaded
-from worker.profiles.select import Selection, check_profiles, select_profile
-from worker.profiles.validate import Tolerance
-from worker.progress import LinkProgress
-from worker.request_path import Prepared, prepare
-from worker.runner import ModelRunner, open_dim_hint, timed_ms
-from worker.shared_inputs import SharedInputs
-from worker.state_check import refuse_stateful
+from infervisor.common.cpuinfo import read_caps
+from infervisor.common.json_logs import adopt_library_handlers
+from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE
+from infervisor.common.text import clip
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.arrays import wire_dtype
+from infervisor.protocol.client_messages import encode_result
+from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_MESSAGE_LEN, ErrorCode, StartPhase, WorkerExitCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.launch import LaunchSpec
+from infervisor.protocol.tensors import TensorDesc, parse_descs
+from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
+from infervisor.worker import batching, reexec
+from infervisor.worker.loader import ModelLoadError, default_output_names, load_model
+from infervisor.worker.memory import release_unused_memory
+from infervisor.worker.process_tree import become_subreaper, end_descendants
+from infervisor.worker.profiles.attempts import AttemptLog
+from infervisor.worker.profiles.build import BuildContext, package_options
+from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, model_digest
+from infervisor.worker.profiles.calibration import load_calibration
+from infervisor.worker.profiles.coverage import Covered, Reloaded
+from infervisor.worker.profiles.select import Selection, check_profiles, select_profile
+from infervisor.worker.profiles.validate import Tolerance
+from infervisor.worker.progress import LinkProgress
+from infervisor.worker.request_path import Prepared, prepare
+from infervisor.worker.runner import ModelRunner, open_dim_hint, timed_ms
+from infervisor.worker.shared_inputs import SharedInputs
+from infervisor.worker.state_check import refuse_stateful
 
 log = structlog.get_logger("worker")
 

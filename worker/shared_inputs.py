@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from protocol.constants import SHM_DIR, ErrorCode
-from protocol.errors import ProtocolError
-from protocol.tensors import TensorDesc
+from infervisor.protocol.constants import SHM_DIR, ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.tensors import TensorDesc
 
 #: First the name is only looked up (O_PATH: no open for reading, so a FIFO's blocked writer is not
 #: released and a device is not opened) without following a link (O_NOFOLLOW: a link is then the

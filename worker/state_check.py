@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.loader import ModelLoadError
-from worker.runner import ModelRunner
+from infervisor.worker.loader import ModelLoadError
+from infervisor.worker.runner import ModelRunner
 
 #: Synthetic samples run between the two calls of the warm-up input (0 is the warm-up input's seed).
 _OTHER_SEEDS = (1001, 1002)

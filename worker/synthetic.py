@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from protocol.tensors import TensorSpec
+from infervisor.protocol.tensors import TensorSpec
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,

@@ -1,7 +1,7 @@
 """`infervisor bench`: every optimisation profile of a model, in process and through the daemon, as one table.
 
 A model is a built-in or any model of a config file (--config). The supervisor never imports torch:
-the in-process half runs in `python -m worker.bench` children (pinned like workers), and the daemon
+the in-process half runs in `python -m infervisor.worker.bench` children (pinned like workers), and the daemon
 half starts `infervisor serve` with one worker per profile.
 """
 
@@ -20,29 +20,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.builtin_models import BUILTIN_MODELS
-from common.profiles import REFERENCE_PROFILE
-from protocol.client import Client
-from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.core.control import DaemonNotReady, await_status, control_request
-from supervisor.host.cache_dir import resolve_cache_dir
-from supervisor.observe.stats import percentile
-from supervisor.settings.config import ConfigError, load_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
-from supervisor.toolkit.inputs import random_inputs
-from supervisor.toolkit.models import Measured, UnknownModel, resolve
+from infervisor.common.builtin_models import BUILTIN_MODELS
+from infervisor.common.profiles import REFERENCE_PROFILE
+from infervisor.protocol.client import Client
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.supervisor.core.control import DaemonNotReady, await_status, control_request
+from infervisor.supervisor.host.cache_dir import resolve_cache_dir
+from infervisor.supervisor.observe.stats import percentile
+from infervisor.supervisor.settings.config import ConfigError, load_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.models import Measured, UnknownModel, resolve
 
 
 def in_process(
     target: Measured, threads: int, args: argparse.Namespace, cache_dir: Path
 ) -> tuple[list[Any], list[dict[str, Any]]]:
-    """The input spec and one row per profile, from a pinned `python -m worker.bench` child."""
+    """The input spec and one row per profile, from a pinned `python -m infervisor.worker.bench` child."""
     launch = target.launch(threads, cache_dir)
     if launch is not None and args.channels_last:
         launch = dataclasses.replace(launch, channels_last=True)
     model = ["--launch", launch.to_json()] if launch is not None else ["--model", target.name]
     command = [
-        sys.executable, "-m", "worker.bench", *model, "--profiles", args.profiles,
+        sys.executable, "-P", "-m", "infervisor.worker.bench", *model, "--profiles", args.profiles,
         "--threads", str(threads), "--batch", str(args.batch), "--seconds", str(args.seconds),
         "--cache-dir", str(cache_dir),
     ]  # fmt: skip
@@ -92,7 +92,7 @@ def through_daemon(
     runtime_dir = tmp / "run"
     with (tmp / "daemon.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(tmp / "config.json"),
+            [sys.executable, "-m", "infervisor", "serve", "--config", str(tmp / "config.json"),
              "--runtime-dir", str(runtime_dir)],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

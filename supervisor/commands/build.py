@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from common.profiles import PROFILES
-from protocol import worker_messages as wm
-from protocol.constants import COMPILE_PHASES, OUTCOME_PHASES, StartPhase
-from protocol.errors import ProtocolError
-from protocol.worker_link import LinkClosed
-from supervisor.host.cache_dir import resolve_cache_dir
-from supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
-from supervisor.host.topology import TopologyError, read_topology
-from supervisor.lifecycle.launcher import ExitRecord, launch_worker
-from supervisor.lifecycle.slot import describe_exit
-from supervisor.settings.config import Config, ConfigError, ModelConfig, load_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.common.profiles import PROFILES
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import COMPILE_PHASES, OUTCOME_PHASES, StartPhase
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.worker_link import LinkClosed
+from infervisor.supervisor.host.cache_dir import resolve_cache_dir
+from infervisor.supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from infervisor.supervisor.host.topology import TopologyError, read_topology
+from infervisor.supervisor.lifecycle.launcher import ExitRecord, launch_worker
+from infervisor.supervisor.lifecycle.slot import describe_exit
+from infervisor.supervisor.settings.config import Config, ConfigError, ModelConfig, load_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
 
 #: A phase longer than this gets a "still ..." line, so a log (a CI job, an image build) never goes quiet.
 _STILL_EVERY_S = 60.0

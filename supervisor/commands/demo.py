@@ -14,18 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.profiles import PROFILES
-from protocol.client import Client
-from protocol.constants import CLIENT_SOCKET_NAME
-from protocol.errors import InferenceError
-from supervisor.commands.build import run_build
-from supervisor.commands.infer import summarize
-from supervisor.commands.status import describe_start, format_status
-from supervisor.core.control import ControlError, control_request
-from supervisor.observe.stats import percentile
-from supervisor.settings.config import ConfigError, load_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
-from supervisor.toolkit.inputs import random_inputs
+from infervisor.common.profiles import PROFILES
+from infervisor.protocol.client import Client
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.protocol.errors import InferenceError
+from infervisor.supervisor.commands.build import run_build
+from infervisor.supervisor.commands.infer import summarize
+from infervisor.supervisor.commands.status import describe_start, format_status
+from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.supervisor.observe.stats import percentile
+from infervisor.supervisor.settings.config import ConfigError, load_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.toolkit.inputs import random_inputs
 
 #: Worker states the demo waits out: anything else is still on its way to serving (or to giving up).
 _SETTLED = ("serving", "failed")
@@ -248,7 +248,7 @@ def run_demo(args: argparse.Namespace) -> int:
         started = time.monotonic()
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "supervisor", "serve", "--config", str(choice.path),
+                [sys.executable, "-m", "infervisor", "serve", "--config", str(choice.path),
                  "--runtime-dir", str(runtime_dir)],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -6,10 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from supervisor.settings.config import ConfigError, load_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
-from supervisor.toolkit.constraints import ConstraintsError, load_constraints
-from supervisor.toolkit.doctor import Check, Machine, Status, run_checks
+from infervisor.supervisor.settings.config import ConfigError, load_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
+from infervisor.supervisor.toolkit.doctor import Check, Machine, Status, run_checks
 
 _MARK = {Status.PASS: "pass", Status.WARN: "WARN", Status.FAIL: "FAIL"}
 

@@ -7,9 +7,9 @@ import json
 import sys
 from typing import Any
 
-from supervisor.commands.ops import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, wait_for_rollouts
-from supervisor.core.control import ControlError, control_request
-from supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.commands.ops import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, wait_for_rollouts
+from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 
 def describe(answer: dict[str, Any], reset: bool) -> str:

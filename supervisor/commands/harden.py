@@ -8,13 +8,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.core.control import ControlError, model_status
-from supervisor.host.runtime_dir import resolve_runtime_dir
-from supervisor.toolkit.constraints import ConstraintsError, load_constraints
-from supervisor.toolkit.harden import Target, run_protocol
-from supervisor.toolkit.inputs import random_inputs
-from supervisor.toolkit.provenance import command_line, measured_on, served
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.supervisor.core.control import ControlError, model_status
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
+from infervisor.supervisor.toolkit.harden import Target, run_protocol
+from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.provenance import command_line, measured_on, served
 
 
 def run_harden(args: argparse.Namespace) -> int:

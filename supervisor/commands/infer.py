@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import psutil
 
-from protocol.client import Client
-from protocol.constants import CLIENT_SOCKET_NAME, DEFAULT_MAX_FRAME_BYTES
-from protocol.errors import InferenceError
-from supervisor.core.control import ControlError, control_request
-from supervisor.host.runtime_dir import resolve_runtime_dir
-from supervisor.toolkit.inputs import random_inputs, random_shape
+from infervisor.protocol.client import Client
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME, DEFAULT_MAX_FRAME_BYTES
+from infervisor.protocol.errors import InferenceError
+from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.toolkit.inputs import random_inputs, random_shape
 
 
 class InputError(Exception):

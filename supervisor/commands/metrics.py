@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from supervisor.core.control import ControlError, control_request
-from supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 #: Exit statuses, as the other control commands have them.
 EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2

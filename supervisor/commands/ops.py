@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.control import ControlError, control_request
-from supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 #: Exit statuses: the daemon took the command, refused it, or could not be asked at all.
 EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2

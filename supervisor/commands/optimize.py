@@ -13,19 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.profiles import PROFILES, REFERENCE_PROFILE
-from supervisor.host.cache_dir import resolve_cache_dir
-from supervisor.host.planner import PlanError
-from supervisor.host.topology import TopologyError, read_topology
-from supervisor.settings.config import Config, ConfigError, ModelConfig, load_config, parse_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
-from supervisor.toolkit.check import CheckFailed, DaemonCheck, check
-from supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
-from supervisor.toolkit.layouts import Layout, layouts, placement
-from supervisor.toolkit.models import entry_of, launch_of
-from supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
-from supervisor.toolkit.provenance import command_line, measured_on
-from supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
+from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE
+from infervisor.supervisor.host.cache_dir import resolve_cache_dir
+from infervisor.supervisor.host.planner import PlanError
+from infervisor.supervisor.host.topology import TopologyError, read_topology
+from infervisor.supervisor.settings.config import Config, ConfigError, ModelConfig, load_config, parse_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.toolkit.check import CheckFailed, DaemonCheck, check
+from infervisor.supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
+from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
+from infervisor.supervisor.toolkit.models import entry_of, launch_of
+from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
+from infervisor.supervisor.toolkit.provenance import command_line, measured_on
+from infervisor.supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
 
 
 def _say(text: str) -> None:

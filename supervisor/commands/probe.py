@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol.client import Client
-from protocol.constants import CLIENT_SOCKET_NAME
-from protocol.errors import InferenceError
-from supervisor.core.control import ControlError, control_request, model_status
-from supervisor.host.runtime_dir import resolve_runtime_dir
-from supervisor.toolkit.inputs import random_inputs
-from supervisor.toolkit.load import paced_load
-from supervisor.toolkit.probe import (
+from infervisor.protocol.client import Client
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.protocol.errors import InferenceError
+from infervisor.supervisor.core.control import ControlError, control_request, model_status
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.load import paced_load
+from infervisor.supervisor.toolkit.probe import (
     STAGE_MEANING,
     STAGES,
     parse_perf_stat,
@@ -24,7 +24,7 @@ from supervisor.toolkit.probe import (
     stage_table,
     where_time_goes,
 )
-from supervisor.toolkit.provenance import command_line, measured_on, served
+from infervisor.supervisor.toolkit.provenance import command_line, measured_on, served
 
 
 def _wait_profile(runtime_dir: Path, model: str, seq: int, timeout: float) -> dict[str, Any] | None:

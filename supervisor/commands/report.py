@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from supervisor.settings.config import ConfigError, load_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
-from supervisor.toolkit.constraints import ConstraintsError, load_constraints
-from supervisor.toolkit.doctor import run_checks
-from supervisor.toolkit.provenance import measured_on, sha256_of
-from supervisor.toolkit.report import Evidence, Outcome, charts, render, verdict
+from infervisor.supervisor.settings.config import ConfigError, load_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
+from infervisor.supervisor.toolkit.doctor import run_checks
+from infervisor.supervisor.toolkit.provenance import measured_on, sha256_of
+from infervisor.supervisor.toolkit.report import Evidence, Outcome, charts, render, verdict
 
 _OUTCOME_LINE = {Outcome.MET: "SLA met", Outcome.NOT_MET: "SLA NOT met", Outcome.UNPROVEN: "SLA unproven"}
 

@@ -7,14 +7,19 @@ from pathlib import Path
 
 import structlog
 
-from supervisor.host.instance_lock import InstanceLock, InstanceLockError
-from supervisor.host.logs import configure_logging
-from supervisor.host.planner import PlanError
-from supervisor.host.runtime_dir import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir, restrict_runtime_dir
-from supervisor.host.socket_group import SocketGroupError
-from supervisor.host.topology import TopologyError
-from supervisor.settings.config import ConfigError, load_config
-from supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.host.instance_lock import InstanceLock, InstanceLockError
+from infervisor.supervisor.host.logs import configure_logging
+from infervisor.supervisor.host.planner import PlanError
+from infervisor.supervisor.host.runtime_dir import (
+    RuntimeDirError,
+    prepare_runtime_dir,
+    resolve_runtime_dir,
+    restrict_runtime_dir,
+)
+from infervisor.supervisor.host.socket_group import SocketGroupError
+from infervisor.supervisor.host.topology import TopologyError
+from infervisor.supervisor.settings.config import ConfigError, load_config
+from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
 
 #: Exit status for a configuration the daemon cannot start with (systemd: do not restart-loop on it).
 EXIT_CONFIG = 78
@@ -39,7 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Before any socket is bound or worker spawned: a second daemon here would take both sockets over.
         lock = InstanceLock(runtime_dir)
         restrict_runtime_dir(runtime_dir, config.socket_group)
-        from supervisor.core.arbiter import Arbiter
+        from infervisor.supervisor.core.arbiter import Arbiter
 
         arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root))
     except ConfigError as exc:

@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any
 
-from supervisor.core.control import ControlError, control_request
-from supervisor.host.runtime_dir import resolve_runtime_dir
+from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 
 def _mb(value: Any) -> str:

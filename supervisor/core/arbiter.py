@@ -18,37 +18,37 @@ from typing import Any
 import structlog
 import zmq
 
-from protocol import worker_messages as wm
-from supervisor.core.control import ControlServer, status_server
-from supervisor.core.control_commands import dispatch
-from supervisor.core.event_loop import CONTROL, EventLoop
-from supervisor.core.fallback_control import FallbackControl
-from supervisor.core.reloader import ConfigReloader
-from supervisor.host.affinity import SupervisorAffinity
-from supervisor.host.cpu_latency import CpuLatencyHold
-from supervisor.host.file_watch import FileWatcher
-from supervisor.host.planner import Assignment, WorkerDemand, plan_cores
-from supervisor.host.sd_notify import Notifier
-from supervisor.host.topology import read_topology
-from supervisor.lifecycle.launcher import Launcher, launch_worker
-from supervisor.lifecycle.pool import WorkerPool
-from supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
-from supervisor.lifecycle.worker_links import WorkerLinks
-from supervisor.monitors.age import AgeWatch
-from supervisor.monitors.canary import CanaryWatch
-from supervisor.monitors.drift import DriftWatch
-from supervisor.monitors.findings import Action, Finding
-from supervisor.monitors.memory import MemoryWatch
-from supervisor.monitors.thermal import ThermalWatch
-from supervisor.monitors.view import Monitor, MonitorView
-from supervisor.observe import status
-from supervisor.observe.anomalies import Anomalies
-from supervisor.observe.health import DaemonState, daemon_state, ready_to_announce, status_line
-from supervisor.observe.metrics import Metrics, take_snapshot
-from supervisor.routing.broker import Broker
-from supervisor.routing.endpoints import ClientEndpoints
-from supervisor.settings.config import Config
-from supervisor.settings.serving_config import ServingConfig
+from infervisor.protocol import worker_messages as wm
+from infervisor.supervisor.core.control import ControlServer, status_server
+from infervisor.supervisor.core.control_commands import dispatch
+from infervisor.supervisor.core.event_loop import CONTROL, EventLoop
+from infervisor.supervisor.core.fallback_control import FallbackControl
+from infervisor.supervisor.core.reloader import ConfigReloader
+from infervisor.supervisor.host.affinity import SupervisorAffinity
+from infervisor.supervisor.host.cpu_latency import CpuLatencyHold
+from infervisor.supervisor.host.file_watch import FileWatcher
+from infervisor.supervisor.host.planner import Assignment, WorkerDemand, plan_cores
+from infervisor.supervisor.host.sd_notify import Notifier
+from infervisor.supervisor.host.topology import read_topology
+from infervisor.supervisor.lifecycle.launcher import Launcher, launch_worker
+from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
+from infervisor.supervisor.monitors.age import AgeWatch
+from infervisor.supervisor.monitors.canary import CanaryWatch
+from infervisor.supervisor.monitors.drift import DriftWatch
+from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.monitors.memory import MemoryWatch
+from infervisor.supervisor.monitors.thermal import ThermalWatch
+from infervisor.supervisor.monitors.view import Monitor, MonitorView
+from infervisor.supervisor.observe import status
+from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.observe.health import DaemonState, daemon_state, ready_to_announce, status_line
+from infervisor.supervisor.observe.metrics import Metrics, take_snapshot
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

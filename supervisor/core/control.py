@@ -16,12 +16,12 @@ import msgpack
 import structlog
 import zmq
 
-from protocol.codec import pack, unpack
-from protocol.constants import CONTROL_SOCKET_NAME, STATUS_SOCKET_NAME, ErrorCode
-from protocol.errors import ProtocolError
-from supervisor.core.control_commands import READ_ONLY_COMMANDS
-from supervisor.host.socket_group import SocketGroup, bind_ipc
-from supervisor.observe.anomalies import Anomalies
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import CONTROL_SOCKET_NAME, STATUS_SOCKET_NAME, ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.supervisor.core.control_commands import READ_ONLY_COMMANDS
+from infervisor.supervisor.host.socket_group import SocketGroup, bind_ipc
+from infervisor.supervisor.observe.anomalies import Anomalies
 
 log = structlog.get_logger("supervisor")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from common.profiles import REFERENCE_PROFILE
-from supervisor.settings.config import Config, ModelConfig
+from infervisor.common.profiles import REFERENCE_PROFILE
+from infervisor.supervisor.settings.config import Config, ModelConfig
 
 log = structlog.get_logger("supervisor")
 

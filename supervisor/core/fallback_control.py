@@ -11,11 +11,11 @@ from typing import Any
 
 import structlog
 
-from supervisor.core.fallback import Fallback, FallbackOrigin, Fallbacks
-from supervisor.lifecycle.pool import WorkerPool
-from supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
-from supervisor.monitors.findings import Finding
-from supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.core.fallback import Fallback, FallbackOrigin, Fallbacks
+from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.monitors.findings import Finding
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

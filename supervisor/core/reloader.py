@@ -15,18 +15,18 @@ from typing import Any
 
 import structlog
 
-from supervisor.core.fallback import Fallbacks
-from supervisor.host.file_watch import FileWatcher
-from supervisor.host.logs import configure_logging
-from supervisor.host.planner import Assignment, PlanError
-from supervisor.host.sd_notify import Notifier
-from supervisor.host.topology import TopologyError
-from supervisor.lifecycle.pool import WorkerPool
-from supervisor.lifecycle.slot import RestartReason
-from supervisor.observe.metrics import ReloadOutcome, ReloadStats
-from supervisor.settings.config import Config, ConfigError, load_config
-from supervisor.settings.config_diff import ConfigDiff, diff_configs, held_back
-from supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.core.fallback import Fallbacks
+from infervisor.supervisor.host.file_watch import FileWatcher
+from infervisor.supervisor.host.logs import configure_logging
+from infervisor.supervisor.host.planner import Assignment, PlanError
+from infervisor.supervisor.host.sd_notify import Notifier
+from infervisor.supervisor.host.topology import TopologyError
+from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.lifecycle.slot import RestartReason
+from infervisor.supervisor.observe.metrics import ReloadOutcome, ReloadStats
+from infervisor.supervisor.settings.config import Config, ConfigError, load_config
+from infervisor.supervisor.settings.config_diff import ConfigDiff, diff_configs, held_back
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

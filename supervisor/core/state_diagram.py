@@ -1,6 +1,6 @@
 """docs/architecture.md's slot state diagram, rendered from the transition table in supervisor/lifecycle/slot.py.
 
-`python -m supervisor.core.state_diagram` exits 1 when the diagram differs from the table; `--write` rewrites it.
+`python -m infervisor.supervisor.core.state_diagram` exits 1 when the diagram differs from the table; `--write` rewrites it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from supervisor.lifecycle.slot import TRANSITIONS, SlotState
+from infervisor.supervisor.lifecycle.slot import TRANSITIONS, SlotState
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
-BEGIN = "<!-- generated: slot states (python -m supervisor.core.state_diagram --write) -->\n"
+BEGIN = "<!-- generated: slot states (python -m infervisor.supervisor.core.state_diagram --write) -->\n"
 END = "<!-- end generated -->"
 
 
@@ -36,7 +36,7 @@ def render(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Check docs/architecture.md's diagram against the table, or rewrite it with --write."""
-    parser = argparse.ArgumentParser(prog="python -m supervisor.core.state_diagram", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m infervisor.supervisor.core.state_diagram", description=__doc__)
     parser.add_argument("--write", action="store_true", help="rewrite the generated diagram in place")
     args = parser.parse_args(argv)
     text = DOCS.read_text()

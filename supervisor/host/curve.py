@@ -9,7 +9,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from supervisor.settings.config import CurveConfig
+from infervisor.supervisor.settings.config import CurveConfig
 
 log = structlog.get_logger("supervisor")
 

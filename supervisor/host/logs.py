@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from common.json_logs import LEVELS, configure_json_logs
+from infervisor.common.json_logs import LEVELS, configure_json_logs
 
 
 def configure_logging(level: str = "info") -> None:

@@ -4,7 +4,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from supervisor.host.topology import Topology, format_cpu_list
+from infervisor.supervisor.host.topology import Topology, format_cpu_list
 
 __all__ = [
     "Assignment",

@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from supervisor.host.socket_group import SocketGroup, check_may_use, give_to_group
+from infervisor.supervisor.host.socket_group import SocketGroup, check_may_use, give_to_group
 
 #: The runtime dir's mode with a socket_group: its members may look up the sockets, but create nothing there.
 GROUP_DIR_MODE = 0o750

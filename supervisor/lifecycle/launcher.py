@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from protocol.constants import MAX_HEADER_BYTES
-from protocol.launch import LaunchSpec
-from protocol.worker_link import WORKER_LINK_FRAMES, Link
-from supervisor.host.cache_dir import resolve_cache_dir
-from supervisor.host.planner import Assignment
-from supervisor.settings.config import Config, ModelConfig
+from infervisor.protocol.constants import MAX_HEADER_BYTES
+from infervisor.protocol.launch import LaunchSpec
+from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
+from infervisor.supervisor.host.cache_dir import resolve_cache_dir
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.settings.config import Config, ModelConfig
 
 _generations = itertools.count(1)
 
@@ -137,7 +137,7 @@ def launch_worker(
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
         spec = launch_spec(model, assignment, config, worker_id, theirs.fileno(), recent_exits, build_only)
         process = subprocess.Popen(
-            [sys.executable, "-m", "worker", spec.to_json()],
+            [sys.executable, "-P", "-m", "infervisor.worker", spec.to_json()],
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=output,

@@ -15,18 +15,18 @@ from collections.abc import Iterator, Sequence
 
 import structlog
 
-from protocol import worker_messages as wm
-from protocol.constants import ErrorCode, WorkerExitCode
-from supervisor.host.planner import Assignment
-from supervisor.lifecycle.launcher import ExitRecord, Launcher, launch_worker
-from supervisor.lifecycle.rollout import Replacement, Rollout
-from supervisor.lifecycle.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
-from supervisor.lifecycle.worker_links import WorkerLinks
-from supervisor.observe.health import ModelReport, model_report
-from supervisor.routing.broker import Broker
-from supervisor.settings.config import Config, ModelConfig
-from supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
-from supervisor.settings.serving_config import ServingConfig
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import ErrorCode, WorkerExitCode
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.launcher import ExitRecord, Launcher, launch_worker
+from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
+from infervisor.supervisor.lifecycle.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
+from infervisor.supervisor.observe.health import ModelReport, model_report
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

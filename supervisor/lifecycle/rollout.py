@@ -14,9 +14,9 @@ from typing import Protocol
 
 import structlog
 
-from supervisor.host.planner import Assignment
-from supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
-from supervisor.settings.config import ModelConfig
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.settings.config import ModelConfig
 
 log = structlog.get_logger("supervisor")
 

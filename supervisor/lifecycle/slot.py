@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 import psutil
 import structlog
 
-from protocol.constants import WorkerExitCode
-from protocol.worker_link import Link
-from supervisor.host.planner import Assignment
-from supervisor.lifecycle.launcher import Launched, WorkerProcess
-from supervisor.lifecycle.process_tree import descendants_of, kill_all, own_child
-from supervisor.lifecycle.start_clock import StartClock
-from supervisor.settings.config import ModelConfig
+from infervisor.protocol.constants import WorkerExitCode
+from infervisor.protocol.worker_link import Link
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.launcher import Launched, WorkerProcess
+from infervisor.supervisor.lifecycle.process_tree import descendants_of, kill_all, own_child
+from infervisor.supervisor.lifecycle.start_clock import StartClock
+from infervisor.supervisor.settings.config import ModelConfig
 
 if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
-    from supervisor.routing.pending import PendingRequest
+    from infervisor.supervisor.routing.pending import PendingRequest
 
 log = structlog.get_logger("supervisor")
 
@@ -41,7 +41,7 @@ class SlotState(enum.Enum):
 
 
 #: Every move a slot may make, each with what causes it: the one table the pool is held to, and what
-#: docs/architecture.md's state diagram is generated from (python -m supervisor.core.state_diagram --write).
+#: docs/architecture.md's state diagram is generated from (python -m infervisor.supervisor.core.state_diagram --write).
 TRANSITIONS: dict[SlotState, dict[SlotState, str]] = {
     SlotState.STOPPED: {
         SlotState.STARTING: "spawn",

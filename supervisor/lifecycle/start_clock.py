@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol import worker_messages as wm
-from protocol.constants import COMPILE_PHASES, StartPhase
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import COMPILE_PHASES, StartPhase
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protocol import worker_messages as wm
-from protocol.errors import ProtocolError
-from protocol.worker_link import Link, LinkClosed
-from supervisor.core.event_loop import POLLIN, POLLOUT, READABLE, WORKERS, EventLoop
-from supervisor.lifecycle.slot import WorkerSlot
-from supervisor.observe.anomalies import Anomalies
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.worker_link import Link, LinkClosed
+from infervisor.supervisor.core.event_loop import POLLIN, POLLOUT, READABLE, WORKERS, EventLoop
+from infervisor.supervisor.lifecycle.slot import WorkerSlot
+from infervisor.supervisor.observe.anomalies import Anomalies
 
 #: Whole messages read from one link per call, so one chatty worker cannot hold the loop.
 _BATCH = 256

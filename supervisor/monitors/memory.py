@@ -12,10 +12,10 @@ import collections
 
 import psutil
 
-from supervisor.lifecycle.slot import WorkerSlot
-from supervisor.monitors.findings import Action, Finding
-from supervisor.monitors.view import MonitorView
-from supervisor.settings.config import ModelConfig
+from infervisor.supervisor.lifecycle.slot import WorkerSlot
+from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.monitors.view import MonitorView
+from infervisor.supervisor.settings.config import ModelConfig
 
 MB = 2**20
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import psutil
 
-from supervisor.monitors.findings import Action, Finding
-from supervisor.monitors.view import MonitorView
+from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.monitors.view import MonitorView
 
 
 def _read_int(path: Path) -> int | None:

@@ -6,8 +6,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from common.text import clip
-from supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.common.text import clip
+from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
 
 
 class ModelHealth(enum.Enum):

@@ -35,13 +35,13 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from common.text import clip
-from protocol.constants import PROTOCOL_VERSION, ErrorCode
-from supervisor.lifecycle.slot import RestartReason, SlotState
+from infervisor.common.text import clip
+from infervisor.protocol.constants import PROTOCOL_VERSION, ErrorCode
+from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState
 
 if TYPE_CHECKING:  # types only: the broker imports this module
-    from supervisor.lifecycle.pool import WorkerPool
-    from supervisor.routing.broker import Broker
+    from infervisor.supervisor.lifecycle.pool import WorkerPool
+    from infervisor.supervisor.routing.broker import Broker
 
 log = structlog.get_logger("supervisor")
 

@@ -7,15 +7,15 @@ from typing import Any
 
 import psutil
 
-from common.profiles import PROFILES
-from protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
-from supervisor.core.fallback import Fallbacks
-from supervisor.lifecycle.pool import WorkerPool
-from supervisor.lifecycle.slot import SlotState, WorkerSlot
-from supervisor.observe.health import ModelReport
-from supervisor.observe.stats import percentile
-from supervisor.routing.broker import Broker, ModelQueue
-from supervisor.settings.config import BatchingConfig, Config
+from infervisor.common.profiles import PROFILES
+from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
+from infervisor.supervisor.core.fallback import Fallbacks
+from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.supervisor.observe.health import ModelReport
+from infervisor.supervisor.observe.stats import percentile
+from infervisor.supervisor.routing.broker import Broker, ModelQueue
+from infervisor.supervisor.settings.config import BatchingConfig, Config
 
 
 def rss_of(pid: int | None) -> int | None:

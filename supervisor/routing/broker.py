@@ -18,23 +18,23 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
-from protocol import worker_messages as wm
-from protocol.client_messages import RequestId, decode_infer, encode_error
-from protocol.constants import ErrorCode
-from protocol.errors import ProtocolError
-from protocol.sockets import NOBLOCK, more_to_read, recv_frames
-from protocol.tensors import TensorDesc, TensorSpec, check_against_spec
-from supervisor.core.event_loop import CLIENTS, EventLoop
-from supervisor.lifecycle.slot import SlotState, WorkerSlot
-from supervisor.lifecycle.worker_links import WorkerLinks
-from supervisor.observe.anomalies import Anomalies
-from supervisor.observe.metrics import RequestTimes
-from supervisor.routing import batcher
-from supervisor.routing.client_ledger import ClientLedger
-from supervisor.routing.endpoints import ClientEndpoints
-from supervisor.routing.pending import Peer, PendingRequest
-from supervisor.settings.config import ModelConfig
-from supervisor.settings.serving_config import ServingConfig
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.client_messages import RequestId, decode_infer, encode_error
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.sockets import NOBLOCK, more_to_read, recv_frames
+from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
+from infervisor.supervisor.core.event_loop import CLIENTS, EventLoop
+from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
+from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.observe.metrics import RequestTimes
+from infervisor.supervisor.routing import batcher
+from infervisor.supervisor.routing.client_ledger import ClientLedger
+from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.pending import Peer, PendingRequest
+from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 

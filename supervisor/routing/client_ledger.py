@@ -17,9 +17,9 @@ from typing import Any
 
 import zmq
 
-from protocol.sockets import NOBLOCK, send_frames
-from supervisor.observe.anomalies import Anomalies
-from supervisor.routing.pending import Peer
+from infervisor.protocol.sockets import NOBLOCK, send_frames
+from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.routing.pending import Peer
 
 #: Replies ZeroMQ may queue per connection before a send says EAGAIN and the reply waits in the outbox.
 PEER_SNDHWM = 64

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.client_messages import RequestId
-from protocol.tensors import TensorSpec
+from infervisor.protocol.client_messages import RequestId
+from infervisor.protocol.tensors import TensorSpec
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
-from common.builtin_models import BUILTIN_MODELS
-from common.profiles import PROFILE_NAMES
-from protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
-from protocol.launch import PICK_MODES, ModelSource
-from protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
-from supervisor.host.socket_group import SocketGroup, SocketGroupError, lookup_group
-from supervisor.settings.config_keys import (
+from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
+from infervisor.common.builtin_models import BUILTIN_MODELS
+from infervisor.common.profiles import PROFILE_NAMES
+from infervisor.protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
+from infervisor.protocol.launch import PICK_MODES, ModelSource
+from infervisor.protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
+from infervisor.supervisor.host.socket_group import SocketGroup, SocketGroupError, lookup_group
+from infervisor.supervisor.settings.config_keys import (
     Applied,
     Choice,
     Custom,
@@ -34,8 +34,8 @@ from supervisor.settings.config_keys import (
     Text,
     read_object,
 )
-from supervisor.settings.fields import FieldReader, join_path
-from supervisor.settings.module_lookup import module_missing
+from infervisor.supervisor.settings.fields import FieldReader, join_path
+from infervisor.supervisor.settings.module_lookup import module_missing
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: What throttling does: only report it, or shed concurrency (restarting workers would not cool the CPU).

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from supervisor.settings.config import MODEL_KEYS, TOP_KEYS, Config, ModelConfig
-from supervisor.settings.config_keys import Applied, Key
+from infervisor.supervisor.settings.config import MODEL_KEYS, TOP_KEYS, Config, ModelConfig
+from infervisor.supervisor.settings.config_keys import Applied, Key
 
 #: The rules diff_configs has for each level; a key declared with another rule would be ignored on reload.
 _TOP_RULES = frozenset({Applied.LIVE, Applied.ROLLING, Applied.DAEMON_RESTART, Applied.PER_MODEL})

@@ -1,6 +1,6 @@
 """The key tables of docs/configuration.md, rendered from the declarations in supervisor/settings/config.py.
 
-`python -m supervisor.settings.config_docs` exits 1 when the file's tables differ from the declarations;
+`python -m infervisor.supervisor.settings.config_docs` exits 1 when the file's tables differ from the declarations;
 `--write` rewrites them. Everything outside the marked blocks is left as written.
 """
 
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.settings.config import MODEL_KEYS, TOP_KEYS
-from supervisor.settings.config_keys import Applied, Key
+from infervisor.supervisor.settings.config import MODEL_KEYS, TOP_KEYS
+from infervisor.supervisor.settings.config_keys import Applied, Key
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-COMMAND = "python -m supervisor.settings.config_docs --write"
+COMMAND = "python -m infervisor.supervisor.settings.config_docs --write"
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def render(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Check docs/configuration.md against the declarations, or rewrite its generated blocks with --write."""
-    parser = argparse.ArgumentParser(prog="python -m supervisor.settings.config_docs", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m infervisor.supervisor.settings.config_docs", description=__doc__)
     parser.add_argument("--write", action="store_true", help="rewrite the generated blocks in place")
     args = parser.parse_args(argv)
     text = DOCS.read_text()

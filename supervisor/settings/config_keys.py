@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, get_type_hints
 
-from supervisor.settings.fields import INTEGER_LIMIT, FieldReader, join_path
+from infervisor.supervisor.settings.fields import INTEGER_LIMIT, FieldReader, join_path
 
 
 class Applied(Enum):

@@ -17,7 +17,7 @@ def module_missing(dotted: str) -> str | None:
     """Why `dotted` would not import in a worker started from here (same cwd and PYTHONPATH), or None if found."""
     if dotted in sys.modules:
         return None
-    # A worker runs `python -m worker` from our working directory: that directory comes first on its path.
+    # A worker runs `python -m infervisor.worker` from our working directory: that directory comes first on its path.
     path: list[str] | None = [os.getcwd(), *sys.path]
     found = ""
     for part in dotted.split("."):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config, ModelConfig
 
 
 class ServingConfig:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.constants import CLIENT_SOCKET_NAME
-from supervisor.core.control import DaemonNotReady, await_status
-from supervisor.toolkit.inputs import random_inputs
-from supervisor.toolkit.load import closed_loop, paced_load
-from supervisor.toolkit.probe import quantile
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.supervisor.core.control import DaemonNotReady, await_status
+from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.load import closed_loop, paced_load
+from infervisor.supervisor.toolkit.probe import quantile
 
 
 class CheckFailed(Exception):
@@ -81,7 +81,7 @@ def check(
     runtime_dir = tmp / "run"
     with (tmp / "daemon.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(tmp / "config.json"),
+            [sys.executable, "-m", "infervisor", "serve", "--config", str(tmp / "config.json"),
              "--runtime-dir", str(runtime_dir)],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

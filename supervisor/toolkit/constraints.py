@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.settings.fields import FieldReader, join_path
+from infervisor.supervisor.settings.fields import FieldReader, join_path
 
 STORAGE_TYPES = ("ssd", "hdd", "emmc", "nvme", "network")
 

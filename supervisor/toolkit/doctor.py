@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cpuinfo import parse_cpuinfo
-from common.profiles import PROFILES, cpu_refusal
-from supervisor.host.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
-from supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
-from supervisor.host.topology import TopologyError, read_topology
-from supervisor.settings.config import Config
-from supervisor.toolkit.constraints import Constraints
+from infervisor.common.cpuinfo import parse_cpuinfo
+from infervisor.common.profiles import PROFILES, cpu_refusal
+from infervisor.supervisor.host.cpu_latency import DEVICE as CPU_LATENCY_DEVICE
+from infervisor.supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
+from infervisor.supervisor.host.topology import TopologyError, read_topology
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.toolkit.constraints import Constraints
 
 #: What the supervisor itself and one idle worker's interpreter, torch and pools take before the model.
 SUPERVISOR_MB = 60

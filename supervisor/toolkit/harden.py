@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from protocol.client import Client
-from protocol.client_messages import InferRequest, decode_reply, encode_infer
-from protocol.constants import ErrorCode
-from protocol.errors import InferenceError, ProtocolError
-from protocol.tensors import TensorDesc
-from supervisor.core.control import control_request
-from supervisor.toolkit.probe import quantile
+from infervisor.protocol.client import Client
+from infervisor.protocol.client_messages import InferRequest, decode_reply, encode_infer
+from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.errors import InferenceError, ProtocolError
+from infervisor.protocol.tensors import TensorDesc
+from infervisor.supervisor.core.control import control_request
+from infervisor.supervisor.toolkit.probe import quantile
 
 #: A memory hog run by `python -c`: allocates and touches MB in 64 MB steps, holds them, exits on its timeout.
 _HOG = (

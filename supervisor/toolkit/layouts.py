@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from supervisor.host.planner import PlanError, WorkerDemand, plan_cores
-from supervisor.host.topology import Topology
-from supervisor.settings.config import Config
+from infervisor.supervisor.host.planner import PlanError, WorkerDemand, plan_cores
+from infervisor.supervisor.host.topology import Topology
+from infervisor.supervisor.settings.config import Config
 
 
 @dataclass(frozen=True, order=True)

@@ -11,9 +11,9 @@ import threading
 import time
 from typing import Any
 
-from protocol.client import Client
-from protocol.errors import InferenceError
-from supervisor.toolkit.probe import Sample
+from infervisor.protocol.client import Client
+from infervisor.protocol.errors import InferenceError
+from infervisor.supervisor.toolkit.probe import Sample
 
 
 def paced_load(

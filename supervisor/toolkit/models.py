@@ -1,6 +1,6 @@
 """The models `bench` and `optimize` measure: a built-in, or any model of a config file, as a launch spec and entry.
 
-Torch-free: the measuring itself runs in `python -m worker.bench` children, which take the launch
+Torch-free: the measuring itself runs in `python -m infervisor.worker.bench` children, which take the launch
 spec as JSON, and in a daemon started on a config made from the entry.
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.builtin_models import BUILTIN_MODELS
-from protocol.launch import LaunchSpec, ModelSource
-from supervisor.settings.config import Config, ModelConfig
+from infervisor.common.builtin_models import BUILTIN_MODELS
+from infervisor.protocol.launch import LaunchSpec, ModelSource
+from infervisor.supervisor.settings.config import Config, ModelConfig
 
 #: Input specs of the built-ins (dynamic batch), as a config would declare them.
 BUILTIN_INPUTS: dict[str, list[dict[str, Any]]] = {

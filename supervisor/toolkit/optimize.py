@@ -1,7 +1,7 @@
 """The precision-budget trade (seed 2, section 4) on measured rows: rank, choose a profile and a layout, judge
 against the SLA, write the chain and the layout.
 
-Torch-free: the rows and points come from `python -m worker.bench` children (sweep.py) and the
+Torch-free: the rows and points come from `python -m infervisor.worker.bench` children (sweep.py) and the
 final check from a real daemon (check.py); this module only decides.
 """
 
@@ -12,11 +12,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.accuracy import cosine_text
-from common.profiles import REFERENCE_PROFILE
-from supervisor.toolkit.check import DaemonCheck
-from supervisor.toolkit.constraints import Accuracy, Sla
-from supervisor.toolkit.sweep import Point
+from infervisor.common.accuracy import cosine_text
+from infervisor.common.profiles import REFERENCE_PROFILE
+from infervisor.supervisor.toolkit.check import DaemonCheck
+from infervisor.supervisor.toolkit.constraints import Accuracy, Sla
+from infervisor.supervisor.toolkit.sweep import Point
 
 
 @dataclass(frozen=True)

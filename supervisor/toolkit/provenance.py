@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common.cpuinfo import parse_cpuinfo
+from infervisor.common.cpuinfo import parse_cpuinfo
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[2]
 

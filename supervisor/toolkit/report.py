@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from common.accuracy import cosine_text
-from common.profiles import PROFILES
-from supervisor.toolkit.constraints import Constraints
-from supervisor.toolkit.doctor import Check, Status
+from infervisor.common.accuracy import cosine_text
+from infervisor.common.profiles import PROFILES
+from infervisor.supervisor.toolkit.constraints import Constraints
+from infervisor.supervisor.toolkit.doctor import Check, Status
 
 
 class Outcome(Enum):
@@ -392,7 +392,7 @@ def _optimize_html(evidence: Evidence) -> list[str]:
     chosen = _chosen(evidence)
     layout = layout_text(*chosen[1]) if chosen else "the chosen layout"
     chain = set(optimize.get("chain") or [])
-    parts = [f"<h2>Optimize: which profile meets which constraint</h2><p>Measured in process (python -m worker.bench, "
+    parts = [f"<h2>Optimize: which profile meets which constraint</h2><p>Measured in process (python -m infervisor.worker.bench, "
              f"no daemon), {optimize.get('seconds', '?')} s per profile and layout, at {html.escape(layout)}. "
              "P50/P99: one worker alone, one batch-1 request at a time. QPS: the total of all the layout's workers "
              "busy at once. Cold start: from process start to serving; a restart reuses a compiled "

@@ -1,4 +1,4 @@
-"""`infervisor optimize`'s sweep: every profile at every layout, in pinned `python -m worker.bench` processes.
+"""`infervisor optimize`'s sweep: every profile at every layout, in pinned `python -m infervisor.worker.bench` processes.
 
 For each cores-per-worker count, one process on the first worker's cores builds the profile, checks
 it and times it alone (sequential P50/P99: the other workers are idle then). Siblings on the other
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from protocol.launch import LaunchSpec
-from supervisor.toolkit.layouts import Layout
+from infervisor.protocol.launch import LaunchSpec
+from infervisor.supervisor.toolkit.layouts import Layout
 
 
 class ChildFailed(Exception):
@@ -61,13 +61,13 @@ class SweepOptions:
 
 
 class BenchChild:
-    """One pinned `python -m worker.bench --hold` process holding one built profile."""
+    """One pinned `python -m infervisor.worker.bench --hold` process holding one built profile."""
 
     def __init__(
         self, launch: LaunchSpec, profile: str, cpus: tuple[int, ...], options: SweepOptions, build_only: bool
     ) -> None:
         command = [
-            sys.executable, "-m", "worker.bench", "--launch", launch.to_json(), "--profiles", profile,
+            sys.executable, "-P", "-m", "infervisor.worker.bench", "--launch", launch.to_json(), "--profiles", profile,
             "--cpus", ",".join(map(str, cpus)), "--batch", str(options.batch), "--seconds", str(options.seconds),
             "--cache-dir", str(options.cache_dir), "--started-at", repr(time.time()), "--hold",
         ]  # fmt: skip
@@ -184,7 +184,7 @@ def restart_of(launch: LaunchSpec, profile: str, cpus: tuple[int, ...], options:
 def auto_pick(launch: LaunchSpec, cpus: tuple[int, ...], options: SweepOptions) -> dict[str, Any]:
     """What a worker's own `pick: fastest` over the launch's chain serves on these cpus (decided afresh)."""
     command = [
-        sys.executable, "-m", "worker.bench", "--launch", launch.to_json(), "--pick",
+        sys.executable, "-P", "-m", "infervisor.worker.bench", "--launch", launch.to_json(), "--pick",
         "--cpus", ",".join(map(str, cpus)), "--cache-dir", str(options.cache_dir),
     ]  # fmt: skip
     try:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.models.encoder import encoder
-from worker.models.resnet import resnet18, resnet50
-from worker.models.tiny import tiny
+from infervisor.worker.models.encoder import encoder
+from infervisor.worker.models.resnet import resnet18, resnet50
+from infervisor.worker.models.tiny import tiny
 
 BUILTINS: dict[str, Callable[[], nn.Module]] = {
     "resnet50": resnet50,

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from worker.models.init import default_init_skipped
+from infervisor.worker.models.init import default_init_skipped
 
 
 class EncoderLayer(nn.Module):

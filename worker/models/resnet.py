@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.models.init import default_init_skipped
+from infervisor.worker.models.init import default_init_skipped
 
 
 class Bottleneck(nn.Module):

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from common.profiles import PROFILE_NAMES, PROFILES
-from common.text import clip
-from protocol.tensors import TensorSpec
-from worker.profiles.cache import (
+from infervisor.common.profiles import PROFILE_NAMES, PROFILES
+from infervisor.common.text import clip
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.cache import (
     ArtifactCache,
     CachedBuildFailure,
     NoSpaceLeft,
@@ -33,8 +33,8 @@ from worker.profiles.cache import (
     file_digest,
     no_space_left,
 )
-from worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
-from worker.profiles.export import (
+from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+from infervisor.worker.profiles.export import (
     BatchBuckets,
     ExportError,
     NoGain,
@@ -47,7 +47,7 @@ from worker.profiles.export import (
     load_package,
     quantize,
 )
-from worker.profiles.flags import apply_global_flags
+from infervisor.worker.profiles.flags import apply_global_flags
 
 
 class ProfileError(Exception):
@@ -325,4 +325,4 @@ def build_profile(name: str, context: BuildContext) -> Built:
 
 
 # The OpenVINO builders register themselves with @builds; they need this module's names, so it comes last.
-from worker.profiles import openvino as _openvino_builders  # noqa: E402,F401
+from infervisor.worker.profiles import openvino as _openvino_builders  # noqa: E402,F401

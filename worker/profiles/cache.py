@@ -32,9 +32,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import structlog
 import torch
 
-from common.text import clip
-from protocol.launch import ModelSource
-from protocol.tensors import TensorSpec
+from infervisor.common.text import clip
+from infervisor.protocol.launch import ModelSource
+from infervisor.protocol.tensors import TensorSpec
 
 log = structlog.get_logger("worker")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from protocol.tensors import TensorSpec
-from worker.synthetic import draw
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.synthetic import draw
 
 Inputs = tuple[torch.Tensor, ...]
 

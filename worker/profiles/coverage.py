@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.profiles.export import ShapeNotServed
+from infervisor.worker.profiles.export import ShapeNotServed
 
 log = structlog.get_logger("worker")
 

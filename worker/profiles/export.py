@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from common.text import clip
-from protocol.tensors import TensorSpec
-from worker.profiles.timing import MIN_MARGIN, Contender, noise_of, run_rounds
+from infervisor.common.text import clip
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.timing import MIN_MARGIN, Contender, noise_of, run_rounds
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -150,7 +150,7 @@ def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[Tensor
     AOTInductor package checks neither at run time, so a size outside them is served wrong, not refused).
     Each dynamic dim is scanned over its declared range, the other dims at their example sizes.
     """
-    from worker.loader import ModelLoadError, check_program_dims, program_dims
+    from infervisor.worker.loader import ModelLoadError, check_program_dims, program_dims
 
     # A size of 1 is served apart from the program (ShapeDispatch), which was exported from 2.
     found = program_dims(program)

@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 import torch
 
-from common.profiles import PROFILES, GlobalFlag
+from infervisor.common.profiles import PROFILES, GlobalFlag
 
 #: How each declared flag is switched; every GlobalFlag has one (a test checks it).
 SETTERS: Mapping[GlobalFlag, Callable[[bool], None]] = MappingProxyType(

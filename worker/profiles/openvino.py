@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.tensors import TensorSpec
-from worker.profiles.build import BuildContext, Built, ProfileError, _calibration_set, builds
-from worker.profiles.cache import ArtifactCache, artifact_key, file_digest, write_durably
-from worker.profiles.calibration import Inputs
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.build import BuildContext, Built, ProfileError, _calibration_set, builds
+from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, file_digest, write_durably
+from infervisor.worker.profiles.calibration import Inputs
 
 #: The skip reason when the runtime is missing: what operators read in profile_skipped.
 NOT_INSTALLED = "openvino is not installed: pip install 'infervisor[openvino]'"

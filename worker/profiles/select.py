@@ -24,22 +24,22 @@ import numpy as np
 import structlog
 import torch
 
-from common.cpuinfo import CpuCaps
-from common.profiles import REFERENCE_PROFILE, cpu_refusal
-from common.text import clip
-from protocol.constants import StartPhase
-from protocol.tensors import TensorSpec
-from worker.profiles.attempts import AttemptLog
-from worker.profiles.build import BuildContext, Built, ProfileError, build_profile
-from worker.profiles.calibration import Inputs
-from worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
-from worker.profiles.flags import apply_global_flags, reset_global_flags
-from worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
-from worker.profiles.validate import Tolerance, compare, worst_of
-from worker.progress import NoProgress, Progress
-from worker.runner import ModelRunner
-from worker.synthetic import describe as describe_synthetic
-from worker.synthetic import probe_steps, probed_inputs
+from infervisor.common.cpuinfo import CpuCaps
+from infervisor.common.profiles import REFERENCE_PROFILE, cpu_refusal
+from infervisor.common.text import clip
+from infervisor.protocol.constants import StartPhase
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.attempts import AttemptLog
+from infervisor.worker.profiles.build import BuildContext, Built, ProfileError, build_profile
+from infervisor.worker.profiles.calibration import Inputs
+from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
+from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
+from infervisor.worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
+from infervisor.worker.profiles.validate import Tolerance, compare, worst_of
+from infervisor.worker.progress import NoProgress, Progress
+from infervisor.worker.runner import ModelRunner
+from infervisor.worker.synthetic import describe as describe_synthetic
+from infervisor.worker.synthetic import probe_steps, probed_inputs
 
 log = structlog.get_logger("worker")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW, cosine_text
+from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW, cosine_text
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""infervisor: the daemon (`infervisor.supervisor`), its workers, the wire and the shared declarations."""
