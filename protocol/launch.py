@@ -18,6 +18,7 @@ class ModelSource:
 
     kind: str  # "builtin" | "torchscript" | "exported" | "python" (name = "module:callable")
     name: str | None = None
+    #: The model file; for "python", the config's directory, searched after PYTHONPATH and site-packages.
     path: str | None = None
 
 

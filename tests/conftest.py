@@ -21,6 +21,9 @@ from infervisor.protocol.constants import CLIENT_SOCKET_NAME
 from infervisor.supervisor.core.control import ControlError, control_request
 
 ROOT = Path(__file__).resolve().parent.parent
+# Workers start with `python -P`, which puts no working directory on their path: the test models
+# (`{"python": "tests.fault_models:..."}`) are found the documented way, through PYTHONPATH.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 TINY_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 16]}]
 IMAGE_INPUTS = [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]

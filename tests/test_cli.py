@@ -278,7 +278,7 @@ def test_supervisor_logs_route_warnings_and_library_records_to_stdout_as_json() 
     """In the supervisor, a Python warning and a library's warning record come out on stdout as JSON events."""
     script = (
         "import logging, warnings\n"
-        "from supervisor.host.logs import configure_logging\n"
+        "from infervisor.supervisor.host.logs import configure_logging\n"
         "configure_logging('info')\n"
         "warnings.warn('supervisor side warning')\n"
         "logging.getLogger('watchdog.observers').warning('a library record %s', 42)\n"

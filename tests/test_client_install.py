@@ -88,6 +88,10 @@ def test_client_install_has_no_torch_and_is_served(
     listed = json.loads(_run([python, "-m", "pip", "list", "--format=json"], timeout=60, env=_offline_env()).stdout)
     installed = {p["name"].lower() for p in listed} - {"pip", "setuptools", "wheel"}
     assert installed == {"infervisor", *CLIENT_DEPS}
+    # One import name: supervisord's `supervisor` (or any other generic name) can share the environment.
+    site = next((venv / "lib").glob("python*/site-packages"))
+    assert not {"supervisor", "worker", "protocol", "common"} & {p.name for p in site.iterdir()}
+    assert (site / "infervisor" / "protocol" / "client.py").is_file()
     no_torch = subprocess.run([python, "-I", "-c", "import torch"], capture_output=True, text=True, timeout=60)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
 

@@ -34,11 +34,15 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 
 
 def copy_of_the_tree(destination: Path) -> Path:
-    """The four packages and pyproject.toml, copied so one module can be broken without touching the repository."""
+    """The `infervisor` package with its four subpackages and pyproject.toml, copied so one module can be broken
+    without touching the repository; returns the copy's `infervisor` folder."""
+    package_root = destination / "infervisor"
+    package_root.mkdir()
+    shutil.copy(ROOT / "infervisor" / "__init__.py", package_root / "__init__.py")
     for package in PACKAGES:
-        shutil.copytree(ROOT / package, destination / package, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / package, package_root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", destination / "pyproject.toml")
-    return destination
+    return package_root
 
 
 def add_line_after_future_import(module: Path, line: str) -> None:
@@ -60,22 +64,30 @@ def test_the_packages_keep_their_layering() -> None:
 @pytest.mark.parametrize(
     ("module", "line", "offence"),
     [
-        ("supervisor/commands/serve.py", "import worker", "supervisor.commands.serve -> worker"),
+        (
+            "supervisor/commands/serve.py",
+            "import infervisor.worker",
+            "infervisor.supervisor.commands.serve -> infervisor.worker",
+        ),
         (
             "supervisor/toolkit/doctor.py",
             "def _probe() -> object:\n    import torch\n\n    return torch",
-            "supervisor.toolkit.doctor -> torch",
+            "infervisor.supervisor.toolkit.doctor -> torch",
         ),
-        ("protocol/launch.py", "import common.profiles", "protocol.launch -> common.profiles"),
+        (
+            "protocol/launch.py",
+            "import infervisor.common.profiles",
+            "infervisor.protocol.launch -> infervisor.common.profiles",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_the_layering_and_is_named(
     tmp_path: Path, module: str, line: str, offence: str
 ) -> None:
     """One forbidden import added to a copy of the tree (a lazy one too) fails the check, which names the import."""
-    tree = copy_of_the_tree(tmp_path)
-    add_line_after_future_import(tree / module, line)
-    done = lint_imports(tree)
+    package_root = copy_of_the_tree(tmp_path)
+    add_line_after_future_import(package_root / module, line)
+    done = lint_imports(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert offence in done.stdout, done.stdout
     assert "Contracts: 3 kept, 1 broken." in done.stdout

@@ -204,7 +204,8 @@ def test_the_int8_gate_on_real_minilm_weights_refuses_what_random_weights_would_
         pytest.skip("the optional extra `minilm` is not installed")
     calibration, validation = minilm.write_sets(tmp_path / "data")
     entry = {
-        "source": {"python": "infervisor.worker.models.minilm:minilm"}, "inputs": ENCODER_INPUTS, "outputs": ["embedding"],
+        "source": {"python": "infervisor.worker.models.minilm:minilm"},
+        "inputs": ENCODER_INPUTS, "outputs": ["embedding"],
         "warmup_iterations": 1, "profiles": ["int8_static", "eager"],
         "calibration": str(calibration), "validation": str(validation),
     }  # fmt: skip

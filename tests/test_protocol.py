@@ -476,8 +476,10 @@ def test_protocol_package_does_not_import_torch() -> None:
     """Importing every protocol module (and the Client) leaves torch out of sys.modules."""
     code = (
         "import sys\n"
-        "import protocol, protocol.codec, protocol.tensors, protocol.client_messages, protocol.worker_messages\n"
-        "import protocol.arrays, protocol.launch, protocol.errors, protocol.client\n"
+        "from infervisor import protocol\n"
+        "import infervisor.protocol.codec, infervisor.protocol.tensors, infervisor.protocol.client_messages\n"
+        "import infervisor.protocol.worker_messages, infervisor.protocol.arrays, infervisor.protocol.launch\n"
+        "import infervisor.protocol.errors, infervisor.protocol.client\n"
         "protocol.Client\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )

@@ -1,6 +1,7 @@
 """In-process half of `infervisor bench` and `infervisor optimize`: profiles of one model, timed on pinned cores.
 
-    python -m infervisor.worker.bench --model resnet50 --profiles eager,jit --threads 2 --batch 8 --seconds 3 --cache-dir D
+    python -m infervisor.worker.bench --model resnet50 --profiles eager,jit --threads 2 --batch 8 --seconds 3 \
+        --cache-dir D
     python -m infervisor.worker.bench --launch LAUNCH_JSON --profiles int8_static --started-at EPOCH ...
     python -m infervisor.worker.bench --launch LAUNCH_JSON --profiles aoti --cpus 1 --build-only --hold ...
 

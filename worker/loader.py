@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,11 @@ def load_model(source: ModelSource, specs: Sequence[TensorSpec] | None = None) -
         if source.kind == "builtin":
             return build_builtin(str(source.name))
         if source.kind == "python":
-            # An eager model defined in code: a callable that returns the module (found on sys.path).
+            # An eager model defined in code: a callable that returns the module, found on PYTHONPATH, in
+            # site-packages, then in the config's directory (last, so it can shadow no installed package).
             module_name, _, attribute = str(source.name).partition(":")
+            if source.path is not None and source.path not in sys.path:
+                sys.path.append(source.path)
             factory = getattr(importlib.import_module(module_name), attribute)
             return factory().eval()
         path = Path(str(source.path))

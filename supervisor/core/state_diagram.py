@@ -1,6 +1,7 @@
 """docs/architecture.md's slot state diagram, rendered from the transition table in supervisor/lifecycle/slot.py.
 
-`python -m infervisor.supervisor.core.state_diagram` exits 1 when the diagram differs from the table; `--write` rewrites it.
+`python -m infervisor.supervisor.core.state_diagram` exits 1 when the diagram differs from the table;
+`--write` rewrites it.
 """
 
 from __future__ import annotations

@@ -137,6 +137,7 @@ def launch_worker(
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
         spec = launch_spec(model, assignment, config, worker_id, theirs.fileno(), recent_exits, build_only)
         process = subprocess.Popen(
+            # -P: nothing from the working directory (a `common.py` there) may shadow or run in a worker.
             [sys.executable, "-P", "-m", "infervisor.worker", spec.to_json()],
             stdin=subprocess.DEVNULL,
             stdout=output,

@@ -1,24 +1,33 @@
 """Whether a `{"python": "package.module:factory"}` model's module can be found, without importing anything.
 
 The supervisor never imports model code (it would pull torch into the daemon), so it walks the
-import path the way the import system would and checks that each package and the module exist:
-a misspelt module is then a refused reload instead of a worker that cannot start.
+import path the way a worker's import system would and checks that each package and the module
+exist: a misspelt module is then a refused reload instead of a worker that cannot start.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from importlib.machinery import ModuleSpec, PathFinder
+from pathlib import Path
 
 
-def module_missing(dotted: str) -> str | None:
-    """Why `dotted` would not import in a worker started from here (same cwd and PYTHONPATH), or None if found."""
-    if dotted in sys.modules:
-        return None
-    # A worker runs `python -m infervisor.worker` from our working directory: that directory comes first on its path.
-    path: list[str] | None = [os.getcwd(), *sys.path]
+def worker_import_path(config_dir: Path) -> list[str]:
+    """A worker's import path: PYTHONPATH, the interpreter's own (site-packages), then the config's directory.
+
+    Workers start with `python -P`, so no working directory is on it: a `common.py` or `supervisor/` lying
+    where the daemon was started can neither break a worker nor run in it.
+    """
+    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    here = {"", os.getcwd()}
+    interpreter = [p for p in sys.path if p not in here and p not in python_path and not p.endswith(("/bin", "\\bin"))]
+    return [*python_path, *interpreter, str(config_dir)]
+
+
+def module_missing(dotted: str, config_dir: Path) -> str | None:
+    """Why `dotted` would not import in a worker of a config in `config_dir`, or None if found."""
+    path: list[str] | None = worker_import_path(config_dir)
     found = ""
     for part in dotted.split("."):
         name = f"{found}.{part}" if found else part
@@ -28,13 +37,24 @@ def module_missing(dotted: str) -> str | None:
         else:
             # Top level: every finder may answer (an editable install maps a package from outside the path),
             # and finding a top-level name imports nothing.
-            spec = PathFinder.find_spec(name, path) or importlib.util.find_spec(name)
+            spec = PathFinder.find_spec(name, path) or _meta_path_spec(name)
         if spec is None:
-            where = f"package {found!r}" if found else "the import path (working directory, PYTHONPATH, site-packages)"
+            where = f"package {found!r}" if found else "PYTHONPATH, site-packages or the config's directory"
             return f"no module {name!r} in {where}"
         found = name
         locations = spec.submodule_search_locations
         path = list(locations) if locations is not None else None
         if path is None and name != dotted:
             return f"{name!r} is a module, not a package, so it has no {dotted[len(name) + 1 :]!r}"
+    return None
+
+
+def _meta_path_spec(name: str) -> ModuleSpec | None:
+    """A top-level name found by an import hook other than the path (an editable install's finder), or None."""
+    for finder in sys.meta_path:
+        if finder is PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        spec: ModuleSpec | None = finder.find_spec(name, None)
+        if spec is not None:
+            return spec
     return None

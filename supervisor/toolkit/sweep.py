@@ -1,4 +1,4 @@
-"""`infervisor optimize`'s sweep: every profile at every layout, in pinned `python -m infervisor.worker.bench` processes.
+"""`infervisor optimize`'s sweep: every profile at every layout, in pinned `infervisor.worker.bench` processes.
 
 For each cores-per-worker count, one process on the first worker's cores builds the profile, checks
 it and times it alone (sequential P50/P99: the other workers are idle then). Siblings on the other
