@@ -94,8 +94,11 @@ def test_numerics_changing_profiles_are_the_int8_and_bf16_ones() -> None:
 
 def test_the_supervisor_reads_the_registry_without_loading_torch() -> None:
     """Config validation, the CLI, optimize and doctor import the declarations and no torch, at run time too."""
-    modules = "supervisor.cli, supervisor.settings.config, supervisor.commands.optimize, supervisor.toolkit.doctor"
-    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('worker')))"
+    modules = ", ".join(
+        f"infervisor.supervisor.{name}" for name in ("cli", "settings.config", "commands.optimize", "toolkit.doctor")
+    )
+    loaded = "m == 'torch' or m.startswith('torch.') or m.startswith('infervisor.worker')"
+    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if {loaded}))"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )

@@ -51,7 +51,7 @@ def in_process(
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"worker.bench failed ({done.returncode}): {done.stderr[-2000:]}")
+        raise RuntimeError(f"infervisor.worker.bench failed ({done.returncode}): {done.stderr[-2000:]}")
     return lines[0]["inputs"], lines[1:]
 
 

@@ -392,8 +392,9 @@ def _optimize_html(evidence: Evidence) -> list[str]:
     chosen = _chosen(evidence)
     layout = layout_text(*chosen[1]) if chosen else "the chosen layout"
     chain = set(optimize.get("chain") or [])
-    parts = [f"<h2>Optimize: which profile meets which constraint</h2><p>Measured in process (python -m infervisor.worker.bench, "
-             f"no daemon), {optimize.get('seconds', '?')} s per profile and layout, at {html.escape(layout)}. "
+    parts = [f"<h2>Optimize: which profile meets which constraint</h2><p>Measured in process "
+             f"(python -m infervisor.worker.bench, no daemon), {optimize.get('seconds', '?')} s per profile and "
+             f"layout, at {html.escape(layout)}. "
              "P50/P99: one worker alone, one batch-1 request at a time. QPS: the total of all the layout's workers "
              "busy at once. Cold start: from process start to serving; a restart reuses a compiled "
              "package.</p>"]  # fmt: skip
