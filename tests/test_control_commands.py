@@ -14,11 +14,24 @@ from infervisor.supervisor.core.control_commands import (
 from tests.conftest import ROOT
 
 
+class _Pool:
+    """The pool as a command sees it: its members, whether it stops, and the restarts it was asked for."""
+
+    def __init__(self, stopping: bool) -> None:
+        self.stopping = stopping
+        self.members = {"m": []}
+        self.restarted: list[str | None] = []
+
+    def restart(self, model: str | None, reason: str, forget_overruns: bool = False) -> int:
+        self.restarted.append(model)
+        return 1
+
+
 class _Host:
     """A daemon as a command sees it, recording what it was asked."""
 
     def __init__(self, stopping: bool = False) -> None:
-        self.stopping = stopping
+        self.pool = _Pool(stopping)
         self.asked: list[str] = []
 
     def status(self) -> dict[str, Any]:
@@ -28,17 +41,7 @@ class _Host:
     def metrics_text(self) -> str:
         return ""
 
-    def restart_models(self, model: str | None) -> dict[str, Any]:
-        self.asked.append(f"restart {model}")
-        return {"ok": True, "queued": 1}
-
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
-        return {"ok": True}
-
-    def reload_now(self) -> dict[str, Any]:
-        return {"ok": True}
-
-    def fallback_command(self, command: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True}
 
 
@@ -61,7 +64,7 @@ def test_changes_are_refused_while_stopping_and_reads_are_not() -> None:
     host = _Host(stopping=True)
     assert dispatch(host, {"cmd": "status"})["ok"] is True
     assert dispatch(host, {"cmd": "restart", "model": "m"}) == {"ok": False, "error": "the daemon is stopping"}
-    assert host.asked == ["status"]
+    assert host.asked == ["status"] and host.pool.restarted == []
     assert READ_ONLY_COMMANDS == {"status", "ping", "metrics"}
 
 
@@ -69,3 +72,11 @@ def test_the_protocol_spec_lists_every_command_of_the_table() -> None:
     """docs/protocol.md's unknown-command answer names the daemon's commands in the table's order."""
     spec = (ROOT / "docs" / "protocol.md").read_text()
     assert f"known: {', '.join(CONTROL_COMMANDS)}" in spec
+
+
+def test_a_restart_names_a_served_model_or_is_refused() -> None:
+    """restart of a served model queues it; of an unknown one it says which models are served."""
+    host = _Host()
+    assert dispatch(host, {"cmd": "restart", "model": "m"}) == {"ok": True, "queued": 1}
+    refused = dispatch(host, {"cmd": "restart", "model": "x"})
+    assert refused == {"ok": False, "error": "no model 'x'; serving ['m']"} and host.pool.restarted == ["m"]

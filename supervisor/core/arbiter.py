@@ -374,32 +374,10 @@ class Arbiter:
         """Answer one control-socket command (the table is supervisor/core/control_commands.py)."""
         return dispatch(self, command)
 
-    # ---- what control commands ask of the daemon (ControlHost) ---------------------------------
-
-    @property
-    def stopping(self) -> bool:
-        """The daemon is stopping: commands that change something are refused."""
-        return self.pool.stopping
-
     def metrics_text(self) -> str:
         """The Prometheus text of this turn's figures, which the HTTP endpoint then shows too."""
         self.publish_metrics()
         return self.metrics.render()
-
-    def restart_models(self, model: str | None) -> dict[str, Any]:
-        """A rolling restart of `model`'s workers, or of every model's."""
-        if model is not None and model not in self.pool.members:
-            return {"ok": False, "error": f"no model {model[:128]!r}; serving {sorted(self.pool.members)}"}
-        # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
-        return {"ok": True, "queued": self.pool.restart(model, "operator command", forget_overruns=True)}
-
-    def reload_now(self) -> dict[str, Any]:
-        """Re-read config.json now."""
-        return self.reloader.command()
-
-    def fallback_command(self, command: dict[str, Any]) -> dict[str, Any]:
-        """Move a model down its chain, or back."""
-        return self.fallback.command(command)
 
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
         """Ask one serving worker of `model` to profile its next requests; the report appears in its status."""

@@ -10,26 +10,31 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # types only, and no cycle: none of these imports this module; the CLI's control client stays light
+    from infervisor.supervisor.core.fallback_control import FallbackControl
+    from infervisor.supervisor.core.reloader import ConfigReloader
+    from infervisor.supervisor.lifecycle.pool import WorkerPool
 
 
 class ControlHost(Protocol):
-    """What a control command may ask of the daemon."""
+    """What a control command may ask of the daemon: its parts, its status document and its metrics text."""
 
     @property
-    def stopping(self) -> bool: ...
+    def pool(self) -> WorkerPool: ...
+
+    @property
+    def reloader(self) -> ConfigReloader: ...
+
+    @property
+    def fallback(self) -> FallbackControl: ...
 
     def status(self) -> dict[str, Any]: ...
 
     def metrics_text(self) -> str: ...
 
-    def restart_models(self, model: str | None) -> dict[str, Any]: ...
-
     def start_profile(self, model: str, requests: int) -> dict[str, Any]: ...
-
-    def reload_now(self) -> dict[str, Any]: ...
-
-    def fallback_command(self, command: dict[str, Any]) -> dict[str, Any]: ...
 
 
 Handler = Callable[[ControlHost, dict[str, Any]], dict[str, Any]]
@@ -54,7 +59,10 @@ def _profile(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
 
 def _restart(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
     model = command.get("model")
-    return host.restart_models(model if model is None else str(model))
+    if model is not None and model not in host.pool.members:
+        return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(host.pool.members)}"}
+    # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
+    return {"ok": True, "queued": host.pool.restart(model, "operator command", forget_overruns=True)}
 
 
 CONTROL_COMMANDS: Mapping[str, ControlCommand] = {
@@ -64,9 +72,9 @@ CONTROL_COMMANDS: Mapping[str, ControlCommand] = {
         ControlCommand("ping", True, "is the daemon's loop turning", lambda host, _: {"ok": True, "pid": os.getpid()}),
         ControlCommand("metrics", True, "the Prometheus text", lambda h, _: {"ok": True, "text": h.metrics_text()}),
         ControlCommand("restart", False, "rolling restart of one model or all", _restart),
-        ControlCommand("reload", False, "re-read config.json now", lambda host, _: host.reload_now()),
+        ControlCommand("reload", False, "re-read config.json now", lambda host, _: host.reloader.command()),
         ControlCommand("profile", False, "torch.profiler over a worker's next requests", _profile),
-        ControlCommand("fallback", False, "a model down its chain, or back", lambda h, c: h.fallback_command(c)),
+        ControlCommand("fallback", False, "a model down its chain, or back", lambda h, c: h.fallback.command(c)),
     )
 }
 
@@ -82,6 +90,6 @@ def dispatch(
     found = table.get(name) if isinstance(name, str) else None
     if found is None:
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {', '.join(table)}"}
-    if host.stopping and not found.read_only:
+    if host.pool.stopping and not found.read_only:
         return {"ok": False, "error": "the daemon is stopping"}
     return found.handle(host, command)
