@@ -18,8 +18,10 @@ class ModelSource:
 
     kind: str  # "builtin" | "torchscript" | "exported" | "python" (name = "module:callable")
     name: str | None = None
-    #: The model file; for "python", the config's directory, searched after PYTHONPATH and site-packages.
+    #: The model file (torchscript, exported).
     path: str | None = None
+    #: For "python": the config's directory, searched for the module after PYTHONPATH and site-packages.
+    search_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ def load_model(source: ModelSource, specs: Sequence[TensorSpec] | None = None) -
             # An eager model defined in code: a callable that returns the module, found on PYTHONPATH, in
             # site-packages, then in the config's directory (last, so it can shadow no installed package).
             module_name, _, attribute = str(source.name).partition(":")
-            if source.path is not None and source.path not in sys.path:
-                sys.path.append(source.path)
+            if source.search_dir is not None and source.search_dir not in sys.path:
+                sys.path.append(source.search_dir)
             factory = getattr(importlib.import_module(module_name), attribute)
             return factory().eval()
         path = Path(str(source.path))

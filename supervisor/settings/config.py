@@ -192,7 +192,7 @@ def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
             r.fail(f"{path}.python", f"must be 'package.module:callable', got {value!r}")
         elif (missing := module_missing(value.partition(":")[0], ctx.base)) is not None:
             r.fail(f"{path}.python", f"cannot import {value!r}: {missing}")
-        return ModelSource("python", name=value, path=str(ctx.base))
+        return ModelSource("python", name=value, search_dir=str(ctx.base))
     else:
         file = Path(value) if Path(value).is_absolute() else ctx.base / value
         if not file.is_file():
