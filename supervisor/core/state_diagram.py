@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from infervisor.supervisor.lifecycle.slot import TRANSITIONS, SlotState
+from infervisor.supervisor.settings.config_docs import check_or_write
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 BEGIN = "<!-- generated: slot states (python -m infervisor.supervisor.core.state_diagram --write) -->\n"
@@ -37,17 +37,8 @@ def render(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Check docs/architecture.md's diagram against the table, or rewrite it with --write."""
-    parser = argparse.ArgumentParser(prog="python -m infervisor.supervisor.core.state_diagram", description=__doc__)
-    parser.add_argument("--write", action="store_true", help="rewrite the generated diagram in place")
-    args = parser.parse_args(argv)
-    text = DOCS.read_text()
-    wanted = render(text)
-    if args.write:
-        DOCS.write_text(wanted)
-    elif wanted != text:
-        print(f"{DOCS}: the slot state diagram differs from TRANSITIONS; run with --write", file=sys.stderr)
-        return 1
-    return 0
+    prog = "python -m infervisor.supervisor.core.state_diagram"
+    return check_or_write(DOCS, render, prog, "the slot state diagram differs from TRANSITIONS", argv)
 
 
 if __name__ == "__main__":

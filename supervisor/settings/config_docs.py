@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,19 +115,28 @@ def render(text: str) -> str:
     return _BLOCK.sub(lambda m: m.group(1) + wanted[m["name"]] + "\n" + m.group(3), text)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Check docs/configuration.md against the declarations, or rewrite its generated blocks with --write."""
-    parser = argparse.ArgumentParser(prog="python -m infervisor.supervisor.settings.config_docs", description=__doc__)
+def check_or_write(
+    docs: Path, render: Callable[[str], str], prog: str, stale: str, argv: Sequence[str] | None = None
+) -> int:
+    """A generated-docs command: exit 1 saying `stale` when `docs` differs from what `render` makes of it;
+    `--write` rewrites it instead."""
+    parser = argparse.ArgumentParser(prog=prog, description=f"Check {docs.name}'s generated blocks, or rewrite them.")
     parser.add_argument("--write", action="store_true", help="rewrite the generated blocks in place")
     args = parser.parse_args(argv)
-    text = DOCS.read_text()
+    text = docs.read_text()
     wanted = render(text)
     if args.write:
-        DOCS.write_text(wanted)
+        docs.write_text(wanted)
     elif wanted != text:
-        print(f"{DOCS}: the key tables differ from supervisor/settings/config.py; run `{COMMAND}`", file=sys.stderr)
+        print(f"{docs}: {stale}; run `python -m {prog.removeprefix('python -m ')} --write`", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check docs/configuration.md against the declarations, or rewrite its generated blocks with --write."""
+    prog = "python -m infervisor.supervisor.settings.config_docs"
+    return check_or_write(DOCS, render, prog, "the key tables differ from supervisor/settings/config.py", argv)
 
 
 if __name__ == "__main__":
