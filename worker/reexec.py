@@ -42,6 +42,8 @@ class Carried:
     pss_mb: float
     #: Its time from start to the exec, in ms.
     elapsed_ms: float
+    #: What it found and the serving image cannot see again (a damaged package it moved aside and rebuilt).
+    notes: tuple[str, ...] = ()
 
     def note(self) -> str:
         """One line for the selection's notes (status `profile_build`)."""
@@ -58,7 +60,8 @@ def carried() -> Carried | None:
     if not text:
         return None
     try:
-        return Carried(**json.loads(text))
+        fields = json.loads(text)
+        return Carried(**{**fields, "notes": tuple(fields.get("notes", ()))})
     except (ValueError, TypeError):
         # Still a restarted image: never restart again, only the figures are lost.
         return Carried(time.perf_counter(), 0, 0, 0.0, 0.0)
@@ -79,7 +82,15 @@ def pss_mb() -> float:
         return 0.0
 
 
-def restart(link: Link, link_fd: int, started: float, builds: int, passed: int, send_timeout_s: float) -> None:
+def restart(
+    link: Link,
+    link_fd: int,
+    started: float,
+    builds: int,
+    passed: int,
+    send_timeout_s: float,
+    notes: tuple[str, ...] = (),
+) -> None:
     """Exec this worker again with the same argv and link; returns only if the exec failed (serve on as is).
 
     Nothing of the link may be lost: the outbox is flushed first, and a starting worker reads nothing
@@ -88,7 +99,7 @@ def restart(link: Link, link_fd: int, started: float, builds: int, passed: int, 
     if restarted():
         return
     elapsed_ms = round((time.perf_counter() - started) * 1000.0, 1)
-    record = Carried(started, builds, passed, round(pss_mb(), 1), elapsed_ms)
+    record = Carried(started, builds, passed, round(pss_mb(), 1), elapsed_ms, tuple(n[:2000] for n in notes[:16]))
     log.info("worker_restarting_after_build", builds=builds, pss_mb=record.pss_mb)
     link.flush_blocking(send_timeout_s)
     sys.stdout.flush()

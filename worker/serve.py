@@ -31,7 +31,7 @@ from infervisor.worker.loader import ModelLoadError, default_output_names, load_
 from infervisor.worker.memory import release_unused_memory
 from infervisor.worker.process_tree import become_subreaper, end_descendants
 from infervisor.worker.profiles.attempts import AttemptLog
-from infervisor.worker.profiles.build import BuildContext, package_options
+from infervisor.worker.profiles.build import REJECTED_NOTE, BuildContext, package_options
 from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from infervisor.worker.profiles.calibration import load_calibration
 from infervisor.worker.profiles.coverage import Covered, Reloaded
@@ -401,7 +401,7 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         # garbage now: collected and handed back to the kernel before the worker serves for days (memory.py).
         release_unused_memory()
         if first is not None:
-            selection.notes.append(first.note())
+            selection.notes.extend([*first.notes, first.note()])
         load_ms = timed_ms(started)
         warm_started = time.perf_counter()
         progress.phase(StartPhase.WARMING, selection.profile)
@@ -481,7 +481,8 @@ def _load_and_select(
     if (builds or passed > 1) and not reexec.restarted():
         # The builder's memory would stay for the worker's life: start over from the cache (reexec.py).
         progress.phase(StartPhase.LOADING, "", "built into the cache: restarting the process to drop the build")
-        reexec.restart(link, launch.link_fd, started, builds, passed, progress.send_timeout_s)
+        rejected = tuple(note for note in selection.notes if note.startswith(REJECTED_NOTE))
+        reexec.restart(link, launch.link_fd, started, builds, passed, progress.send_timeout_s, rejected)
     return runner, selection, attempts
 
 

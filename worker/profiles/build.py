@@ -54,6 +54,10 @@ class ProfileError(Exception):
     """The profile cannot be built for this model; the message says why."""
 
 
+#: How a build note about a damaged cached package begins: a worker that restarts after its build passes these on.
+REJECTED_NOTE = "cached package "
+
+
 @dataclass
 class BuildContext:
     """What building a profile needs besides its name."""
@@ -186,7 +190,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
             path, key, lambda into: compile_package(program(example, specs), example, specs, into), load_package
         )
         if fetched.rejected is not None:
-            notes.append(f"cached package {path.name} {fetched.rejected}: moved aside to {path.name}.corrupt, rebuilt")
+            notes.append(f"{REJECTED_NOTE}{path.name} {fetched.rejected}: moved aside to {path.name}.corrupt, rebuilt")
         done = "loaded cached" if fetched.hit else "compiled and cached"
         notes.append(f"{done} package {path.name} ({shapes} shapes)")
         return fetched.value, path
