@@ -89,7 +89,9 @@ def test_openvino_profiles_serve_within_tolerance_and_a_restart_reads_the_cached
     assert daemon.control({"cmd": "restart", "model": "int8"})["queued"] == 1
     first = again
     (rebuilt,) = wait_for(replaced, 300, "int8 restarted on damaged weights")
-    assert any(str(n).startswith("converted and cached OpenVINO IR") for n in rebuilt["profile_build"]), rebuilt  # type: ignore[union-attr]
+    notes = " | ".join(str(n) for n in rebuilt["profile_build"])  # type: ignore[union-attr]
+    assert "weights (.bin) differ from the sha256" in notes and "moved aside" in notes, notes
+    assert "restarted the process after its build (1 cache miss" in notes, notes  # rebuilt, then loaded
     assert list(cache.glob("openvino_int8-*.xml.corrupt"))
     assert any(e.get("event") == "cached_package_rejected" for e in daemon.log_events())
 

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from infervisor.protocol.tensors import TensorSpec
-from infervisor.worker.profiles.build import BuildContext, Built, ProfileError, _calibration_set, builds
+from infervisor.worker.profiles.build import (
+    REJECTED_NOTE,
+    BuildContext,
+    Built,
+    ProfileError,
+    _calibration_set,
+    builds,
+)
 from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, file_digest, write_durably
 from infervisor.worker.profiles.calibration import Inputs
 
@@ -124,8 +131,9 @@ def _quantized(ov_model: Any, calibration: list[Inputs]) -> Any:
     return nncf.quantize(ov_model, dataset, subset_size=len(calibration))
 
 
-def _saved_ir(cache: ArtifactCache, profile: str, key: dict[str, Any], make: Any) -> tuple[Path, bool]:
-    """The IR's .xml for `key`, made by `make()` and saved when not cached yet; True when it was cached.
+def _saved_ir(cache: ArtifactCache, profile: str, key: dict[str, Any], make: Any) -> tuple[Path, bool, str | None]:
+    """The IR's .xml for `key`, made by `make()` and saved when not cached yet; True when it was cached, and why
+    a cached IR was moved aside and made again (None when it was not).
 
     The .bin is moved into place before the .xml, and the .xml (what a reader looks for) last, by
     get_or_build: a reader never finds an .xml without its weights.
@@ -150,9 +158,10 @@ def _saved_ir(cache: ArtifactCache, profile: str, key: dict[str, Any], make: Any
 
     hit = cache.get_or_build(path, key, save)
     if hit and not _weights_intact(path):
-        cache.discard(path, "its weights (.bin) differ from the sha256 stored when they were saved")
-        return path, cache.get_or_build(path, key, save)
-    return path, hit
+        why = "weights (.bin) differ from the sha256 stored when they were saved"
+        cache.discard(path, why)
+        return path, cache.get_or_build(path, key, save), why
+    return path, hit, None
 
 
 def _weights_digest(xml: Path) -> Path:
@@ -183,7 +192,9 @@ def build_openvino(name: str, context: BuildContext, precision: Precision) -> Bu
         ir_profile = name
         make = lambda: _quantized(_convert(ov, context), calibration)  # noqa: E731
     key = artifact_key(context.digest, ir_profile, context.specs, options)
-    xml, hit = _saved_ir(cache, ir_profile, key, make)
+    xml, hit, rejected = _saved_ir(cache, ir_profile, key, make)
+    if rejected is not None:
+        notes.append(f"{REJECTED_NOTE}{xml.name} {rejected}: moved aside to {xml.name}.corrupt, rebuilt")
     notes.append(f"{'loaded cached' if hit else 'converted and cached'} OpenVINO IR {xml.name}")
     threads = torch.get_num_threads()
     properties = {
