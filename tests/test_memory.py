@@ -78,3 +78,10 @@ def test_status_shows_each_workers_pss_as_a_column_and_in_json(start_daemon: Cal
     done = subprocess.run([*command, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
     (worker,) = json.loads(done.stdout)["models"]["tiny"]["workers"]
     assert 10 * 2**20 < worker["pss"] <= worker["rss"], worker
+
+
+def test_a_worker_imports_no_sympy_before_it_needs_one() -> None:
+    """The worker's modules leave sympy (33 MB and 0.2 s of every start) to the export paths that use it."""
+    code = "import sys, infervisor.worker.serve; print('sympy' in sys.modules)"
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stderr

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._sympy.numbers import int_oo
 
 from infervisor.protocol.launch import ModelSource
 from infervisor.protocol.tensors import DimRange, TensorSpec
@@ -67,6 +66,9 @@ def default_output_names(source: ModelSource) -> tuple[str, ...] | None:
 def program_dims(program: torch.export.ExportedProgram) -> list[tuple[str, list[DimRange | None]]]:
     """Each user input of an ExportedProgram with the sizes each of its dims takes: (n, n) for a fixed dim, the
     range constraint of a dynamic one (max None: unbounded), None where the size is an expression of others."""
+    # Here, not at the top: sympy costs a worker 33 MB and 0.2 s at start, and only a program's ranges need it.
+    from torch.utils._sympy.numbers import int_oo
+
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
     inputs: list[tuple[str, list[DimRange | None]]] = []
     for name in program.graph_signature.user_inputs:
