@@ -7,6 +7,8 @@ runs the real `infervisor serve` in the same process.
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import Any
 import pytest
 
 from infervisor.supervisor import cli
+from infervisor.supervisor.commands import registry as cli_registry
+from infervisor.supervisor.commands.registry import CliCommand
 from infervisor.supervisor.core import control_commands
 from infervisor.supervisor.core.control_commands import ControlCommand, ControlHost
 from infervisor.supervisor.monitors import registry
@@ -96,6 +100,31 @@ def test_a_control_command_added_to_the_table_is_answered_over_the_control_socke
     assert daemon.control({"cmd": "served_models"}) == {"ok": True, "models": ["tiny"]}
     unknown = daemon.control({"cmd": "nope"})
     assert unknown["ok"] is False and unknown["error"].endswith(", served_models")
+
+
+def greet_options(parser: argparse.ArgumentParser) -> None:
+    """The fake CLI command's one option."""
+    parser.add_argument("--name", required=True, help="who to greet")
+
+
+def run_greet(args: argparse.Namespace) -> int:
+    """The fake CLI command: a greeting, and an exit code no real command uses."""
+    print(f"hello {args.name}")
+    return 7
+
+
+def test_a_cli_command_added_to_the_table_is_parsed_and_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One entry is a whole command: `infervisor --help` lists it, its option parses and its handler's code returns."""
+    command = CliCommand("greet", "say hello", greet_options, f"{__name__}:run_greet")
+    monkeypatch.setattr(cli_registry, "CLI_COMMANDS", {**cli_registry.CLI_COMMANDS, command.name: command})
+    assert cli.main(["greet", "--name", "operator"]) == 7
+    assert capsys.readouterr().out == "hello operator\n"
+    assert cli.main(["--help"]) == 0
+    assert re.search(r"^ +greet +say hello$", capsys.readouterr().out, re.MULTILINE)
+    assert cli.main(["greet"]) == 2
+    assert "the following arguments are required: --name" in capsys.readouterr().err
 
 
 def main() -> int:
