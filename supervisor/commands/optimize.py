@@ -18,9 +18,9 @@ from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import PlanError
 from infervisor.supervisor.host.topology import TopologyError, read_topology
 from infervisor.supervisor.settings.config import Config, ConfigError, ModelConfig, load_config, parse_config
-from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.settings.config_path import ConfigChoice, ConfigPathError, resolve_config_path
 from infervisor.supervisor.toolkit.check import CheckFailed, DaemonCheck, check
-from infervisor.supervisor.toolkit.constraints import Accuracy, ConstraintsError, Sla, load_constraints
+from infervisor.supervisor.toolkit.constraints import Accuracy, Constraints, ConstraintsError, Sla, load_constraints
 from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
 from infervisor.supervisor.toolkit.models import entry_of, launch_of
 from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
@@ -198,35 +198,120 @@ def synthetic_warnings(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def run_optimize(args: argparse.Namespace) -> int:
-    """Measure, choose, check, write (or show); exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
+class _Refused(Exception):
+    """Bad input (config, constraints, model, layouts): the command says why and exits 2."""
+
+
+def _load(args: argparse.Namespace) -> tuple[ConfigChoice, Config, ModelConfig, Constraints | None, list[Layout]]:
+    """The config (and where it came from), the model, the constraints and the layouts to measure."""
     try:
         choice = resolve_config_path(args.config)
-        config_path = choice.path
-        config = load_config(config_path)
+        config = load_config(choice.path)
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
     except (ConfigPathError, ConfigError, ConstraintsError) as exc:
-        print(f"infervisor optimize: {exc}")
-        return 2
+        raise _Refused(str(exc)) from exc
     model = config.models.get(args.model)
     if model is None:
-        print(f"infervisor optimize: no model {args.model!r} in {config_path}; it has {sorted(config.models)}")
-        return 2
+        raise _Refused(f"no model {args.model!r} in {choice.path}; it has {sorted(config.models)}")
     try:
         candidates = _layouts(args, config, model)
     except (ValueError, TopologyError, PlanError) as exc:
+        raise _Refused(str(exc)) from exc
+    if not candidates:
+        raise _Refused(f"no layout of {args.model} fits beside the other models on these cpus")
+    return choice, config, model, constraints, candidates
+
+
+def _budget_and_sla(model: ModelConfig, constraints: Constraints | None) -> tuple[Accuracy, Sla]:
+    """The accuracy budget and SLA of the constraints, else the model's tolerance and no latency promise."""
+    if constraints:
+        return constraints.sla.accuracy, constraints.sla
+    tolerance = model.tolerance
+    budget = Accuracy(tolerance["min_cosine"], tolerance.get("max_abs_error"), bool(tolerance.get("top1")))
+    return budget, Sla(float("inf"), float("inf"), 0.0, 0.0, budget)
+
+
+def _changes(
+    args: argparse.Namespace, model: ModelConfig, chain: list[str], chosen: Point, budget: Accuracy
+) -> dict[str, Any]:
+    """What the model's config entry gets: the chain, the layout, the budget and the data files measured with."""
+    changes: dict[str, Any] = {
+        "profiles": chain,
+        "pick": "first",
+        "workers": chosen.layout.workers,
+        "cores_per_worker": chosen.layout.cores_per_worker,
+        "tolerance": {"min_cosine": budget.min_cosine, "max_abs_error": budget.max_abs_error, "top1": budget.top1},
+    }
+    if model.threads is not None:
+        changes["threads"] = None  # one thread per pinned core, as measured
+    if args.calibration:
+        changes["calibration"] = str(Path(args.calibration).resolve())
+    if args.validation:
+        changes["validation"] = str(Path(args.validation).resolve())
+    return changes
+
+
+def _check_choice(
+    args: argparse.Namespace,
+    new_text: str,
+    config_path: Path,
+    cache_dir: Path,
+    chosen: Point,
+    sla: Sla,
+    verdict: Verdict,
+) -> tuple[DaemonCheck | None, Verdict]:
+    """The rewritten config served by a temporary daemon under load (unless --no-check), and the verdict after it."""
+    if not args.check:
+        print(f"not checked through a daemon (--no-check): the P99 above is in process, {chosen.p99_ms:.2f} ms")
+        return None, verdict
+    raw = json.loads(new_text)
+    # The temporary daemon runs elsewhere: every model's files by absolute path.
+    written = parse_config(new_text, config_path.parent.resolve())
+    raw["models"] = {name: entry_of(m, raw["models"][name]) for name, m in written.models.items()}
+    qps = _check_qps(args, sla)
+    _say(f"checking {chosen.profile} on {chosen.layout} through a daemon at {qps or 'half its saturated'} QPS")
+    try:
+        result = check(raw, args.model, cache_dir, qps, args.check_clients, args.check_seconds, args.timeout)
+    except CheckFailed as exc:
+        return None, Verdict(False, None, [*verdict.reasons, f"the daemon check failed: {exc}"])
+    print("\n".join(_check_lines(result, chosen, args.model)))
+    return result, judge_check(verdict, result, sla)
+
+
+def _write_config(args: argparse.Namespace, choice: ConfigChoice, new_text: str, diff: str) -> tuple[str | None, str]:
+    """Write the new chain and layout into config.json unless it holds them, it is a dry run or the shipped file.
+
+    Returns where it was written (None: nowhere) and, when not, why.
+    """
+    config_path = choice.path
+    if not diff:
+        not_written = f"{config_path} already holds this chain and layout"
+        print(not_written)
+        return None, not_written
+    if args.dry_run:
+        print(diff)
+        return None, f"--dry-run: the diff was shown, {config_path} was left unchanged"
+    if choice.source == "shipped default":
+        # The shipped file is the package's, not this box's: name one to write instead of editing it.
+        not_written = f"{config_path} is the shipped default; pass --config (or set $INFERVISOR_CONFIG)"
+        print(f"not written: {not_written}")
+        print(diff)
+        return None, not_written
+    temporary = config_path.with_suffix(".optimize.tmp")
+    temporary.write_text(new_text)
+    temporary.replace(config_path)  # a running daemon sees one complete file and rolls the model
+    print(f"written to {config_path}")
+    return str(config_path), ""
+
+
+def run_optimize(args: argparse.Namespace) -> int:
+    """Measure, choose, check, write (or show); exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
+    try:
+        choice, config, model, constraints, candidates = _load(args)
+    except _Refused as exc:
         print(f"infervisor optimize: {exc}")
         return 2
-    if not candidates:
-        print(f"infervisor optimize: no layout of {args.model} fits beside the other models on these cpus")
-        return 2
-    tolerance = model.tolerance
-    budget = (
-        constraints.sla.accuracy
-        if constraints
-        else Accuracy(tolerance["min_cosine"], tolerance.get("max_abs_error"), bool(tolerance.get("top1")))
-    )
-    sla = constraints.sla if constraints else Sla(float("inf"), float("inf"), 0.0, 0.0, budget)
+    budget, sla = _budget_and_sla(model, constraints)
     cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(config.cache_dir)
     _say(f"layouts: {', '.join(map(str, candidates))} (workers x cores per worker)")
     try:
@@ -243,60 +328,13 @@ def run_optimize(args: argparse.Namespace) -> int:
         print("\n".join(_verdict_lines(verdict)))
         return 1
     chain = chain_at(points, {r["profile"]: r for r in rows}, budget, chosen)
-    changes: dict[str, Any] = {
-        "profiles": chain,
-        "pick": "first",
-        "workers": chosen.layout.workers,
-        "cores_per_worker": chosen.layout.cores_per_worker,
-        "tolerance": {"min_cosine": budget.min_cosine, "max_abs_error": budget.max_abs_error, "top1": budget.top1},
-    }
-    if model.threads is not None:
-        changes["threads"] = None  # one thread per pinned core, as measured
-    if args.calibration:
-        changes["calibration"] = str(Path(args.calibration).resolve())
-    if args.validation:
-        changes["validation"] = str(Path(args.validation).resolve())
-    text = config_path.read_text()
-    new_text, diff = rewrite(text, args.model, changes)
+    new_text, diff = rewrite(choice.path.read_text(), args.model, _changes(args, model, chain, chosen, budget))
     picked = _auto_pick(config, model, chain, chosen, budget, args, cache_dir)
     print("\n".join(_auto_pick_lines(picked, points, chosen)))
-    result: DaemonCheck | None = None
-    if args.check:
-        raw = json.loads(new_text)
-        # The temporary daemon runs elsewhere: every model's files by absolute path.
-        written = parse_config(new_text, config_path.parent.resolve())
-        raw["models"] = {name: entry_of(m, raw["models"][name]) for name, m in written.models.items()}
-        qps = _check_qps(args, sla)
-        _say(f"checking {chosen.profile} on {chosen.layout} through a daemon at {qps or 'half its saturated'} QPS")
-        try:
-            result = check(raw, args.model, cache_dir, qps, args.check_clients, args.check_seconds, args.timeout)
-        except CheckFailed as exc:
-            verdict = Verdict(False, None, [*verdict.reasons, f"the daemon check failed: {exc}"])
-        else:
-            verdict = judge_check(verdict, result, sla)
-            print("\n".join(_check_lines(result, chosen, args.model)))
-    else:
-        print(f"not checked through a daemon (--no-check): the P99 above is in process, {chosen.p99_ms:.2f} ms")
+    result, verdict = _check_choice(args, new_text, choice.path, cache_dir, chosen, sla, verdict)
     print("\n".join(_verdict_lines(verdict)))
     print(f"\nchain for {args.model}: {' -> '.join(chain)}; layout {chosen.layout} (workers x cores per worker)")
-    written_to: str | None = None
-    if not diff:
-        not_written = f"{config_path} already holds this chain and layout"
-        print(not_written)
-    elif args.dry_run:
-        not_written = f"--dry-run: the diff was shown, {config_path} was left unchanged"
-        print(diff)
-    elif choice.source == "shipped default":
-        # The shipped file is the package's, not this box's: name one to write instead of editing it.
-        not_written = f"{config_path} is the shipped default; pass --config (or set $INFERVISOR_CONFIG)"
-        print(f"not written: {not_written}")
-        print(diff)
-    else:
-        temporary = config_path.with_suffix(".optimize.tmp")
-        temporary.write_text(new_text)
-        temporary.replace(config_path)  # a running daemon sees one complete file and rolls the model
-        written_to, not_written = str(config_path), ""
-        print(f"written to {config_path}")
+    written_to, not_written = _write_config(args, choice, new_text, diff)
     if args.json:
         report = {
             "model": args.model,

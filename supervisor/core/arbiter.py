@@ -34,13 +34,9 @@ from infervisor.supervisor.lifecycle.launcher import Launcher, launch_worker
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
-from infervisor.supervisor.monitors.age import AgeWatch
-from infervisor.supervisor.monitors.canary import CanaryWatch
-from infervisor.supervisor.monitors.drift import DriftWatch
 from infervisor.supervisor.monitors.findings import Action, Finding
-from infervisor.supervisor.monitors.memory import MemoryWatch
-from infervisor.supervisor.monitors.thermal import ThermalWatch
-from infervisor.supervisor.monitors.view import Monitor, MonitorView
+from infervisor.supervisor.monitors.registry import build_monitors
+from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.observe import status
 from infervisor.supervisor.observe.anomalies import Anomalies
 from infervisor.supervisor.observe.health import DaemonState, daemon_state, ready_to_announce, status_line
@@ -92,13 +88,12 @@ class Arbiter:
         self.notifier = Notifier()
         self.cpu_latency = CpuLatencyHold()
         self.watcher = FileWatcher(self.loop.wake)
-        self.thermal = ThermalWatch()
-        self.canaries = CanaryWatch()
-        self.memory = MemoryWatch()
+        #: Built from the table (supervisor/monitors/registry.py): adding a monitor is one file and one entry there.
+        self.monitors = build_monitors()
+        # The monitors whose readings other parts of the daemon use, named and typed by the table's bundle.
+        self.thermal, self.canaries, self.memory = self.monitors.thermal, self.monitors.canaries, self.monitors.memory
         #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches).
         self.fallback = FallbackControl(self.serving, self.pool)
-        #: Adding a monitor is one file and one entry here.
-        self.monitors: list[Monitor] = [self.memory, AgeWatch(), DriftWatch(), self.canaries, self.thermal]
         self.signals: collections.deque[int] = collections.deque()
         self.reloader = ConfigReloader(
             config_path, self.serving, self.pool, self.plan, self.watcher, self.notifier, self.started_at,
@@ -304,9 +299,9 @@ class Arbiter:
         config = self.config
         self.next_monitor = now + config.monitor_interval_s
         view = MonitorView(config, self.pool.serving_members(), self.pool.draining(), self.pool.live_pids())
-        findings = [finding for watch in self.monitors for finding in watch.check(now, view)]
+        findings = self.monitors.check(now, view)
         self.pool.track_descendants()
-        self.broker.shed = self.thermal.throttled and config.thermal_action == "shed"
+        self.broker.shed = self.monitors.thermal.throttled and config.thermal_action == "shed"
         for finding in findings:
             self.act(finding)
         self.publish_metrics()
@@ -343,7 +338,7 @@ class Arbiter:
         elif finding.action is Action.RECYCLE:
             self.pool.recycle(slot, f"monitor {finding.monitor}")
         elif finding.action is Action.FALLBACK and self.fallback.for_finding(slot, finding):
-            self.canaries.forget(slot.model.name)
+            self.monitors.canaries.forget(slot.model.name)
         elif finding.action is Action.FALLBACK:
             self.pool.recycle(slot, f"monitor {finding.monitor}")
 

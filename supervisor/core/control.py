@@ -19,7 +19,7 @@ import zmq
 from infervisor.protocol.codec import pack, unpack
 from infervisor.protocol.constants import CONTROL_SOCKET_NAME, STATUS_SOCKET_NAME, ErrorCode
 from infervisor.protocol.errors import ProtocolError
-from infervisor.supervisor.core.control_commands import READ_ONLY_COMMANDS
+from infervisor.supervisor.core.control_commands import read_only_commands
 from infervisor.supervisor.host.socket_group import SocketGroup, bind_ipc
 from infervisor.supervisor.observe.anomalies import Anomalies
 
@@ -30,7 +30,6 @@ Found = TypeVar("Found")
 
 #: Commands answered per loop turn: a flood of them must not hold the loop that routes requests.
 _BATCH = 16
-
 
 
 class ControlServer:
@@ -116,7 +115,7 @@ def status_server(
         # and would send `infervisor status` to a socket nobody listens on.
         (runtime_dir / STATUS_SOCKET_NAME).unlink(missing_ok=True)
         return None
-    return ControlServer(context, runtime_dir, anomalies, STATUS_SOCKET_NAME, group, READ_ONLY_COMMANDS)
+    return ControlServer(context, runtime_dir, anomalies, STATUS_SOCKET_NAME, group, read_only_commands())
 
 
 def _user_name(uid: int) -> str:
@@ -179,7 +178,7 @@ def permission_denied(path: Path) -> str:
 
 def control_socket(runtime_dir: Path, command: dict[str, Any]) -> Path:
     """control.sock, or status.sock for a read-only command when the daemon has one (a socket_group's one)."""
-    if command.get("cmd") in READ_ONLY_COMMANDS:
+    if command.get("cmd") in read_only_commands():
         status = runtime_dir / STATUS_SOCKET_NAME
         # lexists: False, not an error, when the runtime dir does not let us look inside.
         if os.path.lexists(status):

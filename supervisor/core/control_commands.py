@@ -78,14 +78,17 @@ CONTROL_COMMANDS: Mapping[str, ControlCommand] = {
     )
 }
 
-#: What status.sock answers to the socket group.
-READ_ONLY_COMMANDS = frozenset(name for name, command in CONTROL_COMMANDS.items() if command.read_only)
+
+def read_only_commands() -> frozenset[str]:
+    """What status.sock answers to the socket group (read from the table when asked, so a test may extend it)."""
+    return frozenset(name for name, command in CONTROL_COMMANDS.items() if command.read_only)
 
 
 def dispatch(
-    host: ControlHost, command: dict[str, Any], table: Mapping[str, ControlCommand] = CONTROL_COMMANDS
+    host: ControlHost, command: dict[str, Any], table: Mapping[str, ControlCommand] | None = None
 ) -> dict[str, Any]:
     """The answer to one command map: its handler's, or why it is refused (unknown, or a change while stopping)."""
+    table = CONTROL_COMMANDS if table is None else table
     name = command.get("cmd")
     found = table.get(name) if isinstance(name, str) else None
     if found is None:

@@ -1,0 +1,178 @@
+"""A model entry's tensors in config.json: its inputs (name, dtype, shape, synthetic data), outputs and data files.
+
+Each reader takes the config's `ReadContext` and reports a problem by the JSON path of the bad key.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
+from infervisor.protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
+from infervisor.supervisor.settings.config_keys import ReadContext
+from infervisor.supervisor.settings.fields import FieldReader, join_path
+
+#: The range `integers` synthetic data may draw from, [low, high): what the dtype holds (int64: what a float
+#: parameter carries exactly).
+_INTEGER_RANGES = {
+    "bool": (0, 2),
+    "uint8": (0, 2**8),
+    "int8": (-(2**7), 2**7),
+    "int16": (-(2**15), 2**15),
+    "int32": (-(2**31), 2**31),
+    "int64": (-(2**53), 2**53),
+}
+_MAX_DIM = 2**31 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _read_dim(r: FieldReader, dim: Any, where: str) -> tuple[int | None, DimRange | None] | None:
+    """One dim of a shape: an integer, null (any size), or [min, max] (max null: no upper bound); None when bad."""
+    if dim is None:
+        return None, None
+    if _is_int(dim) and 1 <= dim <= _MAX_DIM:
+        return dim, None
+    if isinstance(dim, list) and len(dim) == 2 and _is_int(dim[0]) and (dim[1] is None or _is_int(dim[1])):
+        low, high = dim
+        if 1 <= low <= _MAX_DIM and (high is None or low <= high <= _MAX_DIM):
+            if low == high:
+                return low, None
+            return None, (None if (low, high) == (1, None) else (low, high))
+    r.fail(where, f"must be an integer 1..{_MAX_DIM}, null (any size) or [min, max] with 1 <= min <= max "
+           f"(max null: no upper bound), got {dim!r}")  # fmt: skip
+    return None
+
+
+def _read_synthetic(r: FieldReader, raw: Any, where: str, dtype: str) -> Synthetic | None:
+    """`{"distribution": NAME, ...parameters}`: normal (mean, std), uniform (low, high), integers (low, high)."""
+    if raw is None:
+        return None
+    names = ", ".join(SYNTHETIC_DISTRIBUTIONS)
+    if not isinstance(raw, dict) or raw.get("distribution") not in SYNTHETIC_DISTRIBUTIONS:
+        r.fail(where, f"must be an object with a `distribution` of {names}, got {raw!r}")
+        return None
+    distribution = str(raw["distribution"])
+    parameters = SYNTHETIC_DISTRIBUTIONS[distribution]
+    r.check_keys(raw, where, {"distribution", *parameters})
+    values: list[float] = []
+    for key, default in parameters.items():
+        value: Any = raw.get(key, default)
+        integral = distribution == "integers"
+        if not (_is_int(value) if integral else isinstance(value, (int, float)) and not isinstance(value, bool)):
+            kind = "an integer" if integral else "a number"
+            r.fail(join_path(where, key), f"must be {kind}{' (required)' if default is None else ''}, got {value!r}")
+            return None
+        if not math.isfinite(value):
+            r.fail(join_path(where, key), f"must be finite, got {value!r}")
+            return None
+        values.append(float(value))
+    first, second = values
+    floating = dtype.startswith("float")
+    low, high = _INTEGER_RANGES.get(dtype, (-math.inf, math.inf))
+    if distribution in ("normal", "uniform") and not floating:
+        r.fail(join_path(where, "distribution"), f"{distribution} draws floats; a {dtype} input takes `integers`")
+    elif distribution == "normal" and second <= 0:
+        r.fail(join_path(where, "std"), f"must be > 0, got {raw.get('std')!r}")
+    elif distribution != "normal" and first >= second:
+        r.fail(where, f"needs low < high, got low {raw.get('low', first)!r} and high {raw.get('high')!r}")
+    elif distribution == "integers" and (first < low or second > high):
+        r.fail(where, f"integers for a {dtype} input need {low} <= low < high <= {high}")
+    else:
+        return Synthetic(distribution, first, second)
+    return None
+
+
+def read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...]:
+    r = ctx.fields
+    if not isinstance(raw, list) or not raw:
+        r.fail(path, "must be a non-empty array of {name, dtype, shape}")
+        return ()
+    specs: list[TensorSpec] = []
+    for index, item in enumerate(raw):
+        where = f"{path}[{index}]"
+        if not isinstance(item, dict):
+            r.fail(where, "must be an object")
+            continue
+        r.check_keys(item, where, {"name", "dtype", "shape", "allow_non_finite", "synthetic"})
+        name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            r.fail(f"{where}.name", "must be a non-empty string")
+            continue
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            r.fail(f"{where}.dtype", f"must be one of {', '.join(sorted(DTYPE_ITEMSIZE))}, got {dtype!r}")
+            continue
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            r.fail(f"{where}.shape", f"must be an array of at most {MAX_RANK} dims, got {shape!r}")
+            continue
+        dims = [_read_dim(r, dim, f"{where}.shape[{i}]") for i, dim in enumerate(shape)]
+        if any(dim is None for dim in dims):
+            continue
+        if any(spec.name == name for spec in specs):
+            r.fail(f"{where}.name", f"input {name!r} is declared twice")
+            continue
+        allow = r.boolean(item, "allow_non_finite", where, False)
+        synthetic = _read_synthetic(r, item.get("synthetic"), f"{where}.synthetic", dtype)
+        sizes = tuple(d[0] for d in dims if d is not None)
+        bounds = tuple(d[1] for d in dims if d is not None)
+        specs.append(TensorSpec(name, dtype, sizes, allow, bounds if any(bounds) else (), synthetic))
+    return tuple(specs)
+
+
+def read_outputs(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...] | None:
+    if raw is not None and (not isinstance(raw, list) or not all(isinstance(o, str) and o for o in raw)):
+        ctx.fields.fail(path, "must be an array of output names or null")
+        return None
+    return tuple(raw) if raw else None
+
+
+def read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    """An .npz path (relative to config.json's folder) that must exist and fit the inputs, as an absolute path."""
+    value = ctx.fields.string_or_null(raw, path)
+    if value is None:
+        return None
+    file = Path(value) if Path(value).is_absolute() else ctx.base / value
+    if not file.is_file():
+        ctx.fields.fail(path, f"no such file: {file}")
+    else:
+        _check_data_file(ctx.fields, str(file), ctx.earlier["inputs"], path)
+    return str(file)
+
+
+def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], where: str) -> None:
+    """A calibration/validation .npz holds one array per input, samples along dim 0, each sample fitting the spec."""
+    import numpy as np  # only when a data file is configured: validating a config needs no numpy otherwise
+
+    if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
+        r.fail(where, "needs inputs whose first dim is the batch (null or 1): samples are taken along it")
+        return
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as exc:
+        r.fail(where, f"cannot read {file} as .npz: {exc}")
+        return
+    samples = set()
+    for spec in specs:
+        array = arrays.get(spec.name)
+        if array is None:
+            r.fail(where, f"{file} has no array {spec.name!r} (it has {sorted(arrays)})")
+            continue
+        fits = (
+            array.ndim == len(spec.shape)
+            and array.dtype.name == spec.dtype
+            and all(_within(spec.dim_range(i), got) for i, got in enumerate(array.shape[1:], start=1))
+        )
+        if not fits:
+            r.fail(where, f"array {spec.name!r} is {array.dtype.name}{list(array.shape)}; expected {spec.describe()}")
+        samples.add(array.shape[0] if array.ndim else 0)
+    if len(samples) > 1 or 0 in samples:
+        r.fail(where, "its arrays must share a non-empty first (sample) dimension")
+
+
+def _within(bound: DimRange, size: int) -> bool:
+    return bound[0] <= size and (bound[1] is None or size <= bound[1])
