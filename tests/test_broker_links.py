@@ -76,7 +76,7 @@ class Rig:
         for index in range(workers):
             slot = WorkerSlot(config.models["tiny"], Assignment("tiny", index, (index,), 0, 1, False))
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            slot.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
+            slot.proc.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
             slot.state = SlotState.SERVING
             self.slots.append(slot)
             self.workers.append(Link(theirs, WORKER_LINK_FRAMES, 2**30))
