@@ -1,6 +1,7 @@
-"""One worker slot: its pinned cores, its current process, and the one state machine that governs it.
+"""One worker slot: its pinned cores, the one state machine that governs it, its current process, its notes.
 
-Only the pool (supervisor/lifecycle/pool.py) changes a slot's state; everything else reads it.
+Only the pool (supervisor/lifecycle/pool.py, with its rollout steps and stop sequence) changes a slot's state;
+everything else reads it. What belongs to one process is an `Incarnation`, replaced whole at each spawn.
 """
 
 from __future__ import annotations
