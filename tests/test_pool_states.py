@@ -406,3 +406,59 @@ def test_the_documented_state_diagram_is_the_transition_table() -> None:
     assert state_diagram.render(text) == text, "run `python -m infervisor.supervisor.core.state_diagram --write`"
     arrows = sum(len(moves) for moves in TRANSITIONS.values())
     assert state_diagram.diagram().count(" --> ") == arrows + 1  # and the initial [*] --> STOPPED
+
+
+def test_a_respawn_replaces_the_process_record_whole_and_keeps_the_notes(rig: Rig) -> None:
+    """What belonged to the dead process (its profile, kill, timings) goes with it; restarts and last exit stay."""
+    rig.pool.start()
+    (slot,) = rig.slots()
+    rig.ready(slot)
+    first = slot.proc
+    assert first.profile == "eager" and first.ready_at > 0.0
+    assert slot.kill("test kill")
+    rig.tick()
+    assert slot.state is SlotState.STARTING and slot.proc is not first
+    assert slot.proc.profile is None and not slot.proc.killed and slot.proc.ready_at == 0.0
+    assert first.profile == "eager" and first.killed, "the old record still says what that process was"
+    assert slot.notes.restarts == 1 and "test kill" in (slot.notes.last_exit or "")
+
+
+def test_a_rollout_target_is_applied_once_every_member_is_built_from_it(rig: Rig) -> None:
+    """begin_rollout makes the target what workers are built from; the serving config changes only when all are."""
+    rig.pool.start()
+    (old,) = rig.slots()
+    rig.ready(old)
+    serving = rig.serving.current.models["tiny"]
+    target = dataclasses.replace(serving, profiles=("eager", "jit"))
+    rig.serving.begin_rollout(target)
+    rig.pool.restart("tiny", "test")
+    rig.tick()
+    assert rig.serving.rolling() == ["tiny"] and rig.serving.model("tiny") == serving
+    successor = rig.pool.rollout.successor
+    assert successor is not None and successor.model == target
+    rig.ready(successor)
+    rig.tick()
+    rig.tick()
+    assert rig.serving.rolling() == [] and rig.serving.model("tiny") == target
+    assert rig.serving.rollout_error("tiny") is None
+
+
+def test_a_failed_rollout_drops_its_target_and_says_why_until_the_next_one(rig: Rig) -> None:
+    """A successor that dies before READY fails the model's rollout: the old config serves and the error stays."""
+    rig.pool.start()
+    (old,) = rig.slots()
+    rig.ready(old)
+    serving = rig.serving.current.models["tiny"]
+    rig.serving.begin_rollout(dataclasses.replace(serving, profiles=("eager", "jit")))
+    rig.pool.restart("tiny", "test")
+    rig.tick()
+    successor = rig.pool.rollout.successor
+    assert successor is not None
+    rig.exit(successor, 4)
+    rig.tick()
+    rig.tick()
+    error = rig.serving.rollout_error("tiny")
+    assert rig.serving.rolling() == [] and rig.serving.model("tiny") == serving
+    assert error is not None and "replacement failed" in error and rig.pool.roster.load_errors() == {"tiny": error}
+    rig.serving.begin_rollout(dataclasses.replace(serving, profiles=("eager", "jit")))
+    assert rig.serving.rollout_error("tiny") is None, "a new rollout forgets the last one's failure"
