@@ -76,7 +76,7 @@ class Rig:
         for index in range(workers):
             slot = WorkerSlot(config.models["tiny"], Assignment("tiny", index, (index,), 0, 1, False))
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            slot.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
+            slot.proc.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
             slot.state = SlotState.SERVING
             self.slots.append(slot)
             self.workers.append(Link(theirs, WORKER_LINK_FRAMES, 2**30))
@@ -114,7 +114,7 @@ class Rig:
     def answer_and_read(self, worker: int, request: wm.Request, client_id: int) -> None:
         """Worker `worker` answers `request`, and the broker reads the answer (dispatching what may follow)."""
         self.reply(worker, request, client_id)
-        link = self.slots[worker].link
+        link = self.slots[worker].proc.link
         assert link is not None and link.wait_readable(5.0) and self.links.read(self.slots[worker])
 
     def batch_at(self, worker: int) -> wm.Batch:
@@ -168,8 +168,8 @@ def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig
     rig.send_request(1)
     first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
     rig.reply(first, rig.request_at(first), 1)
-    assert rig.slots[first].link is not None
-    assert rig.slots[first].link.wait_readable(5.0)
+    assert rig.slots[first].proc.link is not None
+    assert rig.slots[first].proc.link.wait_readable(5.0)
     rig.links.read(rig.slots[first])
     assert rig.client_reply()["id"] == 1
     rig.workers[first].close()  # dies idle; the broker has not read the EOF yet

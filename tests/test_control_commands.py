@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from infervisor.supervisor.core.control_commands import (
@@ -18,8 +19,8 @@ class _Pool:
     """The pool as a command sees it: its members, whether it stops, and the restarts it was asked for."""
 
     def __init__(self, stopping: bool) -> None:
-        self.stopping = stopping
-        self.members = {"m": []}
+        self.stop = SimpleNamespace(stopping=stopping)
+        self.roster = SimpleNamespace(members={"m": []})
         self.restarted: list[str | None] = []
 
     def restart(self, model: str | None, reason: str, forget_overruns: bool = False) -> int:

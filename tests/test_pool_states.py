@@ -135,16 +135,16 @@ class Rig:
 
     def slots(self) -> list[WorkerSlot]:
         """The members of the model."""
-        return self.pool.members["tiny"]
+        return self.pool.roster.members["tiny"]
 
     def ready(self, slot: WorkerSlot) -> None:
         """The slot's worker says READY."""
-        self.pool.worker_ready(slot, wm.Ready(slot.worker_id, 1, 1.0, 1.0, 1, [0], "eager", "", ""))
+        self.pool.worker_ready(slot, wm.Ready(slot.proc.worker_id, 1, 1.0, 1.0, 1, [0], "eager", "", ""))
 
     def exit(self, slot: WorkerSlot, code: int) -> None:
         """The slot's process ends with `code`; the next tick reaps it."""
-        assert isinstance(slot.process, Process)
-        slot.process.code = code
+        assert isinstance(slot.proc.process, Process)
+        slot.proc.process.code = code
 
     def tick(self, seconds: float = 0.02) -> None:
         """Let time pass and reconcile once."""
@@ -193,7 +193,7 @@ def test_spawn_ready_and_a_crash_while_serving_respawns_at_once(rig: Rig) -> Non
     rig.exit(slot, -9)
     rig.tick()
     assert slot.state is SlotState.STARTING, "a first crash while serving is respawned in the same tick"
-    assert slot.restarts == 1 and len(rig.launches.processes) == 2
+    assert slot.notes.restarts == 1 and len(rig.launches.processes) == 2
 
 
 def test_a_worker_that_never_gets_ready_backs_off_harder_then_fails(rig: Rig) -> None:
@@ -214,7 +214,7 @@ def test_a_worker_that_never_gets_ready_backs_off_harder_then_fails(rig: Rig) ->
     assert slot.state is SlotState.FAILED and "3 failures" in slot.reason
     rig.tick(60.0)
     assert slot.state is SlotState.FAILED and len(rig.launches.processes) == 3, "a failed slot is not respawned"
-    assert rig.pool.all_failed()
+    assert rig.pool.roster.all_failed()
 
 
 def test_a_spawn_the_box_refuses_backs_off_without_a_process(rig: Rig) -> None:
@@ -235,16 +235,16 @@ def test_a_hung_worker_is_killed_once_and_replaced(tmp_path: Path) -> None:
         rig.pool.start()
         (slot,) = rig.slots()
         rig.ready(slot)
-        process = slot.process
+        process = slot.proc.process
         assert isinstance(process, Process)
         process.kill = lambda: setattr(process, "killed", True)  # type: ignore[method-assign]
-        slot.last_heard = rig.now - 60.0
+        slot.proc.last_heard = rig.now - 60.0
         rig.tick()
         rig.tick()
-        assert process.killed and slot.killed, "killed"
+        assert process.killed and slot.proc.killed, "killed"
         process.code = -9
         rig.tick()
-        assert slot.state is SlotState.STARTING and slot.process is not process
+        assert slot.state is SlotState.STARTING and slot.proc.process is not process
     finally:
         rig.close()
 
@@ -262,10 +262,10 @@ def test_a_surge_rollout_keeps_the_old_worker_until_its_successor_is_ready(rig: 
     rig.ready(successor)
     rig.tick()
     assert rig.slots() == [successor]
-    assert old.state is SlotState.DRAINING and old in rig.pool.extra
+    assert old.state is SlotState.DRAINING and old in rig.pool.roster.extra
     rig.exit(old, 0)
     rig.tick()
-    assert old.state is SlotState.STOPPED and old not in rig.pool.extra
+    assert old.state is SlotState.STOPPED and old not in rig.pool.roster.extra
     assert rig.pool.rollout.completed == 1 and rig.pool.rollout.pending == 0
 
 
@@ -282,7 +282,7 @@ def test_a_successor_that_dies_before_ready_is_abandoned_and_the_old_worker_keep
     rig.tick()
     rig.tick()
     assert rig.slots() == [old] and old.state is SlotState.SERVING
-    assert successor not in rig.pool.extra and successor.state is SlotState.STOPPED
+    assert successor not in rig.pool.roster.extra and successor.state is SlotState.STOPPED
     assert rig.pool.rollout.last_error is not None and "old worker keeps serving" in rig.pool.rollout.last_error
 
 
@@ -320,15 +320,15 @@ def test_scaling_down_retires_the_surplus_and_stop_ends_with_every_slot_stopped(
         rig.serving.replace(new)
         rig.pool.adopt(new, _plan(new), diff)
         (kept,) = rig.slots()
-        (surplus,) = rig.pool.extra
+        (surplus,) = rig.pool.roster.extra
         assert surplus.state is SlotState.DRAINING and kept.state is SlotState.SERVING
-        rig.pool.begin_stop(rig.now)
+        rig.pool.stop.begin(rig.now)
         rig.tick()
         assert kept.state is SlotState.STOPPING and surplus.state is SlotState.STOPPING
         for slot in (kept, surplus):
             rig.exit(slot, 0)
         rig.tick()
-        assert rig.pool.finished()
+        assert rig.pool.stop.finished()
     finally:
         rig.close()
 
@@ -360,15 +360,17 @@ def test_builds_are_not_counted_by_the_start_limit_and_each_has_its_own_limit(ri
     _enter(rig, slot, 29.0, StartPhase.WAITING, "int8_static", 2)  # each build phase has its own 30 s
     _enter(rig, slot, 29.0, StartPhase.BUILDING, "int8_static", 2)
     _enter(rig, slot, 29.0, StartPhase.WARMING, "int8_static", 2)
-    assert slot.state is SlotState.STARTING and not slot.killed
-    assert slot.start.counted(rig.now) == pytest.approx(5.5, abs=0.01) and slot.start.build_s == pytest.approx(112.0)
+    assert slot.state is SlotState.STARTING and not slot.proc.killed
+    clock = slot.proc.start
+    assert clock.counted(rig.now) == pytest.approx(5.5, abs=0.01) and clock.build_s == pytest.approx(112.0)
     rig.tick(4.0)
-    assert not slot.killed, "9.5 s counted, under the 10 s start limit"
+    assert not slot.proc.killed, "9.5 s counted, under the 10 s start limit"
     rig.tick(1.0)
-    assert slot.killed and slot.compile_overrun is None, "the start limit is not a compile overrun"
+    assert slot.proc.killed and slot.proc.compile_overrun is None, "the start limit is not a compile overrun"
     rig.tick()
-    assert "not ready after 10 s of loading, checking and warming up" in (slot.last_exit or ""), slot.last_exit
-    assert "builds took 112 s more, not counted" in (slot.last_exit or "")
+    last_exit = slot.notes.last_exit or ""
+    assert "not ready after 10 s of loading, checking and warming up" in last_exit, last_exit
+    assert "builds took 112 s more, not counted" in last_exit
 
 
 def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_worker(rig: Rig) -> None:
@@ -378,11 +380,13 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
     (slot,) = rig.slots()
     _enter(rig, slot, 1.0, StartPhase.BUILDING, "int8_static", 2)
     rig.tick(30.0)
-    assert not slot.killed
+    assert not slot.proc.killed
     rig.tick(0.5)
-    assert slot.killed and slot.compile_overrun is not None and slot.compile_overrun["profile"] == "int8_static"
+    overrun = slot.proc.compile_overrun
+    assert slot.proc.killed and overrun is not None and overrun["profile"] == "int8_static"
     rig.tick()  # reaped: backs off
-    assert "building profile int8_static (2 of 3) for 30 s, over compile_timeout_s (30 s)" in (slot.last_exit or "")
+    last_exit = slot.notes.last_exit or ""
+    assert "building profile int8_static (2 of 3) for 30 s, over compile_timeout_s (30 s)" in last_exit
     (first,) = rig.pool.recent_exits["tiny"]
     assert first["killed_by_supervisor"] and first["compile_overrun"]["profile"] == "int8_static"
     stems = {"int8_static": "int8_static-key", "aoti": "aoti-key"}
@@ -402,3 +406,59 @@ def test_the_documented_state_diagram_is_the_transition_table() -> None:
     assert state_diagram.render(text) == text, "run `python -m infervisor.supervisor.core.state_diagram --write`"
     arrows = sum(len(moves) for moves in TRANSITIONS.values())
     assert state_diagram.diagram().count(" --> ") == arrows + 1  # and the initial [*] --> STOPPED
+
+
+def test_a_respawn_replaces_the_process_record_whole_and_keeps_the_notes(rig: Rig) -> None:
+    """What belonged to the dead process (its profile, kill, timings) goes with it; restarts and last exit stay."""
+    rig.pool.start()
+    (slot,) = rig.slots()
+    rig.ready(slot)
+    first = slot.proc
+    assert first.profile == "eager" and first.ready_at > 0.0
+    assert slot.kill("test kill")
+    rig.tick()
+    assert slot.state is SlotState.STARTING and slot.proc is not first
+    assert slot.proc.profile is None and not slot.proc.killed and slot.proc.ready_at == 0.0
+    assert first.profile == "eager" and first.killed, "the old record still says what that process was"
+    assert slot.notes.restarts == 1 and "test kill" in (slot.notes.last_exit or "")
+
+
+def test_a_rollout_target_is_applied_once_every_member_is_built_from_it(rig: Rig) -> None:
+    """begin_rollout makes the target what workers are built from; the serving config changes only when all are."""
+    rig.pool.start()
+    (old,) = rig.slots()
+    rig.ready(old)
+    serving = rig.serving.current.models["tiny"]
+    target = dataclasses.replace(serving, profiles=("eager", "jit"))
+    rig.serving.begin_rollout(target)
+    rig.pool.restart("tiny", "test")
+    rig.tick()
+    assert rig.serving.rolling() == ["tiny"] and rig.serving.model("tiny") == serving
+    successor = rig.pool.rollout.successor
+    assert successor is not None and successor.model == target
+    rig.ready(successor)
+    rig.tick()
+    rig.tick()
+    assert rig.serving.rolling() == [] and rig.serving.model("tiny") == target
+    assert rig.serving.rollout_error("tiny") is None
+
+
+def test_a_failed_rollout_drops_its_target_and_says_why_until_the_next_one(rig: Rig) -> None:
+    """A successor that dies before READY fails the model's rollout: the old config serves and the error stays."""
+    rig.pool.start()
+    (old,) = rig.slots()
+    rig.ready(old)
+    serving = rig.serving.current.models["tiny"]
+    rig.serving.begin_rollout(dataclasses.replace(serving, profiles=("eager", "jit")))
+    rig.pool.restart("tiny", "test")
+    rig.tick()
+    successor = rig.pool.rollout.successor
+    assert successor is not None
+    rig.exit(successor, 4)
+    rig.tick()
+    rig.tick()
+    error = rig.serving.rollout_error("tiny")
+    assert rig.serving.rolling() == [] and rig.serving.model("tiny") == serving
+    assert error is not None and "replacement failed" in error and rig.pool.roster.load_errors() == {"tiny": error}
+    rig.serving.begin_rollout(dataclasses.replace(serving, profiles=("eager", "jit")))
+    assert rig.serving.rollout_error("tiny") is None, "a new rollout forgets the last one's failure"

@@ -97,9 +97,8 @@ class Arbiter:
         self.signals: collections.deque[int] = collections.deque()
         self.reloader = ConfigReloader(
             config_path, self.serving, self.pool, self.plan, self.watcher, self.notifier, self.started_at,
-            self.fallback.fallbacks,
+            self.fallback.fallbacks, lambda: self.status_line,
         )  # fmt: skip
-        self.reloader.status_line = lambda: self.status_line
         #: Published each monitor turn; served over HTTP only with metrics_listen, and by `infervisor metrics`.
         self.metrics = Metrics()
         self.announced_ready = False
@@ -149,9 +148,9 @@ class Arbiter:
         while self.signals:
             signum = self.signals.popleft()
             if signum in (signal.SIGTERM, signal.SIGINT):
-                if self.pool.stopping:
+                if self.pool.stop.stopping:
                     log.warning("stop_forced", signal=signal.Signals(signum).name)
-                    self.pool.stop_deadline = 0.0
+                    self.pool.stop.deadline = 0.0
                 else:
                     self.begin_stop(f"signal {signal.Signals(signum).name}")
             elif signum == signal.SIGHUP:
@@ -170,7 +169,7 @@ class Arbiter:
             tcp_endpoint=self.config.tcp_endpoint,
             config=str(self.reloader.config_path),
             config_digest=self.config.digest,
-            plan={s.name: list(s.assignment.cpus) for s in self.pool.all_slots()},
+            plan={s.name: list(s.assignment.cpus) for s in self.pool.roster.all_slots()},
         )
         try:
             # Inside the try: whatever fails here, the workers already spawned are killed and reaped.
@@ -180,7 +179,7 @@ class Arbiter:
             self.pool.start()
             self.reloader.watch_files()
             self.watcher.start()
-            while not self.pool.finished():
+            while not self.pool.stop.finished():
                 self.loop.poll(self.wait_ms())
                 self.handle_signals()
                 now = time.monotonic()
@@ -211,11 +210,11 @@ class Arbiter:
         self.broker.expire(now)
         self.broker.flush_replies()
         self.pet_watchdog(now)
-        if self.pool.stopping:
+        if self.pool.stop.stopping:
             return
         self.reloader.react_to_file_changes(now)
         self.monitor(now)
-        if self.pool.all_failed() != self.all_failed_logged:
+        if self.pool.roster.all_failed() != self.all_failed_logged:
             # The daemon stays up, state down, with each model's reason in status: a fixed config.json is
             # reloaded without a restart (systemd would only retry the same config up to its start limit).
             self.all_failed_logged = not self.all_failed_logged
@@ -223,7 +222,7 @@ class Arbiter:
                 log.error(
                     "all_workers_failed", reason="every slot of every model failed; down until a reload or restart"
                 )
-        self.affinity.reconcile((s.assignment.cpus for s in self.pool.all_slots()), self.config.pin_supervisor)
+        self.affinity.reconcile((s.assignment.cpus for s in self.pool.roster.all_slots()), self.config.pin_supervisor)
         # Polling idle adds heat: a throttling box lets go of the request until it cools.
         self.cpu_latency.reconcile(self.config.cpu_latency_us, self.thermal.throttled)
         self.announce_readiness()
@@ -236,15 +235,15 @@ class Arbiter:
 
     def announce_readiness(self) -> None:
         """READY=1 once every model has a serving worker or has FAILED with a reason; STATUS= whenever that changes."""
-        reports = self.pool.reports()
+        reports = self.pool.roster.reports()
         if not self.announced_ready and ready_to_announce(reports):
             self.announced_ready = True
-            ready = sum(1 for s in self.pool.all_slots() if s.state is SlotState.SERVING)
+            ready = sum(1 for s in self.pool.roster.all_slots() if s.state is SlotState.SERVING)
             log.info("supervisor_ready", workers=ready, uptime_s=round(time.time() - self.started_at, 3))
             self.status_line = status_line(reports, daemon_state(reports, True, False))
             self.notifier.ready(self.status_line)
             return
-        state = daemon_state(reports, self.announced_ready, self.pool.stopping)
+        state = daemon_state(reports, self.announced_ready, self.pool.stop.stopping)
         line = status_line(reports, state)
         if line != self.status_line:
             if state is not self.state:
@@ -286,8 +285,8 @@ class Arbiter:
             operators = json.loads(result.operators)
         except ValueError:
             operators = {"error": "the worker sent operators that are not JSON"}
-        slot.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
-        slot.profile_started_at = None
+        slot.notes.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
+        slot.proc.profile_started_at = None
         log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests)
 
     # ---- monitors -----------------------------------------------------------------------------
@@ -298,7 +297,9 @@ class Arbiter:
             return
         config = self.config
         self.next_monitor = now + config.monitor_interval_s
-        view = MonitorView(config, self.pool.serving_members(), self.pool.draining(), self.pool.live_pids())
+        view = MonitorView(
+            config, self.pool.roster.serving_members(), self.pool.roster.draining(), self.pool.roster.live_pids()
+        )
         findings = self.monitors.check(now, view)
         self.pool.track_descendants()
         self.broker.shed = self.monitors.thermal.throttled and config.thermal_action == "shed"
@@ -330,9 +331,9 @@ class Arbiter:
         if slot is None:
             return
         if finding.action is Action.RECORD:
-            slot.last_event = {"monitor": finding.monitor, **finding.detail}
+            slot.notes.last_event = {"monitor": finding.monitor, **finding.detail}
             return
-        slot.last_event = {"monitor": finding.monitor, "action": finding.action.value, **finding.detail}
+        slot.notes.last_event = {"monitor": finding.monitor, "action": finding.action.value, **finding.detail}
         if finding.action is Action.KILL:
             slot.kill(f"monitor {finding.monitor}", RestartReason.MONITOR_KILL)
         elif finding.action is Action.RECYCLE:
@@ -347,14 +348,14 @@ class Arbiter:
     def begin_stop(self, reason: str) -> None:
         """Refuse new work; in-flight and queued requests get the grace period to finish."""
         self.broker.accepting = False
-        self.pool.begin_stop(time.monotonic())
+        self.pool.stop.begin(time.monotonic())
         self.notifier.stopping()
         log.info("supervisor_stopping", reason=reason, grace_s=self.config.shutdown_grace_s)
 
     def shutdown(self) -> None:
         """Kill anything still alive, then close sockets so no file is left behind."""
         self.metrics.close()
-        self.pool.shutdown()
+        self.pool.stop.shutdown()
         self.broker.close()
         self.control.close()
         if self.status_server is not None:
@@ -376,25 +377,25 @@ class Arbiter:
 
     def start_profile(self, model: str, requests: int) -> dict[str, Any]:
         """Ask one serving worker of `model` to profile its next requests; the report appears in its status."""
-        serving = self.pool.serving_members().get(model, [])
+        serving = self.pool.roster.serving_members().get(model, [])
         if not serving:
             return {"ok": False, "error": f"model {model[:128]!r} has no serving worker"}
         self.probe_seq += 1
         slot = serving[0]
         if not self.links.send_control(slot, wm.Profile(self.probe_seq, requests)):
             return {"ok": False, "error": f"{slot.name} is not connected"}
-        slot.profile_started_at = time.monotonic()
+        slot.proc.profile_started_at = time.monotonic()
         return {"ok": True, "slot": slot.assignment.slot, "pid": slot.pid, "seq": self.probe_seq}
 
     def status(self) -> dict[str, Any]:
         """Everything an operator asks first: who serves what, where, how fast, and what went wrong."""
         config = self.config
-        reports = self.pool.reports()
+        reports = self.pool.roster.reports()
         return {
             "ok": True,
             "pid": os.getpid(),
-            "state": daemon_state(reports, self.announced_ready, self.pool.stopping).value,
-            "status": status_line(reports, daemon_state(reports, self.announced_ready, self.pool.stopping)),
+            "state": daemon_state(reports, self.announced_ready, self.pool.stop.stopping).value,
+            "status": status_line(reports, daemon_state(reports, self.announced_ready, self.pool.stop.stopping)),
             "uptime_s": round(time.time() - self.started_at, 3),
             "rss": status.rss_of(os.getpid()),
             "cpus": sorted(self.affinity.current),

@@ -59,8 +59,8 @@ def _profile(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
 
 def _restart(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
     model = command.get("model")
-    if model is not None and model not in host.pool.members:
-        return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(host.pool.members)}"}
+    if model is not None and model not in host.pool.roster.members:
+        return {"ok": False, "error": f"no model {str(model)[:128]!r}; serving {sorted(host.pool.roster.members)}"}
     # The operator's restart also retries builds that overran the compile limit (after `infervisor build`).
     return {"ok": True, "queued": host.pool.restart(model, "operator command", forget_overruns=True)}
 
@@ -93,6 +93,6 @@ def dispatch(
     found = table.get(name) if isinstance(name, str) else None
     if found is None:
         return {"ok": False, "error": f"unknown command {str(name)[:64]!r}; known: {', '.join(table)}"}
-    if host.pool.stopping and not found.read_only:
+    if host.pool.stop.stopping and not found.read_only:
         return {"ok": False, "error": "the daemon is stopping"}
     return found.handle(host, command)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 
@@ -123,25 +124,24 @@ class Fallbacks:
         self.active[name] = dataclasses.replace(fallback, resetting=True)
         return fallback
 
-    def reconcile(
-        self, current: Mapping[str, ModelConfig], targets: Mapping[str, ModelConfig], errors: Mapping[str, str]
-    ) -> None:
+    def reconcile(self, serving: ServingConfig) -> None:
         """Follow the rollouts: a reset that finished ends its fallback; a rollout that was rolled back is noted."""
         for name, fallback in list(self.active.items()):
-            model = current.get(name)
-            if model is None or name in targets:
+            model = serving.model(name)
+            if model is None or serving.target(name) is not None:
                 continue  # gone (overlay drops it at the next reload) or still rolling
+            error = serving.rollout_error(name)
             if fallback.resetting and model.profiles == fallback.configured:
                 del self.active[name]
                 log.info("fallback_reset", model=name, profiles=list(model.profiles))
             elif fallback.resetting:
                 self.active[name] = dataclasses.replace(fallback, resetting=False)
-                self.notes[name] = f"reset to {list(fallback.configured)} rolled back: {errors.get(name, '?')}"
-                log.error("fallback_reset_failed", model=name, error=errors.get(name))
+                self.notes[name] = f"reset to {list(fallback.configured)} rolled back: {error or '?'}"
+                log.error("fallback_reset_failed", model=name, error=error)
             elif model.profiles != fallback.chain:
                 del self.active[name]
-                self.notes[name] = f"fallback to {list(fallback.chain)} rolled back: {errors.get(name, '?')}"
-                log.error("fallback_failed", model=name, error=errors.get(name))
+                self.notes[name] = f"fallback to {list(fallback.chain)} rolled back: {error or '?'}"
+                log.error("fallback_failed", model=name, error=error)
 
     def status(self, name: str, current: ModelConfig | None) -> dict[str, object] | None:
         """The model's `fallback` entry in status, or None when its configured chain serves and nothing is noted."""

@@ -43,7 +43,7 @@ class FallbackControl:
         """A monitor's repeated evidence against the slot's profile moves its model down; False when it cannot."""
         earlier = finding.detail.get("earlier_pids")
         pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
-        reason = f"{finding.monitor} on {slot.profile} repeated in pids {pids}"
+        reason = f"{finding.monitor} on {slot.proc.profile} repeated in pids {pids}"
         answer = self.fall_back(slot.model.name, reason, FallbackOrigin.CANARY)
         if not answer["ok"]:
             log.warning("fallback_not_possible", slot=slot.name, reason=reason, why=answer["error"])
@@ -55,7 +55,9 @@ class FallbackControl:
         if refused is not None:
             return {"ok": False, "error": refused}
         current = self.serving.current.models[model]
-        serving = [s.profile for s in self.pool.members[model] if s.state is SlotState.SERVING and s.profile]
+        serving = [
+            s.proc.profile for s in self.pool.roster.members[model] if s.state is SlotState.SERVING and s.proc.profile
+        ]
         if not serving:
             return {"ok": False, "error": f"no worker of {model!r} serves: there is no profile to fall back from"}
         outcome = self.fallbacks.step_down(current, serving, reason, origin)
@@ -79,9 +81,9 @@ class FallbackControl:
 
     def refusal(self, model: str) -> str | None:
         """Why the model's chain cannot be changed now, or None."""
-        if model not in self.pool.members:
-            return f"no model {model[:128]!r}; serving {sorted(self.pool.members)}"
-        if model in self.serving.targets:
+        if model not in self.pool.roster.members:
+            return f"no model {model[:128]!r}; serving {sorted(self.pool.roster.members)}"
+        if self.serving.target(model) is not None:
             return f"{model!r} is rolling out a config; fall back once `infervisor status` shows it applied"
         return None
 
@@ -90,8 +92,7 @@ class FallbackControl:
     ) -> dict[str, Any]:
         """Make `chain` the model's rollout target and replace its workers one at a time (readiness-gated)."""
         current = self.serving.current.models[model]
-        self.serving.targets[model] = dataclasses.replace(current, profiles=chain)
-        self.pool.rollout_errors.pop(model, None)  # an older rollout's failure is not this one's
+        self.serving.begin_rollout(dataclasses.replace(current, profiles=chain))
         queued = self.pool.restart(model, why, RestartReason.CONFIG)
         log.warning(
             event, model=model, left=fallback.left, profiles=list(chain), configured=list(fallback.configured),
@@ -101,4 +102,4 @@ class FallbackControl:
 
     def reconcile(self) -> None:
         """Follow the rollouts a fallback started (a finished reset ends it, a rolled-back one is noted)."""
-        self.fallbacks.reconcile(self.serving.current.models, self.serving.targets, self.pool.rollout_errors)
+        self.fallbacks.reconcile(self.serving)

@@ -50,6 +50,7 @@ class ConfigReloader:
         notifier: Notifier,
         started_at: float,
         fallbacks: Fallbacks,
+        status_line: Callable[[], str],
     ) -> None:
         self.config_path = config_path
         self.serving = serving
@@ -68,8 +69,8 @@ class ConfigReloader:
         self.generation = 0
         self.last_diff: dict[str, object] = {}
         self.stats = ReloadStats(last_success_at=started_at)
-        #: The daemon's STATUS= line, sent again with READY=1 after a reload (set by the arbiter).
-        self.status_line: Callable[[], str] = lambda: ""
+        #: The daemon's STATUS= line now (the arbiter keeps it), sent again with READY=1 after a reload.
+        self.status_line = status_line
 
     def watch_files(self) -> None:
         """Watch config.json and every model file (a changed file restarts its model, rolling)."""
@@ -84,7 +85,7 @@ class ConfigReloader:
         for key in self.watcher.due(now):
             if key == _CONFIG_KEY:
                 self.requested = self.requested or "config file changed"
-            elif key in self.pool.members:
+            elif key in self.pool.roster.members:
                 self.pool.restart(key, "model file changed on disk", RestartReason.MODEL_FILE)
         # A drain-first step has taken a worker out of its pool and not yet put the replacement in;
         # re-planning the pool now would see a hole and fill it twice. The reload waits for the step.
@@ -131,7 +132,7 @@ class ConfigReloader:
             log.info("config_applied", reason=reason, digest=new.digest, diff=self.last_diff)
         self.notifier.ready(self.status_line() or f"config {new.digest} applied")
         # Every model still moving to a new config, whichever reload started it: what `infervisor reload` waits for.
-        rolling = sorted(self.serving.targets)
+        rolling = self.serving.rolling()
         return {"ok": True, "generation": self.generation, "diff": self.last_diff, "rolling": rolling}
 
     def reject(self, reason: str, problems: list[str]) -> dict[str, Any]:
@@ -153,9 +154,9 @@ class ConfigReloader:
         held = {name: held_back(old.models[name], new.models[name]) for name in diff.rolling}
         self.serving.replace(dataclasses.replace(new, models={**new.models, **held}))
         for name in diff.rolling:
-            self.serving.targets[name] = new.models[name]
+            self.serving.begin_rollout(new.models[name])
         for name in diff.removed:
-            self.serving.targets.pop(name, None)
+            self.serving.drop_rollout(name)
         self.generation += 1
         self.applied_at = time.time()
         if "log_level" in diff.live:

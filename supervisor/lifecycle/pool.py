@@ -1,9 +1,11 @@
 """The worker pool: every slot's lifecycle, reconciled toward the configured shape on each `tick`.
 
-The pool alone creates, spawns, kills, retires and moves slots, and it is the only caller of slot
-transitions. It holds each model's members (the slots the broker routes to) and the slots outside
-them (successors warming up, old workers draining away), works the rolling-restart queue, and stops
-everything in order. The broker tells it what it saw of a worker; the monitors tell the arbiter.
+The pool and the parts it holds alone create, spawn, kill, retire and move slots, and call slot
+transitions. Its roster (supervisor/lifecycle/roster.py) holds each model's members (the slots the
+broker routes to) and the slots outside them (successors warming up, old workers draining away); its
+rollout works the rolling-restart queue through its steps (rollout_steps.py); its stop sequence
+(stopping.py) stops everything in order. The broker tells it what it saw of a worker; the monitors
+tell the arbiter.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import collections
 import re
 import time
-from collections.abc import Iterator, Sequence
 
 import structlog
 
@@ -20,18 +21,18 @@ from infervisor.protocol.constants import ErrorCode, WorkerExitCode
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.launcher import ExitRecord, Launcher, launch_worker
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
+from infervisor.supervisor.lifecycle.rollout_steps import RolloutSteps
+from infervisor.supervisor.lifecycle.roster import Roster
 from infervisor.supervisor.lifecycle.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from infervisor.supervisor.lifecycle.stopping import STOP_KILL_AFTER_S, StopSequence
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
-from infervisor.supervisor.observe.health import ModelReport, model_report
 from infervisor.supervisor.routing.broker import Broker
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
 from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")
 
-#: How long stopped workers get to exit before SIGKILL.
-STOP_KILL_AFTER_S = 5.0
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 30.0
 #: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
@@ -62,65 +63,25 @@ class WorkerPool:
         self.broker = broker
         self.launcher = launcher
         models = serving.current.models
-        #: The slots each model routes to, in slot order (the broker reads this mapping).
-        self.members: dict[str, list[WorkerSlot]] = {
-            name: [WorkerSlot(models[name], a) for a in assignments] for name, assignments in plan.items()
-        }
-        #: Successors still warming up and old workers draining away: alive, but not routed to.
-        self.extra: list[WorkerSlot] = []
+        self.roster = Roster(
+            serving, {name: [WorkerSlot(models[name], a) for a in assignments] for name, assignments in plan.items()}
+        )
         #: Worker processes replaced, per model and why: exits not asked for (here) and rollout steps (the rollout).
         self.restarts: collections.Counter[tuple[str, RestartReason]] = collections.Counter()
         self.rollout = Rollout(self.restarts)
-        #: Models that have had a serving worker since they joined the config (STARTING vs UNAVAILABLE).
-        self.has_served: set[str] = set()
-        #: Per model, why its last rollout toward a new config failed (cleared by the next one).
-        self.rollout_errors: dict[str, str] = {}
+        self.steps = RolloutSteps(self.roster, serving, self.rollout, links, broker, self.spawn, self.retire)
+        self.stop = StopSequence(self.roster, serving, self.rollout, links, broker)
         #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
         self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
         #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
         self.load_failures: collections.Counter[str] = collections.Counter()
-        self.stopping = False
-        self.stop_deadline = 0.0
-        self.kill_deadline: float | None = None
-        broker.route_to(self.members)
-
-    # ---- what is there ----------------------------------------------------------------------
-
-    def member_slots(self) -> Iterator[WorkerSlot]:
-        """Every slot the broker routes to."""
-        for slots in self.members.values():
-            yield from slots
-
-    def all_slots(self) -> list[WorkerSlot]:
-        """Every slot with a process to watch: the members plus successors and retiring workers."""
-        return [*self.member_slots(), *self.extra]
-
-    def serving_members(self) -> dict[str, list[WorkerSlot]]:
-        """Per model, the members that serve now."""
-        return {name: [s for s in slots if s.state is SlotState.SERVING] for name, slots in self.members.items()}
-
-    def draining(self) -> list[WorkerSlot]:
-        """Retired workers that still finish their requests."""
-        return [s for s in self.extra if s.state is SlotState.DRAINING]
-
-    def live_pids(self) -> frozenset[int]:
-        """The pid of every live worker process."""
-        return frozenset(pid for s in self.all_slots() if (pid := s.pid) is not None)
-
-    def reports(self) -> dict[str, ModelReport]:
-        """Each model's health, from its members."""
-        return {name: model_report(slots, name in self.has_served) for name, slots in self.members.items()}
-
-    def all_failed(self) -> bool:
-        """True when every slot of every model has FAILED: nothing will ever serve again."""
-        slots = list(self.member_slots())
-        return bool(slots) and all(s.state is SlotState.FAILED for s in slots)
+        broker.route_to(self.roster.members)
 
     # ---- the reconcile step ------------------------------------------------------------------
 
     def start(self) -> None:
         """Spawn every member."""
-        for slot in self.all_slots():
+        for slot in self.roster.all_slots():
             self.spawn(slot)
 
     def tick(self, now: float) -> None:
@@ -128,10 +89,10 @@ class WorkerPool:
         self.reap(now)
         self.murder(now)
         self.heartbeat(now)
-        if self.stopping:
-            self.advance_stop(now)
+        if self.stop.stopping:
+            self.stop.advance(now)
             return
-        self.rollout.advance(self)
+        self.rollout.advance(self.steps)
         self.settle_targets()
         self.manage(now)
 
@@ -153,10 +114,10 @@ class WorkerPool:
 
     def reap(self, now: float) -> None:
         """Collect exited workers: settle their state, then re-dispatch what they held."""
-        for slot in self.all_slots():
-            if slot.process is None or slot.state not in LIVE_STATES:
+        for slot in self.roster.all_slots():
+            if slot.proc.process is None or slot.state not in LIVE_STATES:
                 continue
-            code = slot.process.poll()
+            code = slot.proc.process.poll()
             if code is not None:
                 self.on_exit(slot, code, now)
 
@@ -166,28 +127,29 @@ class WorkerPool:
         slot.end_descendants()
         if code == WorkerExitCode.LOAD_FAILED:
             self.load_failures[slot.model.name] += 1
-            if slot.load_error:
+            if slot.proc.load_error:
                 # The worker's own words (what to declare, which file is missing) reach status, not only its log.
-                how = f"{how}: {slot.load_error}"
+                how = f"{how}: {slot.proc.load_error}"
         # Status says why we killed it (which profile overran its build, which request hung), not only the signal.
-        slot.last_exit = f"{how} ({slot.kill_reason})" if slot.killed and slot.kill_reason else how
+        proc = slot.proc
+        slot.notes.last_exit = f"{how} ({proc.kill_reason})" if proc.killed and proc.kill_reason else how
         exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
-        pid = slot.process.pid if slot.process is not None else None
+        pid = proc.process.pid if proc.process is not None else None
         signal_number = -code if code < 0 else None
         exits.append(
             {
                 "pid": pid,
                 "how": how,
                 "signal": signal_number,
-                "killed_by_supervisor": slot.killed,
+                "killed_by_supervisor": proc.killed,
                 # The next worker of the model skips a profile whose build keeps overrunning (profiles/attempts.py).
-                "compile_overrun": slot.compile_overrun,
+                "compile_overrun": proc.compile_overrun,
             }
         )
         self.links.drain(slot)
         self.links.detach(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
-            log.warning("worker_exited", slot=slot.name, pid=slot.process.pid if slot.process else None, how=how)
+            log.warning("worker_exited", slot=slot.name, pid=pid, how=how)
         self.settle_exit(slot, how, code, now)
         # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
         self.broker.worker_lost(slot, how)
@@ -200,18 +162,18 @@ class WorkerPool:
             slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
             return
         config = self.serving.current
-        cause = (slot.kill_cause if slot.killed else None) or RestartReason.CRASH
-        load_error = slot.load_error if code == WorkerExitCode.LOAD_FAILED else ""
-        repeated = bool(load_error) and same_error(load_error, slot.last_load_error)
-        slot.last_load_error = load_error
+        cause = (slot.proc.kill_cause if slot.proc.killed else None) or RestartReason.CRASH
+        load_error = slot.proc.load_error if code == WorkerExitCode.LOAD_FAILED else ""
+        repeated = bool(load_error) and same_error(load_error, slot.notes.last_load_error)
+        slot.notes.last_load_error = load_error
         if repeated:
             # The same load error twice: a load that can never succeed (a bad spec, a factory that raises) is not
             # retried as a crash loop; a reload or `infervisor restart` tries again.
             slot.record_failure(now, config.restart_window_s)
             slot.transition(SlotState.FAILED, f"{how} (twice in a row: not retried until a reload or restart)")
-            log.error("worker_slot_failed", slot=slot.name, failures=2, last_exit=how, load_error=slot.load_error)
+            log.error("worker_slot_failed", slot=slot.name, failures=2, last_exit=how, load_error=load_error)
             return
-        if slot.hung_request:
+        if slot.proc.hung_request:
             # A hung worker is handled as a crash (counted toward max_restarts); the request itself is charged a
             # retry by the broker. The respawn is at once: one over-long request says little about the next start.
             failures = slot.record_failure(now, config.restart_window_s)
@@ -249,43 +211,44 @@ class WorkerPool:
     def murder(self, now: float) -> None:
         """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
         config = self.serving.current
-        for slot in self.all_slots():
-            if slot.state not in LIVE_STATES or slot.process is None:
+        for slot in self.roster.all_slots():
+            proc = slot.proc
+            if slot.state not in LIVE_STATES or proc.process is None:
                 continue
-            if slot.kill_at is not None and now >= slot.kill_at:
+            if proc.kill_at is not None and now >= proc.kill_at:
                 slot.kill("did not exit after STOP")
             elif slot.state is SlotState.STARTING:
                 self.check_start(slot, now)
-            elif slot.profile_started_at is not None and now - slot.profile_started_at < PROFILE_START_GRACE_S:
+            elif proc.profile_started_at is not None and now - proc.profile_started_at < PROFILE_START_GRACE_S:
                 continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
             elif slot.inflight:
                 # Only the head of the pipeline is running (one request, or one batch), so progress is measured
                 # from its start; its budget grows with its rows, since warm-up timed a batch of one.
                 rows = sum(r.rows for r in self.broker.running(slot))
-                budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * rows / 1000.0)
-                if slot.profile_started_at is not None:
+                budget = max(config.hang_min_s, config.hang_factor * proc.expected_ms * rows / 1000.0)
+                if proc.profile_started_at is not None:
                     # The grace is over: what waited behind the profiler's start is timed from its end.
-                    slot.progress_at = max(slot.progress_at, slot.profile_started_at + PROFILE_START_GRACE_S)
-                    slot.profile_started_at = None
+                    slot.progress_at = max(slot.progress_at, proc.profile_started_at + PROFILE_START_GRACE_S)
+                    proc.profile_started_at = None
                 hung = f"no reply within {budget:.1f} s (hung)"
                 if now - slot.progress_at > budget and slot.kill(hung, RestartReason.HANG):
-                    slot.hung_request = True
-            elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
-                slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s", RestartReason.HEARTBEAT)
+                    proc.hung_request = True
+            elif slot.state is SlotState.SERVING and now - proc.last_heard > proc.heartbeat_s * proc.liveness:
+                slot.kill(f"no heartbeat for {now - proc.last_heard:.1f} s", RestartReason.HEARTBEAT)
 
     def check_start(self, slot: WorkerSlot, now: float) -> None:
         """Kill a starting worker past a limit: the start limit (loading, checking), the compile limit (builds)."""
         config = self.serving.current
-        overrun = slot.start.overrun(now, config.worker_start_timeout_s, config.compile_timeout_s)
+        overrun = slot.proc.start.overrun(now, config.worker_start_timeout_s, config.compile_timeout_s)
         if overrun is None or not slot.kill(overrun.reason, RestartReason.START_TIMEOUT):
             return
         if overrun.profile is not None:
-            slot.compile_overrun = {"profile": overrun.profile, "limit_s": overrun.limit_s, "at": time.time()}
+            slot.proc.compile_overrun = {"profile": overrun.profile, "limit_s": overrun.limit_s, "at": time.time()}
         log.error(
             "worker_start_overrun",
             slot=slot.name,
             pid=slot.pid,
-            phase=slot.start.phase.value,
+            phase=slot.proc.start.phase.value,
             profile=overrun.profile,
             limit_s=overrun.limit_s,
             reason=overrun.reason,
@@ -293,29 +256,29 @@ class WorkerPool:
 
     def heartbeat(self, now: float) -> None:
         """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
-        for slot in self.all_slots():
-            if slot.state in (SlotState.SERVING, SlotState.DRAINING) and now >= slot.next_heartbeat:
-                slot.next_heartbeat = now + slot.heartbeat_s
+        for slot in self.roster.all_slots():
+            if slot.state in (SlotState.SERVING, SlotState.DRAINING) and now >= slot.proc.next_heartbeat:
+                slot.proc.next_heartbeat = now + slot.proc.heartbeat_s
                 self.links.send_control(slot, wm.Heartbeat())
 
     def manage(self, now: float) -> None:
         """Reconcile toward the desired pools: respawn members whose back-off has elapsed, forget retired slots."""
-        for slot in self.member_slots():
+        for slot in self.roster.member_slots():
             if slot.state is SlotState.STOPPED or (slot.state is SlotState.BACKOFF and now >= slot.respawn_at):
                 self.spawn(slot)
-        successor = self.rollout.successor
-        self.extra = [s for s in self.extra if s.state is not SlotState.STOPPED or s is successor]
+        self.roster.forget_stopped(keep=self.rollout.successor)
 
     def settle_targets(self) -> None:
         """A model whose every member is built from its rollout target serves with that config from now on."""
-        for name, target in list(self.serving.targets.items()):
-            members = self.members.get(name)
+        for name in self.serving.rolling():
+            target = self.serving.target(name)
+            members = self.roster.members.get(name)
             if members is None:
-                del self.serving.targets[name]
-            elif not self.rollout.has_work_for(name) and not any(builds_differ(s.model, target) for s in members):
-                del self.serving.targets[name]
-                self.serving.set_model(target)
-                log.info("model_config_applied", model=name)
+                self.serving.drop_rollout(name)
+            elif target is not None and not self.rollout.has_work_for(name):
+                if not any(builds_differ(s.model, target) for s in members):
+                    self.serving.finish_rollout(name)
+                    log.info("model_config_applied", model=name)
 
     # ---- what the broker saw -----------------------------------------------------------------
 
@@ -324,16 +287,17 @@ class WorkerPool:
         if slot.state is not SlotState.STARTING:
             return
         now = time.monotonic()
-        slot.ready_ms = (now - slot.spawned_at) * 1000.0
-        slot.progress_at = slot.ready_at = now
-        slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
-        slot.threads_seen = ready.threads
-        slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
-        slot.last_load_error = ""
-        self.has_served.add(slot.model.name)
+        slot.proc.ready_ms = (now - slot.proc.spawned_at) * 1000.0
+        slot.progress_at = slot.proc.ready_at = now
+        slot.proc.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
+        slot.proc.threads_seen = ready.threads
+        slot.proc.profile, slot.proc.profile_notes = ready.profile, ready.profile_notes
+        slot.proc.build_notes = ready.build_notes
+        slot.notes.last_load_error = ""
+        self.roster.has_served.add(slot.model.name)
         slot.transition(
             SlotState.SERVING,
-            f"ready in {slot.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "
+            f"ready in {slot.proc.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "
             f"profile {ready.profile})",
         )
 
@@ -342,12 +306,12 @@ class WorkerPool:
         if slot.state is not SlotState.STARTING:
             return
         now = time.monotonic() if now is None else now
-        ended = slot.start.enter(progress, now)
+        ended = slot.proc.start.enter(progress, now)
         if ended is None:
             log.warning("worker_phase_unknown", slot=slot.name, phase=progress.phase[:64])
             return
         previous, took = ended
-        clock = slot.start
+        clock = slot.proc.start
         log.info(
             "worker_phase",
             slot=slot.name,
@@ -365,23 +329,12 @@ class WorkerPool:
 
     def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
         """A starting worker says why its model cannot load; its exit, reaped next, carries that text to status."""
-        slot.load_error = error.error
+        slot.proc.load_error = error.error
 
     def track_descendants(self) -> None:
         """Walk each live worker's process tree, so what a crashing worker leaves running is killed at its reap."""
-        for slot in self.all_slots():
+        for slot in self.roster.all_slots():
             slot.track_descendants()
-
-    def load_errors(self) -> dict[str, str]:
-        """Per model, why it cannot load now: a member's repeated load error, or its failed replacement's."""
-        errors: dict[str, str] = {}
-        for name, slots in self.members.items():
-            failing = [s.last_load_error for s in slots if s.last_load_error and s.state is not SlotState.SERVING]
-            if failing:
-                errors[name] = failing[0]
-            elif name in self.rollout_errors:
-                errors[name] = self.rollout_errors[name]
-        return errors
 
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
         """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""
@@ -395,11 +348,11 @@ class WorkerPool:
 
     def retire(self, slot: WorkerSlot, reason: str) -> None:
         """Take a worker out of service gently: drain a serving one, stop a starting one, forget a dead one."""
-        if slot not in self.extra:
-            self.extra.append(slot)
+        if slot not in self.roster.extra:
+            self.roster.extra.append(slot)
         if slot.state is SlotState.SERVING:
             slot.transition(SlotState.DRAINING, reason)
-            slot.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
+            slot.proc.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
             if not slot.inflight:
                 self.links.send_control(slot, wm.Drain())
         elif slot.state is SlotState.STARTING:
@@ -420,7 +373,7 @@ class WorkerPool:
         `forget_overruns`: the new workers try again profiles whose builds overran the compile limit.
         """
         queued = 0
-        for name, slots in self.members.items():
+        for name, slots in self.roster.members.items():
             if model is None or name == model:
                 for ended in self.recent_exits.get(name, ()) if forget_overruns else ():
                     ended["compile_overrun"] = None
@@ -441,14 +394,12 @@ class WorkerPool:
         the serving config."""
         for name in diff.removed:
             self.rollout.drop_model(name, "model removed from config")
-            for slot in self.members.pop(name):
+            for slot in self.roster.members.pop(name):
                 self.retire(slot, "model removed from config")
             self.broker.remove_model(name)
         for name, wanted in plan.items():
             model = self.serving.desired(name) or new.models[name]
-            if name in self.serving.targets:
-                self.rollout_errors.pop(name, None)
-            pool = self.members.setdefault(name, [])
+            pool = self.roster.members.setdefault(name, [])
             for slot in pool[len(wanted) :]:
                 self.retire(slot, f"scaled down to {len(wanted)} workers")
             del pool[len(wanted) :]
@@ -467,127 +418,5 @@ class WorkerPool:
                     why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
                     self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}", RestartReason.CONFIG))
         self.broker.sync_queues()
-        for name in self.members:
+        for name in self.roster.members:
             self.broker.dispatch(name)
-
-    # ---- the rollout's steps (RolloutHost) ----------------------------------------------------
-
-    def members_of(self, model: str) -> Sequence[WorkerSlot] | None:
-        """The slots a model routes to, or None once the model left the config."""
-        return self.members.get(model)
-
-    def model_config(self, model: str) -> ModelConfig | None:
-        """What the model's workers are to be built from now: its rollout target, else its serving config."""
-        return self.serving.desired(model)
-
-    def rollout_failed(self, model: str, error: str) -> None:
-        """A replacement toward the model's target failed: drop the target and rebuild what was built from it.
-
-        The model keeps serving with the config it had; members already replaced (earlier surge steps,
-        or the drain-first slot) go back to that config, rolling.
-        """
-        target = self.serving.targets.pop(model, None)
-        serving = self.serving.model(model)
-        if target is None or serving is None:
-            return
-        self.rollout_errors[model] = error
-        back = [s for s in self.members.get(model, []) if not builds_differ(s.model, target)]
-        for slot in back:
-            why = "roll back: the new config failed"
-            self.rollout.enqueue(Replacement(slot, serving, slot.assignment, why, RestartReason.ROLLBACK))
-        log.error("model_config_rolled_back", model=model, error=error, workers_rebuilt=len(back))
-
-    def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:
-        """Spawn a new slot beside the pool (surge): alive, but not routed to until promoted."""
-        successor = WorkerSlot(model, assignment)
-        self.extra.append(successor)
-        self.spawn(successor)
-        return successor
-
-    def take_out(self, slot: WorkerSlot, reason: str) -> int:
-        """Remove a member from its pool and retire it; returns where it was."""
-        pool = self.members[slot.model.name]
-        index = pool.index(slot)
-        pool.remove(slot)
-        self.retire(slot, reason)
-        return index
-
-    def put_in(self, model: ModelConfig, assignment: Assignment, index: int) -> WorkerSlot:
-        """Spawn a new member at `index` of its model's pool (drain-first)."""
-        pool = self.members[model.name]
-        slot = WorkerSlot(model, assignment)
-        pool.insert(min(index, len(pool)), slot)
-        self.spawn(slot)
-        return slot
-
-    def swap_in(self, old: WorkerSlot, successor: WorkerSlot, reason: str) -> bool:
-        """Route to a ready successor in `old`'s place and drain `old`; False when `old` left the pool meanwhile."""
-        pool = self.members.get(successor.model.name, [])
-        if old not in pool:
-            return False
-        self.extra.remove(successor)
-        pool[pool.index(old)] = successor
-        self.retire(old, f"replaced ({reason})")
-        self.broker.dispatch(successor.model.name)
-        return True
-
-    def abandon(self, successor: WorkerSlot, reason: str) -> None:
-        """Give up on a successor outside the pool: drain it if it serves, else stop and forget it."""
-        if successor.state is SlotState.SERVING:
-            self.retire(successor, reason)
-            return
-        if successor.state is SlotState.BACKOFF:
-            successor.transition(SlotState.STOPPED, reason)
-        if successor in self.extra:
-            self.extra.remove(successor)
-        self.links.detach(successor)
-
-    # ---- stopping ---------------------------------------------------------------------------
-
-    def begin_stop(self, now: float) -> None:
-        """No more rollouts; what is in hand gets the grace period."""
-        self.stopping = True
-        self.rollout.clear()
-        self.stop_deadline = now + self.serving.current.shutdown_grace_s
-
-    def advance_stop(self, now: float) -> None:
-        """Finish the work in hand, or answer it SHUTTING_DOWN at the deadline; then stop and kill workers."""
-        busy = self.broker.queued_count + self.broker.inflight_count
-        if busy and now < self.stop_deadline:
-            return
-        if busy:
-            log.warning("grace_expired", unanswered=busy)
-            self.broker.fail_all(
-                ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request could finish", self.all_slots()
-            )
-        if self.kill_deadline is None:
-            self.kill_deadline = now + STOP_KILL_AFTER_S
-            for slot in self.all_slots():
-                if slot.state in (SlotState.SERVING, SlotState.DRAINING):
-                    self.links.send_control(slot, wm.Stop())
-                    slot.transition(SlotState.STOPPING, "supervisor stopping")
-                elif slot.state is SlotState.STARTING:
-                    # Still loading, not connected yet: a STOP could not reach it, so do not wait for one.
-                    slot.transition(SlotState.STOPPING, "supervisor stopping")
-                    slot.kill("stopped while starting")
-                elif slot.state is SlotState.BACKOFF:
-                    slot.transition(SlotState.STOPPED, "supervisor stopping")
-        elif now >= self.kill_deadline:
-            for slot in self.all_slots():
-                slot.kill("did not stop in time")
-
-    def finished(self) -> bool:
-        """True once stopping and no worker process is left."""
-        return (
-            self.stopping
-            and self.kill_deadline is not None
-            and not any(s.state in LIVE_STATES for s in self.all_slots())
-        )
-
-    def shutdown(self) -> None:
-        """Kill anything still alive and wait for it, so no worker outlives the supervisor."""
-        for slot in self.all_slots():
-            slot.kill("supervisor exiting")
-            if slot.process is not None:
-                slot.process.wait()
-            self.links.detach(slot)

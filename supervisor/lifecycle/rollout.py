@@ -201,8 +201,8 @@ class Rollout:
             keeps = "the old worker keeps serving"
         else:  # restarting a failed (or backing-off) slot: there was nothing serving to keep
             keeps = f"the old worker is {replacement.old.state.value}: this slot serves nothing"
-        self.last_error = f"{successor.name}: replacement failed ({successor.last_exit}); {keeps}"
-        log.error("rollout_failed", slot=successor.name, how=successor.last_exit, reason=replacement.reason)
+        self.last_error = f"{successor.name}: replacement failed ({successor.notes.last_exit}); {keeps}"
+        log.error("rollout_failed", slot=successor.name, how=successor.notes.last_exit, reason=replacement.reason)
         if not replacement.in_pool:
             host.abandon(successor, "replacement abandoned")
         self.current = None

@@ -1,6 +1,7 @@
-"""One worker slot: its pinned cores, its current process, and the one state machine that governs it.
+"""One worker slot: its pinned cores, the one state machine that governs it, its current process, its notes.
 
-Only the pool (supervisor/lifecycle/pool.py) changes a slot's state; everything else reads it.
+Only the pool (supervisor/lifecycle/pool.py, with its rollout steps and stop sequence) changes a slot's state;
+everything else reads it. What belongs to one process is an `Incarnation`, replaced whole at each spawn.
 """
 
 from __future__ import annotations
@@ -116,8 +117,95 @@ def describe_exit(code: int) -> str:
 
 
 @dataclass
+class Incarnation:
+    """One process of a slot, from its spawn until the next: replaced whole at spawn, so nothing is reset by hand.
+
+    Before the first spawn a slot holds an empty one (no process). After an exit it stays, as the record of that
+    process, until the slot spawns again.
+    """
+
+    process: WorkerProcess | None = None
+    #: The process's id (model.slot.generation) and the supervisor's end of its link.
+    worker_id: str = ""
+    link: Link | None = None
+    spawned_at: float = 0.0
+    last_heard: float = 0.0
+    ready_at: float = 0.0
+    ready_ms: float = 0.0
+    #: One request's service time as warm-up measured it: the unit of the hang budget.
+    expected_ms: float = 0.0
+    #: Heartbeat period and liveness this process was launched with (a reload must not change them under it).
+    heartbeat_s: float = 0.5
+    liveness: int = 10
+    next_heartbeat: float = 0.0
+    #: When a process that was asked to go is SIGKILLed if it has not.
+    kill_at: float | None = None
+    #: SIGKILL already sent: its exit is pending, a second kill would only log again.
+    killed: bool = False
+    #: Why the supervisor killed it, for status (`last_exit`).
+    kill_reason: str = ""
+    #: Why it was killed, when that kill is a reason to replace it (None: a stop that was asked for).
+    kill_cause: RestartReason | None = None
+    #: The kill was for a request that overran its hang budget: not a failure of the model.
+    hung_request: bool = False
+    threads_seen: int | None = None
+    #: Requests this process answered, and their service times: what the age and drift monitors look at.
+    requests: int = 0
+    latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2048))
+    #: The profile this process serves with, and why earlier ones in the chain were skipped (one reason each).
+    profile: str | None = None
+    profile_notes: list[str] = field(default_factory=list)
+    build_notes: list[str] = field(default_factory=list)
+    #: Why this process could not load its model, in the worker's words (its LOAD_ERROR message).
+    load_error: str = ""
+    #: When a `profile` command was sent: starting torch.profiler takes seconds, which is not a hang.
+    profile_started_at: float | None = None
+    #: This process was killed because a profile's build overran the compile limit (its exit record).
+    compile_overrun: dict[str, object] | None = None
+    #: Its phases before READY (PROGRESS messages) and the limits they count against.
+    start: StartClock = field(default_factory=StartClock)
+    #: The process as psutil sees it (None unless it is our child), and the processes below it at the last look
+    #: (supervisor/lifecycle/process_tree.py): killed with it.
+    tree_root: psutil.Process | None = None
+    descendants: list[psutil.Process] = field(default_factory=list)
+
+    @classmethod
+    def spawned(cls, launched: Launched, heartbeat_s: float, liveness: int, now: float) -> Incarnation:
+        """A freshly started process, with the heartbeat settings it was launched with."""
+        return cls(
+            process=launched.process,
+            worker_id=launched.worker_id,
+            link=launched.link,
+            spawned_at=now,
+            last_heard=now,
+            heartbeat_s=heartbeat_s,
+            liveness=liveness,
+            start=StartClock.started(now),
+            tree_root=own_child(launched.process.pid),
+        )
+
+
+@dataclass
+class SlotNotes:
+    """What status shows of a slot across its processes."""
+
+    #: Processes replaced after the first, and requests answered by all of them.
+    restarts: int = 0
+    requests: int = 0
+    #: How the last process ended.
+    last_exit: str | None = None
+    #: The last load error of this slot, kept across respawns until a worker serves: status shows it, and the
+    #: same error twice in a row fails the slot at once (a load that can never succeed is no crash loop).
+    last_load_error: str = ""
+    #: The last torch.profiler report: seq, requests profiled, top operators.
+    last_profile: dict[str, object] | None = None
+    #: The newest monitor finding about this slot.
+    last_event: dict[str, object] | None = None
+
+
+@dataclass
 class WorkerSlot:
-    """A pinned place for one worker of a model, kept across respawns of its process.
+    """A pinned place for one worker of a model: its state machine, its current process, and notes for status.
 
     `model` is the config this slot's processes are built from (its rolling keys); live keys such
     as `prefetch` or the monitor limits are read from the serving config, never from here.
@@ -126,66 +214,18 @@ class WorkerSlot:
     model: ModelConfig
     assignment: Assignment
     state: SlotState = SlotState.STOPPED
-    process: WorkerProcess | None = None
-    #: The current process's id (model.slot.generation) and the supervisor's end of its link.
-    worker_id: str = ""
-    link: Link | None = None
-    spawned_at: float = 0.0
-    last_heard: float = 0.0
-    ready_ms: float = 0.0
-    expected_ms: float = 0.0
+    #: Why the slot is in its state now (the reason of its last transition), for status.
+    reason: str = ""
+    #: Exits counted against the restart window, and when a BACKOFF slot spawns again.
+    failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
+    respawn_at: float = 0.0
+    #: The current (or last) process: replaced whole at each spawn.
+    proc: Incarnation = field(default_factory=Incarnation)
+    notes: SlotNotes = field(default_factory=SlotNotes)
     #: Requests handed to the current process, in dispatch order (it serves them in that order).
     inflight: dict[int, PendingRequest] = field(default_factory=dict)
     #: When the head of the pipeline last moved (a reply, or a dispatch into an empty pipeline).
     progress_at: float = 0.0
-    respawn_at: float = 0.0
-    kill_at: float | None = None
-    #: SIGKILL already sent to the current process: its exit is pending, a second kill would only log again.
-    killed: bool = False
-    #: Why the supervisor killed it, for status (`last_exit`).
-    kill_reason: str = ""
-    #: Why it was killed, when that kill is a reason to replace it (None: a stop that was asked for).
-    kill_cause: RestartReason | None = None
-    #: The kill was for a request that overran its hang budget: not a failure of the model.
-    hung_request: bool = False
-    failures: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1000))
-    restarts: int = 0
-    requests: int = 0
-    threads_seen: int | None = None
-    last_exit: str | None = None
-    #: Why the slot is in its state now (the reason of its last transition), for status.
-    reason: str = ""
-    latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2048))
-    # Per process (reset at spawn): what the monitors look at.
-    ready_at: float = 0.0
-    process_requests: int = 0
-    #: Heartbeat period and liveness this process was launched with (a reload must not change them under it).
-    heartbeat_s: float = 0.5
-    liveness: int = 10
-    next_heartbeat: float = 0.0
-    #: The profile this process serves with, and why earlier ones in the chain were skipped (one reason each).
-    profile: str | None = None
-    profile_notes: list[str] = field(default_factory=list)
-    build_notes: list[str] = field(default_factory=list)
-    #: Why the current process could not load its model, in the worker's words (its LOAD_ERROR message).
-    load_error: str = ""
-    #: The last load error of this slot, kept across respawns until a worker serves: status shows it, and the
-    #: same error twice in a row fails the slot at once (a load that can never succeed is no crash loop).
-    last_load_error: str = ""
-    #: When a `profile` command was sent: starting torch.profiler takes seconds, which is not a hang.
-    profile_started_at: float | None = None
-    #: The current process as psutil sees it (None unless it is our child), and the processes below it at the
-    #: last look (supervisor/lifecycle/process_tree.py): killed with it.
-    tree_root: psutil.Process | None = None
-    descendants: list[psutil.Process] = field(default_factory=list)
-    #: The last torch.profiler report of this process: seq, requests profiled, top operators.
-    last_profile: dict[str, object] | None = None
-    #: The newest monitor finding about this slot, for status.
-    last_event: dict[str, object] | None = None
-    #: The current process's phases before READY (PROGRESS messages) and the limits they count against.
-    start: StartClock = field(default_factory=StartClock)
-    #: The current process was killed because this profile's build overran the compile limit (its exit record).
-    compile_overrun: dict[str, object] | None = None
 
     @property
     def name(self) -> str:
@@ -195,22 +235,23 @@ class WorkerSlot:
     @property
     def pid(self) -> int | None:
         """The live process id, if any."""
-        return self.process.pid if self.process is not None and self.state in LIVE_STATES else None
+        process = self.proc.process
+        return process.pid if process is not None and self.state in LIVE_STATES else None
 
     def can_take(self, prefetch: int) -> bool:
         """Serving with room in its pipeline (`prefetch` requests in hand at most) and a link that still carries."""
         return (
             self.state is SlotState.SERVING
             and len(self.inflight) < prefetch
-            and self.link is not None
-            and self.link.sendable
+            and self.proc.link is not None
+            and self.proc.link.sendable
         )
 
     def transition(self, new: SlotState, reason: str) -> None:
         """Move to `new`, refusing moves the machine does not allow, and log the change as data."""
         if new not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.name}: {self.state.value} -> {new.value} ({reason})")
-        pid = self.process.pid if self.process is not None else None
+        pid = self.proc.process.pid if self.proc.process is not None else None
         log.info("worker_state", slot=self.name, pid=pid, old=self.state.value, new=new.value, reason=reason)
         self.state = new
         self.reason = reason
@@ -220,47 +261,34 @@ class WorkerSlot:
 
         `cause` is what the restart that follows is counted as; None for a kill that ends a stop.
         """
-        if self.process is None or self.killed or self.process.poll() is not None:
+        proc = self.proc
+        if proc.process is None or proc.killed or proc.process.poll() is not None:
             return False
-        log.warning("worker_killed", slot=self.name, pid=self.process.pid, reason=reason)
+        log.warning("worker_killed", slot=self.name, pid=proc.process.pid, reason=reason)
         # Walked before the kill: once the worker is gone its orphans are re-parented out of its tree.
-        self.descendants = descendants_of(self.tree_root)
-        self.process.kill()
-        kill_all(self.descendants, self.name)
-        self.killed, self.kill_reason, self.kill_cause = True, reason, cause
+        proc.descendants = descendants_of(proc.tree_root)
+        proc.process.kill()
+        kill_all(proc.descendants, self.name)
+        proc.killed, proc.kill_reason, proc.kill_cause = True, reason, cause
         return True
 
     def track_descendants(self) -> None:
         """Remember what runs below the live process, so what a crash leaves behind can be killed at its reap."""
         # A process that ended (not reaped yet) has no children left: keep the last look for its reap.
-        if self.process is not None and self.state in LIVE_STATES and self.process.poll() is None:
-            self.descendants = descendants_of(self.tree_root)
+        proc = self.proc
+        if proc.process is not None and self.state in LIVE_STATES and proc.process.poll() is None:
+            proc.descendants = descendants_of(proc.tree_root)
 
     def end_descendants(self) -> None:
         """Kill what the ended process left running (as last seen), then forget it."""
-        kill_all(self.descendants, self.name)
-        self.descendants = []
+        kill_all(self.proc.descendants, self.name)
+        self.proc.descendants = []
 
     def adopt_process(self, launched: Launched, heartbeat_s: float, liveness: int, now: float) -> None:
-        """Take on a freshly started process: its link and id, and a clean slate for what is kept per process."""
-        self.process, self.link, self.worker_id = launched.process, launched.link, launched.worker_id
-        self.spawned_at = self.last_heard = now
-        self.kill_at = None
-        self.killed, self.kill_reason, self.kill_cause = False, "", None
-        self.hung_request = False
-        self.threads_seen = None
-        self.latencies_ms.clear()
-        self.heartbeat_s, self.liveness = heartbeat_s, liveness
-        self.ready_at = 0.0
-        self.process_requests = 0
-        self.start = StartClock.started(now)
-        self.compile_overrun = None
-        self.load_error = ""
-        self.profile_started_at = None
-        self.descendants = []
-        self.tree_root = own_child(launched.process.pid)
-        if self.failures or self.last_exit:
-            self.restarts += 1
+        """Take on a freshly started process: a new incarnation replaces the last one whole."""
+        if self.failures or self.notes.last_exit:
+            self.notes.restarts += 1
+        self.proc = Incarnation.spawned(launched, heartbeat_s, liveness, now)
 
     def record_failure(self, now: float, window_s: float) -> int:
         """Remember a failure and return how many fell inside the restart window."""

@@ -39,15 +39,15 @@ class WorkerLinks:
 
     def attach(self, slot: WorkerSlot) -> None:
         """Listen to the link of the slot's new process."""
-        if slot.link is None:
+        if slot.proc.link is None:
             return
-        fd = slot.link.fileno()
+        fd = slot.proc.link.fileno()
         self.watched[fd] = slot
         self.loop.register(fd, WORKERS, lambda flags: self.on_event(slot, flags))
 
     def detach(self, slot: WorkerSlot) -> None:
         """Close the link of the slot's old process: nothing more from it (a late reply must not be delivered twice)."""
-        link, slot.link = slot.link, None
+        link, slot.proc.link = slot.proc.link, None
         if link is not None:
             self.unwatch(link)
             link.close()
@@ -61,7 +61,7 @@ class WorkerLinks:
 
     def send(self, slot: WorkerSlot, frames: list[Any]) -> bool:
         """Send one message on a worker's link (what the socket cannot take now waits in its outbox)."""
-        link = slot.link
+        link = slot.proc.link
         if link is None:
             return False
         try:
@@ -85,7 +85,7 @@ class WorkerLinks:
 
     def on_event(self, slot: WorkerSlot, flags: int) -> None:
         """Write what the link could not take before; read every whole message it holds."""
-        link = slot.link
+        link = slot.proc.link
         if link is None:
             return
         if flags & POLLOUT:
@@ -99,7 +99,7 @@ class WorkerLinks:
 
     def read(self, slot: WorkerSlot) -> bool:
         """Hand on the whole messages the link holds now; False when there were none (or EOF, or garbage)."""
-        link = slot.link
+        link = slot.proc.link
         if link is None:
             return False
         try:
@@ -119,7 +119,7 @@ class WorkerLinks:
 
     def drain(self, slot: WorkerSlot) -> None:
         """Take what an exited worker wrote before it went (a reply it sent is delivered, not re-run)."""
-        link = slot.link
+        link = slot.proc.link
         if link is None:
             return
         link.sendable = False  # nothing new goes to a process that is gone

@@ -41,10 +41,10 @@ class AgeWatch:
 
             self.limits[pid] = (settings, draw(model.max_age_s), draw(model.max_requests))
         _, max_age, max_requests = self.limits[pid]
-        age = now - slot.ready_at
+        age = now - slot.proc.ready_at
         if max_age is not None and age >= max_age:
             return Finding("max_age", Action.RECYCLE, slot, {"age_s": round(age, 1), "limit_s": round(max_age, 1)})
-        if max_requests is not None and slot.process_requests >= max_requests:
-            detail: dict[str, object] = {"requests": slot.process_requests, "limit": round(max_requests)}
+        if max_requests is not None and slot.proc.requests >= max_requests:
+            detail: dict[str, object] = {"requests": slot.proc.requests, "limit": round(max_requests)}
             return Finding("max_requests", Action.RECYCLE, slot, detail)
         return None

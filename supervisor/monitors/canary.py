@@ -47,7 +47,7 @@ class CanaryWatch:
             interval, pid = view.model_of(slot).canary_interval_s, slot.pid
             if interval is None or pid is None:
                 continue
-            if now - self.sent_at.setdefault(pid, slot.ready_at) >= interval:
+            if now - self.sent_at.setdefault(pid, slot.proc.ready_at) >= interval:
                 self.sent_at[pid] = now
                 findings.append(Finding("canary_due", Action.CANARY, slot))
         for pid in set(self.sent_at) - view.live_pids:
@@ -60,7 +60,7 @@ class CanaryWatch:
         detail: dict[str, object] = {"max_abs_error": result.max_abs_error, "limit": limit, "ms": round(result.ms, 2)}
         if result.max_abs_error <= limit:
             return Finding("canary_ok", Action.RECORD, slot, detail)
-        profile, pid = slot.profile or "", slot.pid or 0
+        profile, pid = slot.proc.profile or "", slot.pid or 0
         seen = self.mismatches.setdefault(model.name, collections.deque(maxlen=_KEPT))
         earlier = sorted(
             {m.pid for m in seen if m.profile == profile and m.pid != pid and now - m.at < REPEAT_WINDOW_S}

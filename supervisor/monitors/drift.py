@@ -31,13 +31,13 @@ class DriftWatch:
     def ratio(self, slot: WorkerSlot, window: int) -> float | None:
         """Recent median over baseline median, once both exist."""
         pid = slot.pid
-        if pid is None or slot.process_requests < window:
+        if pid is None or slot.proc.requests < window:
             return None
-        samples = list(slot.latencies_ms)
+        samples = list(slot.proc.latencies_ms)
         if pid not in self.baselines:
             self.baselines[pid] = statistics.median(samples[:window])
             return None
-        if slot.process_requests < 2 * window:
+        if slot.proc.requests < 2 * window:
             return None
         baseline = self.baselines[pid]
         return statistics.median(samples[-window:]) / baseline if baseline > 0 else None

@@ -233,14 +233,14 @@ def take_snapshot(
 
     The request times of a model no longer served are dropped here, with its other series.
     """
-    slots = pool.all_slots()
-    load_errors = pool.load_errors()
+    slots = pool.roster.all_slots()
+    load_errors = pool.roster.load_errors()
     models: list[ModelSample] = []
     times = broker.times.models
     for name in list(times):
-        if name not in pool.members:  # a removed model's histograms go with it
+        if name not in pool.roster.members:  # a removed model's histograms go with it
             del times[name]
-    for name in pool.members:
+    for name in pool.roster.members:
         queue = broker.queues.get(name)
         if queue is None:
             continue
@@ -266,14 +266,14 @@ def take_snapshot(
                 load_error=clip(load_errors.get(name, ""), LOAD_ERROR_LABEL_CHARS),
             )
         )
-    serving = {id(s) for members in pool.members.values() for s in members if s.state is SlotState.SERVING}
+    serving = {id(s) for members in pool.roster.members.values() for s in members if s.state is SlotState.SERVING}
     workers = tuple(
         WorkerSample(
             model=slot.model.name,
             slot=slot.assignment.slot,
             pid=pid,
             rss_bytes=round(rss_mb[pid] * MB) if pid in rss_mb else None,
-            profile=slot.profile if id(slot) in serving else None,
+            profile=slot.proc.profile if id(slot) in serving else None,
             pss_bytes=round(pss_mb[pid] * MB) if pss_mb and pid in pss_mb else None,
         )
         for slot in slots
@@ -286,7 +286,9 @@ def take_snapshot(
         workers=workers,
         # Every reason of every model, from 0: a first crash then shows in increase().
         restarts=tuple(
-            (name, reason.value, pool.restarts[(name, reason)]) for name in pool.members for reason in RestartReason
+            (name, reason.value, pool.restarts[(name, reason)])
+            for name in pool.roster.members
+            for reason in RestartReason
         ),
         reloads_success=reloads.success,
         reloads_failure=reloads.failure,

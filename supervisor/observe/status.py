@@ -52,41 +52,41 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
         "cores": list(slot.assignment.cpus),
         "node": slot.assignment.node,
         "shared_cores": slot.assignment.shared,
-        "threads": slot.threads_seen if slot.threads_seen is not None else slot.assignment.threads,
+        "threads": slot.proc.threads_seen if slot.proc.threads_seen is not None else slot.assignment.threads,
         "rss": rss_of(pid),
         "pss": pss_of(pid),
-        "requests": slot.requests,
-        "p50_ms": percentile(slot.latencies_ms, 50),
-        "p99_ms": percentile(slot.latencies_ms, 99),
-        "ready_ms": round(slot.ready_ms, 1),
-        "profile": slot.profile,
-        "profile_skipped": list(slot.profile_notes),
-        "profile_build": list(slot.build_notes),
+        "requests": slot.notes.requests,
+        "p50_ms": percentile(slot.proc.latencies_ms, 50),
+        "p99_ms": percentile(slot.proc.latencies_ms, 99),
+        "ready_ms": round(slot.proc.ready_ms, 1),
+        "profile": slot.proc.profile,
+        "profile_skipped": list(slot.proc.profile_notes),
+        "profile_build": list(slot.proc.build_notes),
         **accuracy_data(slot),
-        "last_profile": slot.last_profile,
-        "restarts": slot.restarts,
-        "last_exit": slot.last_exit,
+        "last_profile": slot.notes.last_profile,
+        "restarts": slot.notes.restarts,
+        "last_exit": slot.notes.last_exit,
         # Why its last worker could not load the model, in the worker's words (until a worker of the slot serves).
-        "load_error": slot.last_load_error or None,
-        "last_event": slot.last_event,
+        "load_error": slot.notes.last_load_error or None,
+        "last_event": slot.notes.last_event,
         # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
-        "starting": slot.start.status(now) if slot.state is SlotState.STARTING else None,
+        "starting": slot.proc.start.status(now) if slot.state is SlotState.STARTING else None,
     }
 
 
 def accuracy_data(slot: WorkerSlot) -> dict[str, str | None]:
     """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
     numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
-    if slot.profile is None:
+    if slot.proc.profile is None:
         return {"checked_on": None, "accuracy_warning": None}
     if slot.model.validation:
         return {"checked_on": "validation set", "accuracy_warning": None}
-    declared = PROFILES.get(slot.profile)
+    declared = PROFILES.get(slot.proc.profile)
     warning = None
     if declared is not None and declared.changes_numerics:
         warning = (
-            f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
-            "`validation`, an .npz of real inputs"
+            f"{slot.proc.profile} changes numerics and was judged on synthetic inputs only (no validation set): "
+            "configure `validation`, an .npz of real inputs"
         )
     return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
 
@@ -97,8 +97,8 @@ def models_status(
     """Per model: its health, spec, queue, counters and workers (members first, then successors and retiring ones)."""
     models: dict[str, Any] = {}
     config = pool.serving.current
-    errors = pool.load_errors()
-    for name, slots in pool.members.items():
+    errors = pool.roster.load_errors()
+    for name, slots in pool.roster.members.items():
         queue = broker.queues[name]
         model = config.models[name]
         report = reports[name]
@@ -129,7 +129,7 @@ def models_status(
             "workers": [slot_status(s) for s in slots]
             + [
                 slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
-                for s in pool.extra
+                for s in pool.roster.extra
                 if s.model.name == name
             ],
         }
@@ -157,11 +157,12 @@ def batching_status(policy: BatchingConfig | None, queue: ModelQueue) -> dict[st
 def config_states(pool: WorkerPool) -> dict[str, Any]:
     """Per model, where the last applied config stands: applied, still rolling out, or rolled back and why."""
     states: dict[str, Any] = {}
-    for name in pool.members:
-        if name in pool.serving.targets:
+    for name in pool.roster.members:
+        error = pool.serving.rollout_error(name)
+        if pool.serving.target(name) is not None:
             states[name] = {"state": "rolling"}
-        elif name in pool.rollout_errors:
-            states[name] = {"state": "failed", "error": pool.rollout_errors[name]}
+        elif error is not None:
+            states[name] = {"state": "failed", "error": error}
         else:
             states[name] = {"state": "applied"}
     return states

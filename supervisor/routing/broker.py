@@ -276,7 +276,7 @@ class Broker:
         inputs, a request fitting the new spec is admitted once a worker built with it serves, and
         each request then goes only to workers of the spec that admitted it.
         """
-        target = self.serving.targets.get(name)
+        target = self.serving.target(name)
         if target is None or target.inputs == model.inputs:
             check_against_spec(inputs, model.inputs)
             return None
@@ -603,7 +603,7 @@ class Broker:
                 self.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {exc.message}")
                 self.after_reply(slot)
             return
-        slot.last_heard = time.monotonic()
+        slot.proc.last_heard = time.monotonic()
         if isinstance(message, wm.Reply):
             self.on_reply(slot, message, frames[1:])
         elif isinstance(message, wm.Ready):
@@ -612,7 +612,7 @@ class Broker:
         elif isinstance(message, wm.Progress):
             self.events.worker_progress(slot, message)
         elif isinstance(message, wm.Stats):
-            slot.threads_seen = message.threads
+            slot.proc.threads_seen = message.threads
         elif isinstance(message, wm.CanaryResult):
             self.events.canary_result(slot, message)
         elif isinstance(message, wm.ProfileResult):
@@ -630,10 +630,10 @@ class Broker:
         now = time.monotonic()
         slot.progress_at = now
         service_ms = (now - request.dispatched_at) * 1000.0
-        slot.requests += 1
-        slot.process_requests += 1
+        slot.notes.requests += 1
+        slot.proc.requests += 1
         if reply.error_code is None:  # errors are fast and would fake a baseline
-            slot.latencies_ms.append(service_ms)
+            slot.proc.latencies_ms.append(service_ms)
         if reply.error_code is not None:
             code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL
             self.fail(request, code, reply.message)

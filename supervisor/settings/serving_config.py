@@ -2,7 +2,11 @@
 
 A reload that rebuilds a model's workers does not change what that model serves with until its
 rollout has finished: until then the model keeps its old build keys (its spec, its profiles) in
-`current`, and the config it is moving to is its `target`. A rollout that fails drops the target.
+`current`, and the config it is moving to is its rollout target. A rollout that fails drops the
+target and keeps why, until the model's next rollout begins.
+
+`ServingConfig` is the only writer of the targets and of those errors: the reloader and the fallback
+begin rollouts, the pool finishes, fails or drops them, and everyone else reads.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from infervisor.supervisor.settings.config import Config, ModelConfig
 
 
 class ServingConfig:
-    """Holds the current `Config` and the per-model rollout targets; the arbiter and the pool replace them."""
+    """Holds the current `Config`, the per-model rollout targets, and why the last rollouts failed."""
 
     def __init__(self, config: Config) -> None:
         self.current = config
-        self.targets: dict[str, ModelConfig] = {}
+        self._targets: dict[str, ModelConfig] = {}
+        self._errors: dict[str, str] = {}
 
     def replace(self, config: Config) -> None:
         """Serve with `config` from now on (a validated, diffed, planned config)."""
@@ -29,8 +34,44 @@ class ServingConfig:
 
     def desired(self, name: str) -> ModelConfig | None:
         """What a model's workers are to be built from: its rollout target, else what it serves with."""
-        return self.targets.get(name) or self.current.models.get(name)
+        return self._targets.get(name) or self.current.models.get(name)
 
-    def set_model(self, model: ModelConfig) -> None:
-        """Serve one model with `model` (its rollout finished)."""
-        self.current = dataclasses.replace(self.current, models={**self.current.models, model.name: model})
+    # ---- rollouts ---------------------------------------------------------------------------
+
+    def begin_rollout(self, target: ModelConfig) -> None:
+        """Build the model's workers from `target` from now on; it serves with it once every worker is rebuilt.
+
+        An older rollout's failure is not this one's: it is forgotten.
+        """
+        self._targets[target.name] = target
+        self._errors.pop(target.name, None)
+
+    def finish_rollout(self, name: str) -> None:
+        """Every worker of the model is built from its target: serve with it."""
+        target = self._targets.pop(name, None)
+        if target is not None:
+            self.current = dataclasses.replace(self.current, models={**self.current.models, name: target})
+
+    def fail_rollout(self, name: str, error: str) -> ModelConfig | None:
+        """Drop the model's target and keep why; returns the target dropped (None: it had none, or left the config)."""
+        target = self._targets.pop(name, None)
+        if target is None or name not in self.current.models:
+            return None
+        self._errors[name] = error
+        return target
+
+    def drop_rollout(self, name: str) -> None:
+        """The model left the config: forget its target."""
+        self._targets.pop(name, None)
+
+    def target(self, name: str) -> ModelConfig | None:
+        """The config the model is rolling out to, or None when it serves what it is built from."""
+        return self._targets.get(name)
+
+    def rolling(self) -> list[str]:
+        """The models still moving to a new config, by name."""
+        return sorted(self._targets)
+
+    def rollout_error(self, name: str) -> str | None:
+        """Why the model's last rollout failed, until its next one begins."""
+        return self._errors.get(name)
