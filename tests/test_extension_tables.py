@@ -45,7 +45,7 @@ class FirstWorkerWatch:
 
 def served_models(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
     """A fake control command: the names of the models the pool serves."""
-    return {"ok": True, "models": sorted(host.pool.members)}
+    return {"ok": True, "models": sorted(host.pool.roster.members)}
 
 
 def register_fakes(patch: pytest.MonkeyPatch) -> None:
