@@ -24,7 +24,7 @@ from infervisor.protocol.client import Client
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState
-from infervisor.supervisor.observe.metrics import BUCKETS_S, RequestTimes
+from infervisor.supervisor.observe.recorders import BUCKETS_S, ModelTimes
 from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for, write_thermal_sysfs
 from tests.test_pool_states import Rig
@@ -98,10 +98,9 @@ def _url(daemon: Daemon) -> str:
 
 def test_buckets_count_a_value_on_its_bound_and_past_the_last_in_inf() -> None:
     """`le` is inclusive: 0.1 ms lands in the first bucket, 31 s only in +Inf; the sums add up."""
-    times = RequestTimes()
-    times.request_done("m", 0.0, 0.0001, 0.0002)  # queue 0.1 ms, service 0.1 ms, total 0.2 ms
-    times.request_done("m", 0.0, 1.0, 32.0)  # queue 1 s, service 31 s, total 32 s
-    model = times.models["m"]
+    model = ModelTimes()
+    model.request_done(0.0, 0.0001, 0.0002)  # queue 0.1 ms, service 0.1 ms, total 0.2 ms
+    model.request_done(0.0, 1.0, 32.0)  # queue 1 s, service 31 s, total 32 s
     assert model.queue[0] == 1 and model.queue[BUCKETS_S.index(1.0)] == 1
     assert model.service[0] == 1 and model.service[-1] == 1
     assert model.total[BUCKETS_S.index(0.00025)] == 1 and model.total[-1] == 1
