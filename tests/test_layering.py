@@ -104,10 +104,8 @@ def _imported_modules(path: Path, package: str) -> set[str]:
     return {name for name in found if name.startswith(f"{package}.")}
 
 
-def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
-    """No arrow points up: the core imports neither the toolkit nor the CLI, and the toolkit never the CLI."""
-    package = cli.__name__.removesuffix(".cli")
-    folder = Path(cli.__file__).resolve().parent
+def up_arrows(folder: Path, package: str) -> list[str]:
+    """Imports that point up: the core importing the toolkit or the CLI, the toolkit importing the CLI."""
     cli_side = (f"{package}.commands", f"{package}.cli", f"{package}.__main__")
     offences = []
     for path in sorted(folder.rglob("*.py")):
@@ -117,7 +115,29 @@ def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
         above = cli_side if part == "toolkit" else (*cli_side, f"{package}.toolkit")
         offences += [f"{path.relative_to(folder)} -> {name}" for name in _imported_modules(path, package)
                      if any(name == up or name.startswith(f"{up}.") for up in above)]  # fmt: skip
-    assert offences == []
+    return offences
+
+
+def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
+    """No arrow points up: the core imports neither the toolkit nor the CLI, and the toolkit never the CLI."""
+    assert up_arrows(Path(cli.__file__).resolve().parent, cli.__name__.removesuffix(".cli")) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "line"),
+    [
+        ("toolkit/check.py", "from infervisor.supervisor.commands.infer import summarize"),
+        ("core/arbiter.py", "from infervisor.supervisor import cli"),
+        ("observe/status.py", "from infervisor.supervisor.toolkit.inputs import random_inputs"),
+    ],
+)
+def test_an_up_arrow_is_named(tmp_path: Path, module: str, line: str) -> None:
+    """A toolkit module importing a command, or a core module the CLI or the toolkit, fails the check."""
+    folder = tmp_path / "supervisor"
+    shutil.copytree(Path(cli.__file__).resolve().parent, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(folder / module, line)
+    offences = up_arrows(folder, cli.__name__.removesuffix(".cli"))
+    assert len(offences) == 1 and offences[0].startswith(f"{module} -> "), offences
 
 
 def _type_checking_block(node: ast.AST) -> bool:
