@@ -17,7 +17,7 @@ from tests.conftest import TINY_INPUTS, Daemon, model_entry
 SHADOWS = ("common.py", "protocol.py", "worker.py", "supervisor/__init__.py")
 REFUSE = 'raise ImportError("a module of the working directory or of supervisord was imported: " + __name__)\n'
 
-FACTORY_MODULE = '''
+FACTORY_MODULE = """
 import torch
 
 
@@ -28,7 +28,7 @@ class Doubler(torch.nn.Module):
 
 def doubler() -> torch.nn.Module:
     return Doubler()
-'''
+"""
 
 
 def _plant(folder: Path, names: tuple[str, ...]) -> Path:

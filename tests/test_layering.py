@@ -104,10 +104,8 @@ def _imported_modules(path: Path, package: str) -> set[str]:
     return {name for name in found if name.startswith(f"{package}.")}
 
 
-def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
-    """No arrow points up: the core imports neither the toolkit nor the CLI, and the toolkit never the CLI."""
-    package = cli.__name__.removesuffix(".cli")
-    folder = Path(cli.__file__).resolve().parent
+def up_arrows(folder: Path, package: str) -> list[str]:
+    """Imports that point up: the core importing the toolkit or the CLI, the toolkit importing the CLI."""
     cli_side = (f"{package}.commands", f"{package}.cli", f"{package}.__main__")
     offences = []
     for path in sorted(folder.rglob("*.py")):
@@ -117,4 +115,186 @@ def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
         above = cli_side if part == "toolkit" else (*cli_side, f"{package}.toolkit")
         offences += [f"{path.relative_to(folder)} -> {name}" for name in _imported_modules(path, package)
                      if any(name == up or name.startswith(f"{up}.") for up in above)]  # fmt: skip
-    assert offences == []
+    return offences
+
+
+def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
+    """No arrow points up: the core imports neither the toolkit nor the CLI, and the toolkit never the CLI."""
+    assert up_arrows(Path(cli.__file__).resolve().parent, cli.__name__.removesuffix(".cli")) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "line"),
+    [
+        ("toolkit/check.py", "from infervisor.supervisor.commands.infer import summarize"),
+        ("core/arbiter.py", "from infervisor.supervisor import cli"),
+        ("observe/status.py", "from infervisor.supervisor.toolkit.inputs import random_inputs"),
+    ],
+)
+def test_an_up_arrow_is_named(tmp_path: Path, module: str, line: str) -> None:
+    """A toolkit module importing a command, or a core module the CLI or the toolkit, fails the check."""
+    folder = tmp_path / "supervisor"
+    shutil.copytree(Path(cli.__file__).resolve().parent, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(folder / module, line)
+    offences = up_arrows(folder, cli.__name__.removesuffix(".cli"))
+    assert len(offences) == 1 and offences[0].startswith(f"{module} -> "), offences
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _modules_under(folder: Path, package: str) -> dict[str, Path]:
+    """Every module of the package in `folder` by its import name (a package by its `__init__.py`)."""
+    modules = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        modules[".".join((package, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return modules
+
+
+def _import_graph(folder: Path, package: str) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    """Each module's imports within the package (lazy and type-only ones too, and the packages an import runs), and
+    the (importer, imported) pairs written under `if TYPE_CHECKING:`."""
+    modules = _modules_under(folder, package)
+
+    def resolve(name: str) -> set[str]:
+        # `from a.b import c` imports module a.b.c when there is one, else a name of a.b; either runs a.b's __init__.
+        while name not in modules and "." in name:
+            name = name.rpartition(".")[0]
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & modules.keys()
+
+    graph: dict[str, set[str]] = {}
+    type_only: list[tuple[str, str]] = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        hidden = {id(n) for block in ast.walk(tree) if _type_checking_block(block) for n in ast.walk(block)}
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                targets = resolve(name) - {module}
+                graph[module] |= targets
+                if id(node) in hidden and name.startswith(f"{package}."):
+                    type_only += [(module, target) for target in sorted(targets) if target != package]
+    return graph, type_only
+
+
+def hidden_cycles(folder: Path, package: str) -> list[str]:
+    """Each `if TYPE_CHECKING:` import of a module that, through any chain of imports, imports its importer back."""
+    graph, type_only = _import_graph(folder, package)
+    offences = []
+    for importer, imported in type_only:
+        came_from: dict[str, str] = {imported: ""}
+        frontier = [imported]
+        while frontier and importer not in came_from:
+            module = frontier.pop()
+            for target in sorted(graph[module] - came_from.keys()):
+                came_from[target] = module
+                frontier.append(target)
+        if importer in came_from:
+            chain = [importer]
+            while chain[-1] != imported:
+                chain.append(came_from[chain[-1]])
+            offences.append(f"{importer} -> (TYPE_CHECKING) " + " -> ".join(reversed(chain)))
+    return offences
+
+
+def test_no_type_checking_import_hides_an_import_cycle() -> None:
+    """No supervisor module imports for types only a module that imports it back, directly or through others."""
+    folder = Path(cli.__file__).resolve().parent
+    assert hidden_cycles(folder, cli.__name__.removesuffix(".cli")) == []
+
+
+def test_a_type_checking_import_that_closes_a_cycle_is_named(tmp_path: Path) -> None:
+    """A type-only import added to a copy of the supervisor, of a module that imports the importer back, is reported
+    with the chain that closes the cycle."""
+    folder = tmp_path / "supervisor"
+    shutil.copytree(Path(cli.__file__).resolve().parent, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    package = cli.__name__.removesuffix(".cli")
+    add_line_after_future_import(
+        folder / "routing" / "pending.py",
+        f"from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from {package}.routing.broker import Broker\n",
+    )
+    pending, broker = f"{package}.routing.pending", f"{package}.routing.broker"
+    named = [o for o in hidden_cycles(folder, package) if o.startswith(f"{pending} -> (TYPE_CHECKING)")]
+    assert named == [f"{pending} -> (TYPE_CHECKING) {broker} -> {pending}"]
+
+
+#: Helpers a bench script or a command imports from their own leaf module, never through the daemon's core.
+HELPER_HOMES = {
+    "percentile": "infervisor.supervisor.observe.stats",
+    "random_inputs": "infervisor.supervisor.toolkit.inputs",
+}
+#: The daemon's core: a bench script starts a daemon (bench/daemon.py) and talks to it through sockets, or runs a
+#: bare broker of its own (bench/bare_broker.py); none builds the supervisor's broker or pool in process.
+BENCH_NEVER_IMPORTS = (
+    "infervisor.supervisor.routing",
+    "infervisor.supervisor.lifecycle",
+    "infervisor.supervisor.monitors",
+    "infervisor.supervisor.core.arbiter",
+)
+
+
+def helper_offences(root: Path) -> list[str]:
+    """Imports of a shared helper from anywhere but its home (bench scripts and supervisor/), and bench scripts
+    importing the daemon's core."""
+    offences = []
+    paths = [*sorted((root / "bench").glob("*.py")), *sorted((root / "supervisor").rglob("*.py"))]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                offences += [
+                    f"{path.relative_to(root)}: {alias.name} from {node.module}, not {HELPER_HOMES[alias.name]}"
+                    for alias in node.names
+                    if alias.name in HELPER_HOMES and node.module != HELPER_HOMES[alias.name]
+                ]
+        if path.parent.name == "bench":
+            offences += [
+                f"{path.relative_to(root)} -> {name}"
+                for name in _imported_modules(path, "infervisor")
+                if any(name == core or name.startswith(f"{core}.") for core in BENCH_NEVER_IMPORTS)
+            ]
+    return offences
+
+
+def test_bench_scripts_and_commands_take_helpers_from_leaves_not_the_core() -> None:
+    """percentile comes from observe/stats and random_inputs from toolkit/inputs, and no bench script imports the
+    broker, the pool, the monitors or the arbiter."""
+    assert helper_offences(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("script", "line", "offence"),
+    [
+        (
+            "bench/rolling.py",
+            "from infervisor.supervisor.observe.status import percentile",
+            "percentile from infervisor.supervisor.observe.status, not infervisor.supervisor.observe.stats",
+        ),
+        (
+            "bench/chaos.py",
+            "from infervisor.supervisor.routing.broker import Broker",
+            "bench/chaos.py -> infervisor.supervisor.routing.broker.Broker",
+        ),
+    ],
+)
+def test_a_helper_taken_through_the_core_is_named(tmp_path: Path, script: str, line: str, offence: str) -> None:
+    """A bench script that imports a helper from elsewhere than its home, or the broker, fails the check."""
+    for folder in ("bench", "supervisor"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(tmp_path / script, line)
+    offences = helper_offences(tmp_path)
+    assert len(offences) == 1 and offence in offences[0], offences

@@ -24,7 +24,12 @@ from infervisor.protocol.client import Client
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState
-from infervisor.supervisor.observe.metrics import BUCKETS_S, RequestTimes
+from infervisor.supervisor.observe import status
+from infervisor.supervisor.observe.capture import Readings, take_snapshot
+from infervisor.supervisor.observe.exposition import Metrics
+from infervisor.supervisor.observe.recorders import BUCKETS_S, ModelTimes, ReloadStats
+from infervisor.supervisor.observe.snapshot import Snapshot
+from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for, write_thermal_sysfs
 from tests.test_pool_states import Rig
@@ -98,10 +103,9 @@ def _url(daemon: Daemon) -> str:
 
 def test_buckets_count_a_value_on_its_bound_and_past_the_last_in_inf() -> None:
     """`le` is inclusive: 0.1 ms lands in the first bucket, 31 s only in +Inf; the sums add up."""
-    times = RequestTimes()
-    times.request_done("m", 0.0, 0.0001, 0.0002)  # queue 0.1 ms, service 0.1 ms, total 0.2 ms
-    times.request_done("m", 0.0, 1.0, 32.0)  # queue 1 s, service 31 s, total 32 s
-    model = times.models["m"]
+    model = ModelTimes()
+    model.request_done(0.0, 0.0001, 0.0002)  # queue 0.1 ms, service 0.1 ms, total 0.2 ms
+    model.request_done(0.0, 1.0, 32.0)  # queue 1 s, service 31 s, total 32 s
     assert model.queue[0] == 1 and model.queue[BUCKETS_S.index(1.0)] == 1
     assert model.service[0] == 1 and model.service[-1] == 1
     assert model.total[BUCKETS_S.index(0.00025)] == 1 and model.total[-1] == 1
@@ -138,6 +142,45 @@ def test_restarts_are_counted_by_reason_and_asked_for_exits_are_not(rig: Rig) ->
         ("tiny", RestartReason.MONITOR_RECYCLE): 1,
         ("tiny", RestartReason.HEARTBEAT): 1,
     }
+
+
+def _finish_successes(rig: Rig, model: str, count: int) -> None:
+    """Answer `count` requests of `model` with a result, as the broker does for a worker's reply."""
+    client = (rig.endpoints.sockets[0], b"a client that left")
+    now = time.monotonic()
+    for i in range(count):
+        request = PendingRequest(i, client, i, model, [], now - 0.002, None, dispatched_at=now - 0.001)
+        rig.broker.finish(request, None, b"{}", [])
+
+
+def _snapshot(rig: Rig) -> Snapshot:
+    readings = Readings({}, {}, {}, ReloadStats(time.time()), {})
+    return take_snapshot(rig.pool, rig.broker, readings, None, time.time(), time.monotonic())
+
+
+def test_status_and_the_exposition_render_one_snapshot_that_changes_nothing(rig: Rig) -> None:
+    """A success counts once in the record status and the exposition both render; taking the snapshot leaves the
+    broker's record as it was; a model removed and added back starts from zero in both, histograms included."""
+    rig.pool.start()
+    (slot,) = rig.slots()
+    rig.ready(slot)
+    _finish_successes(rig, "tiny", 2)
+    times = rig.broker.queues["tiny"].times
+    before = (times.completed, list(times.total), list(times.recent_ms))
+    snapshot = _snapshot(rig)
+    assert (times.completed, list(times.total), list(times.recent_ms)) == before
+    metrics = Metrics()
+    for completed in (2, 0):
+        metrics.publish(snapshot)
+        samples = _samples(metrics.render())
+        shown = status.models_status(snapshot)["tiny"]
+        assert shown["completed"] == completed
+        assert (shown["p50_ms"] is None) == (completed == 0)
+        assert _value(samples, "infervisor_requests_total", model="tiny", outcome="success", code="ok") == completed
+        assert _value(samples, "infervisor_request_duration_seconds_count", model="tiny") == completed
+        rig.broker.remove_model("tiny")  # a reload drops the model, and the next one adds it back
+        rig.broker.sync_queues()
+        snapshot = _snapshot(rig)
 
 
 @pytest.fixture

@@ -144,8 +144,10 @@ def test_met_names_the_choice_and_still_lists_what_it_does_not_prove(tmp_path: P
     assert any(n.startswith("operators: probe&#x27;s torch.profiler returned no report") for n in not_proven)
     assert any("int8_static change numerics and were judged on seeded random inputs" in n for n in not_proven)
     assert any(n.startswith("thermal/frequency: not measured") for n in not_proven)
-    assert "cold start: a first start (nothing compiled or cached yet) takes int8_static 55.3 s, over the 5000 ms " \
+    assert (
+        "cold start: a first start (nothing compiled or cached yet) takes int8_static 55.3 s, over the 5000 ms "
         "constraint; int8_static meet it only on a restart that loads the cached compiled package" in not_proven
+    )
     # One promise per figure: what each number is, rounded as the CLI prints it, and how to repeat it.
     assert "QPS, total of 2 workers × 1 core each" in page and "P99 ms, 1 worker, in process" in page
     assert "40 QPS offered by 2 clients for 10 s" in page and "20 QPS offered by 2 clients for 10 s" in page

@@ -39,8 +39,10 @@ from infervisor.supervisor.monitors.registry import build_monitors
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.observe import status
 from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.observe.capture import Readings, take_snapshot
+from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.observe.health import DaemonState, daemon_state, ready_to_announce, status_line
-from infervisor.supervisor.observe.metrics import Metrics, take_snapshot
+from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import Config
@@ -307,14 +309,16 @@ class Arbiter:
             self.act(finding)
         self.publish_metrics()
 
-    def publish_metrics(self) -> None:
-        """Hand the metrics endpoint a fresh snapshot (it never reads the loop's state itself)."""
+    def publish_metrics(self) -> Snapshot:
+        """Take a snapshot and hand it to the metrics endpoint (which never reads the loop's state itself)."""
         rss_mb = {pid: samples[-1][1] for pid, samples in self.memory.history.items() if samples}
-        reading, reloads, anomalies = self.thermal.reading, self.reloader.stats, self.anomalies.counts
+        memory, reloads, anomalies = self.memory.pss_mb, self.reloader.stats, self.anomalies.counts
+        readings = Readings(rss_mb, memory, self.thermal.reading, reloads, anomalies)
         snapshot = take_snapshot(
-            self.pool, self.broker, rss_mb, reading, reloads, anomalies, time.time(), self.memory.pss_mb
+            self.pool, self.broker, readings, self.fallback.fallbacks, time.time(), time.monotonic()
         )
         self.metrics.publish(snapshot)
+        return snapshot
 
     def act(self, finding: Finding) -> None:
         """Log a finding as data, show it in status, and probe, recycle or kill as it says."""
@@ -388,31 +392,36 @@ class Arbiter:
         return {"ok": True, "slot": slot.assignment.slot, "pid": slot.pid, "seq": self.probe_seq}
 
     def status(self) -> dict[str, Any]:
-        """Everything an operator asks first: who serves what, where, how fast, and what went wrong."""
+        """Everything an operator asks first: who serves what, where, how fast, and what went wrong.
+
+        The snapshot it renders is the one the metrics then show too.
+        """
         config = self.config
-        reports = self.pool.roster.reports()
+        snapshot = self.publish_metrics()
+        reports = snapshot.reports()
+        state = daemon_state(reports, self.announced_ready, snapshot.stopping)
         return {
             "ok": True,
             "pid": os.getpid(),
-            "state": daemon_state(reports, self.announced_ready, self.pool.stop.stopping).value,
-            "status": status_line(reports, daemon_state(reports, self.announced_ready, self.pool.stop.stopping)),
-            "uptime_s": round(time.time() - self.started_at, 3),
+            "state": state.value,
+            "status": status_line(reports, state),
+            "uptime_s": round(snapshot.taken_at - self.started_at, 3),
             "rss": status.rss_of(os.getpid()),
             "cpus": sorted(self.affinity.current),
             "cpu_latency": self.cpu_latency.status(config.cpu_latency_us),
             "config": {
                 **self.reloader.status(),
-                "models": status.config_states(self.pool),
+                "models": status.config_states(snapshot),
             },
             "limits": status.limits(config),
-            "rollout": status.rollout_status(self.pool),
+            "rollout": status.rollout_status(snapshot),
             "endpoints": {
                 "client": self.endpoints.ipc_endpoint,
                 "tcp": config.tcp_endpoint,
                 "metrics": self.metrics.url,
                 "metrics_error": self.metrics.error,
             },
-            "counters": dict(self.anomalies.counts),
-            "thermal": {**self.thermal.reading, "shedding": self.broker.shed},
-            "models": status.models_status(self.pool, self.broker, reports, self.fallback.fallbacks),
+            "counters": dict(snapshot.anomalies),
+            "thermal": {**snapshot.thermal, "shedding": snapshot.shedding},
+            "models": status.models_status(snapshot),
         }

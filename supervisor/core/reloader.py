@@ -23,7 +23,7 @@ from infervisor.supervisor.host.sd_notify import Notifier
 from infervisor.supervisor.host.topology import TopologyError
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.lifecycle.slot import RestartReason
-from infervisor.supervisor.observe.metrics import ReloadOutcome, ReloadStats
+from infervisor.supervisor.observe.recorders import ReloadOutcome, ReloadStats
 from infervisor.supervisor.settings.config import Config, ConfigError, load_config
 from infervisor.supervisor.settings.config_diff import ConfigDiff, diff_configs, held_back
 from infervisor.supervisor.settings.serving_config import ServingConfig

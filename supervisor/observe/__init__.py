@@ -1,1 +1,2 @@
-"""What the daemon measures about itself, as leaves the core, the CLI and the bench scripts read."""
+"""What the daemon says about itself: recorders the broker writes to (a leaf), one snapshot taken from the broker,
+the pool and the monitors (`capture`), and the status document and Prometheus exposition that render it."""

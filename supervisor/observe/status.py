@@ -1,20 +1,16 @@
-"""The status document served on the control socket (and printed by `infervisor status`)."""
+"""The status document served on the control socket (and printed by `infervisor status`), rendered from the
+loop's snapshot (supervisor/observe/snapshot.py); only the memory of each process is read here, now."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psutil
 
 from infervisor.common.profiles import PROFILES
 from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
-from infervisor.supervisor.core.fallback import Fallbacks
-from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
-from infervisor.supervisor.observe.health import ModelReport
+from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
 from infervisor.supervisor.observe.stats import percentile
-from infervisor.supervisor.routing.broker import Broker, ModelQueue
 from infervisor.supervisor.settings.config import BatchingConfig, Config
 
 
@@ -38,75 +34,68 @@ def pss_of(pid: int | None) -> int | None:
         return None
 
 
-def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
-    """One worker's row."""
+def slot_status(slot: SlotSample) -> dict[str, Any]:
+    """One worker's row (its memory read now, not the monitor's last sample)."""
     pid = slot.pid
-    now = time.monotonic() if now is None else now
     return {
-        "slot": slot.assignment.slot,
+        "slot": slot.slot,
         "pid": pid,
         "state": slot.state.value,
         "reason": slot.reason,
         "busy": bool(slot.inflight),
-        "inflight": len(slot.inflight),
-        "cores": list(slot.assignment.cpus),
-        "node": slot.assignment.node,
-        "shared_cores": slot.assignment.shared,
-        "threads": slot.proc.threads_seen if slot.proc.threads_seen is not None else slot.assignment.threads,
+        "inflight": slot.inflight,
+        "cores": list(slot.cores),
+        "node": slot.node,
+        "shared_cores": slot.shared_cores,
+        "threads": slot.threads,
         "rss": rss_of(pid),
         "pss": pss_of(pid),
-        "requests": slot.notes.requests,
-        "p50_ms": percentile(slot.proc.latencies_ms, 50),
-        "p99_ms": percentile(slot.proc.latencies_ms, 99),
-        "ready_ms": round(slot.proc.ready_ms, 1),
-        "profile": slot.proc.profile,
-        "profile_skipped": list(slot.proc.profile_notes),
-        "profile_build": list(slot.proc.build_notes),
+        "requests": slot.requests,
+        "p50_ms": percentile(slot.latencies_ms, 50),
+        "p99_ms": percentile(slot.latencies_ms, 99),
+        "ready_ms": round(slot.ready_ms, 1),
+        "profile": slot.profile,
+        "profile_skipped": list(slot.profile_skipped),
+        "profile_build": list(slot.profile_build),
         **accuracy_data(slot),
-        "last_profile": slot.notes.last_profile,
-        "restarts": slot.notes.restarts,
-        "last_exit": slot.notes.last_exit,
+        "last_profile": slot.last_profile,
+        "restarts": slot.restarts,
+        "last_exit": slot.last_exit,
         # Why its last worker could not load the model, in the worker's words (until a worker of the slot serves).
-        "load_error": slot.notes.last_load_error or None,
-        "last_event": slot.notes.last_event,
+        "load_error": slot.load_error or None,
+        "last_event": slot.last_event,
         # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
-        "starting": slot.proc.start.status(now) if slot.state is SlotState.STARTING else None,
+        "starting": slot.starting,
     }
 
 
-def accuracy_data(slot: WorkerSlot) -> dict[str, str | None]:
+def accuracy_data(slot: SlotSample) -> dict[str, str | None]:
     """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
     numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
-    if slot.proc.profile is None:
+    if slot.profile is None:
         return {"checked_on": None, "accuracy_warning": None}
-    if slot.model.validation:
+    if slot.validated:
         return {"checked_on": "validation set", "accuracy_warning": None}
-    declared = PROFILES.get(slot.proc.profile)
+    declared = PROFILES.get(slot.profile)
     warning = None
     if declared is not None and declared.changes_numerics:
         warning = (
-            f"{slot.proc.profile} changes numerics and was judged on synthetic inputs only (no validation set): "
-            "configure `validation`, an .npz of real inputs"
+            f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
+            "`validation`, an .npz of real inputs"
         )
     return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
 
 
-def models_status(
-    pool: WorkerPool, broker: Broker, reports: dict[str, ModelReport], fallbacks: Fallbacks | None = None
-) -> dict[str, Any]:
+def models_status(snapshot: Snapshot) -> dict[str, Any]:
     """Per model: its health, spec, queue, counters and workers (members first, then successors and retiring ones)."""
     models: dict[str, Any] = {}
-    config = pool.serving.current
-    errors = pool.roster.load_errors()
-    for name, slots in pool.roster.members.items():
-        queue = broker.queues[name]
-        model = config.models[name]
-        report = reports[name]
-        models[name] = {
-            "health": report.health.value,
-            "reason": report.reason,
+    for sample in snapshot.models:
+        model = sample.config
+        models[sample.name] = {
+            "health": sample.report.health.value,
+            "reason": sample.report.reason,
             # Why the model (or its last replacement) cannot load, in the worker's words; None when nothing failed.
-            "error": errors.get(name),
+            "error": sample.load_error,
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
             "inputs": [
                 {
@@ -117,55 +106,47 @@ def models_status(
                 }
                 for s in model.inputs
             ],
-            "queued": len(queue.waiting),
-            "queue_size": queue.capacity,
-            "completed": queue.completed,
-            "errors": dict(queue.errors),
-            "p50_ms": percentile(queue.latencies_ms, 50),
-            "p99_ms": percentile(queue.latencies_ms, 99),
+            "queued": sample.queued,
+            "queue_size": sample.capacity,
+            "completed": sample.completed,
+            "errors": dict(sample.errors),
+            "p50_ms": percentile(sample.latencies_ms, 50),
+            "p99_ms": percentile(sample.latencies_ms, 99),
             "profiles": list(model.profiles),
-            "fallback": fallbacks.status(name, model) if fallbacks is not None else None,
-            "batching": batching_status(model.batching, queue),
-            "workers": [slot_status(s) for s in slots]
-            + [
-                slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
-                for s in pool.roster.extra
-                if s.model.name == name
+            "fallback": sample.fallback,
+            "batching": batching_status(model.batching, sample),
+            "workers": [
+                slot_status(s) | ({} if s.role is Role.MEMBER else {"role": s.role.value})
+                for s in snapshot.slots_of(sample.name)
             ],
         }
     return models
 
 
-def batching_status(policy: BatchingConfig | None, queue: ModelQueue) -> dict[str, Any] | None:
+def batching_status(policy: BatchingConfig | None, sample: ModelSample) -> dict[str, Any] | None:
     """How a batching model's requests were joined: batches per size (rows), mean size, the wait to be batched."""
     if policy is None:
         return None
-    batches = sum(queue.batch_sizes.values())
-    rows = sum(size * count for size, count in queue.batch_sizes.items())
+    batches = sum(count for _, count in sample.batch_sizes)
+    rows = sum(size * count for size, count in sample.batch_sizes)
     return {
         "max_batch_size": policy.max_batch_size,
         "max_queue_delay_us": policy.max_queue_delay_us,
         "preferred_batch_sizes": list(policy.preferred_batch_sizes),
         "batches": batches,
         "mean_size": round(rows / batches, 3) if batches else None,
-        "batch_sizes": {str(size): count for size, count in sorted(queue.batch_sizes.items())},
-        "wait_p50_ms": percentile(queue.batch_wait_ms, 50),
-        "wait_p99_ms": percentile(queue.batch_wait_ms, 99),
+        "batch_sizes": {str(size): count for size, count in sample.batch_sizes},
+        "wait_p50_ms": percentile(sample.batch_wait_ms, 50),
+        "wait_p99_ms": percentile(sample.batch_wait_ms, 99),
     }
 
 
-def config_states(pool: WorkerPool) -> dict[str, Any]:
+def config_states(snapshot: Snapshot) -> dict[str, Any]:
     """Per model, where the last applied config stands: applied, still rolling out, or rolled back and why."""
-    states: dict[str, Any] = {}
-    for name in pool.roster.members:
-        error = pool.serving.rollout_error(name)
-        if pool.serving.target(name) is not None:
-            states[name] = {"state": "rolling"}
-        elif error is not None:
-            states[name] = {"state": "failed", "error": error}
-        else:
-            states[name] = {"state": "applied"}
-    return states
+    return {
+        m.name: {"state": m.config_state} | ({} if m.config_error is None else {"error": m.config_error})
+        for m in snapshot.models
+    }
 
 
 def limits(config: Config) -> dict[str, int]:
@@ -179,12 +160,12 @@ def limits(config: Config) -> dict[str, int]:
     }
 
 
-def rollout_status(pool: WorkerPool) -> dict[str, Any]:
+def rollout_status(snapshot: Snapshot) -> dict[str, Any]:
     """The rolling-restart queue."""
-    rollout = pool.rollout
+    rollout = snapshot.rollout
     return {
         "pending": rollout.pending,
-        "current": rollout.current.old.name if rollout.current else None,
+        "current": rollout.current,
         "completed": rollout.completed,
         "last_error": rollout.last_error,
     }

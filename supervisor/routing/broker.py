@@ -28,7 +28,7 @@ from infervisor.supervisor.core.event_loop import CLIENTS, EventLoop
 from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.observe.anomalies import Anomalies
-from infervisor.supervisor.observe.metrics import RequestTimes
+from infervisor.supervisor.observe.recorders import ModelTimes
 from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
@@ -78,12 +78,17 @@ class ModelQueue:
 
     capacity: int
     waiting: collections.deque[PendingRequest] = field(default_factory=collections.deque)
-    completed: int = 0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
-    latencies_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
+    #: Its successful requests: how many and how long (dropped with the queue when the model leaves).
+    times: ModelTimes = field(default_factory=ModelTimes)
     #: With batching: how many batches of each size (rows) were sent, and how long requests waited to be batched.
     batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     batch_wait_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+    @property
+    def completed(self) -> int:
+        """Requests of the model answered with a result."""
+        return self.times.completed
 
 
 class Broker:
@@ -113,8 +118,6 @@ class Broker:
         self.queues: dict[str, ModelQueue] = {}
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
         self.refused: collections.Counter[str] = collections.Counter()
-        #: Queue wait, service and total time of every successful request, per model (supervisor/observe/metrics.py).
-        self.times = RequestTimes()
         self.next_id = 1
         self.inflight_count = 0
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
@@ -317,10 +320,7 @@ class Broker:
         """Send the one final reply of a request and count it."""
         queue = self.queues.get(request.model)  # None once a reload removed the model
         if queue is not None and code is None:
-            queue.completed += 1
-            now = time.monotonic()
-            queue.latencies_ms.append((now - request.accepted_at) * 1000.0)
-            self.times.request_done(request.model, request.accepted_at, request.dispatched_at, now)
+            queue.times.request_done(request.accepted_at, request.dispatched_at, time.monotonic())
         elif queue is not None and code is not None:
             queue.errors[code.value] += 1
         self.ledger.give_back(request.client, request.cost)

@@ -146,7 +146,7 @@ class Config:
     curve: CurveConfig | None
     #: Let metrics_listen name an address that is not loopback (the operator's explicit choice).
     metrics_allow_remote: bool
-    #: HOST:PORT of the Prometheus endpoint (supervisor/observe/metrics.py), or None for none.
+    #: HOST:PORT of the Prometheus endpoint (supervisor/observe/exposition.py), or None for none.
     metrics_listen: str | None
     oversubscribe: bool
     #: Keep the supervisor on the allowed cpus no worker holds (supervisor/host/affinity.py).
