@@ -12,8 +12,9 @@ batched. The built-ins are judged and timed on synthetic samples and calibrated 
 is the real all-MiniLM-L6-v2 (extra `minilm`), judged and timed on its 8 validation sentences and
 calibrated on its 16 calibration sentences (worker/models/minilm.py), daemon profiles included. The
 daemon profiles are built as a worker builds them (worker/profiles/build.py); the plain configurations
-are what a user of each runtime writes: OpenVINO fp32, bf16 and NNCF int8, ONNX Runtime fp32 and
-static int8 (QDQ, per-channel), on the same calibration samples. Needs the `openvino` and `bench` extras.
+are what a user of each runtime writes: OpenVINO fp32, bf16 and NNCF int8 (its TRANSFORMER recipe on
+attention models), ONNX Runtime fp32 and static int8 (QDQ, per-channel), on the same calibration
+samples. Needs the `openvino` and `bench` extras.
 
 Below the table, the targets: the profile a worker's fastest pick over these daemon profiles would
 serve at --min-cosine (the fastest by the geometric mean of its batch-1 and batch-8 medians, as
@@ -101,11 +102,15 @@ def plain_openvino(module: Any, example: dict[str, Any], threads: int, precision
     """What an OpenVINO user writes: convert_model with an example, NNCF for int8, a latency-hinted compile."""
     import openvino as ov
 
+    from infervisor.worker.profiles.openvino import is_transformer
+
     model = ov.convert_model(module, example_input=tuple(example.values()))
     if precision == "int8":
         import nncf
 
-        model = nncf.quantize(model, nncf.Dataset(calibration, lambda s: list(s.values())))
+        # NNCF's documented recipe for transformers (an attention Softmax in the graph), its default otherwise.
+        kind = {"model_type": nncf.ModelType.TRANSFORMER} if is_transformer(model) else {}
+        model = nncf.quantize(model, nncf.Dataset(calibration, lambda s: list(s.values())), **kind)
     compiled = ov.Core().compile_model(model, "CPU", {
         "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
         "INFERENCE_PRECISION_HINT": "bf16" if precision == "bf16" else "f32",

@@ -132,3 +132,27 @@ def test_a_model_openvino_cannot_convert_falls_down_the_chain(start_daemon: Call
     assert worker["profile"] == "jit", worker
     (reason,) = worker["profile_skipped"]
     assert reason.startswith("openvino: openvino failed to build: "), reason
+
+
+def test_openvino_int8_keeps_a_real_transformer_within_tolerance(tmp_path: Path) -> None:
+    """NNCF's transformer recipe quantizes the real MiniLM's attention graph: NNCF's default left cosine 0.63."""
+    minilm = pytest.importorskip("infervisor.worker.models.minilm")
+    try:
+        minilm.model_dir()
+    except ImportError:
+        pytest.skip("the optional extra `minilm` is not installed")
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.profiles.calibration import load_calibration
+
+    calibration, validation = minilm.write_sets(tmp_path / "data")
+    specs = BUILTIN_SPECS["encoder"]
+    source = ModelSource("python", "infervisor.worker.models.minilm:minilm")
+    runner = ModelRunner(minilm.minilm(), specs, None)
+    launch = LaunchSpec("t", "minilm", -1, source, specs, None, (0,), 1, profiles=("openvino_int8",),
+                        cache_dir=str(tmp_path / "cache"), calibration=str(calibration))  # fmt: skip
+    selection = select_profile(
+        runner, launch.profiles, Tolerance(0.98), read_caps(), build_context(launch, runner),
+        validation=load_calibration(validation, specs),
+    )  # fmt: skip
+    assert selection.profile == "openvino_int8", selection.skipped
+    assert selection.cosine >= 0.98
