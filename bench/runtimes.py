@@ -182,9 +182,9 @@ def _geomean(values: list[float]) -> float:
 def head_to_head(first: Run, second: Run, inputs: dict[str, Any], pairs: int) -> float:
     """The median over `pairs` of one call of `first` over the next call of `second`, alternating call by call.
 
-    A burst of other load lasts longer than a call, so it slows both calls of a pair alike: on this shared box
-    the per-slot medians of the table moved one OpenVINO configuration against another by up to 1.6x from run
-    to run, while these ratios stayed within a few percent.
+    A burst of other load lasts longer than a call, so it slows both calls of a pair alike: on a shared box the
+    per-slot medians of the table moved one OpenVINO configuration against another by up to 1.6x from run to
+    run, where the two timed alone in a process were level.
     """
     first(inputs), second(inputs)
     ratios: list[float] = []
