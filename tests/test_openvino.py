@@ -132,3 +132,59 @@ def test_a_model_openvino_cannot_convert_falls_down_the_chain(start_daemon: Call
     assert worker["profile"] == "jit", worker
     (reason,) = worker["profile_skipped"]
     assert reason.startswith("openvino: openvino failed to build: "), reason
+
+
+def test_openvino_int8_keeps_a_real_transformer_within_tolerance(tmp_path: Path) -> None:
+    """NNCF's transformer recipe quantizes the real MiniLM's attention graph: NNCF's default left cosine 0.63."""
+    minilm = pytest.importorskip("infervisor.worker.models.minilm")
+    try:
+        minilm.model_dir()
+    except ImportError:
+        pytest.skip("the optional extra `minilm` is not installed")
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.profiles.calibration import load_calibration
+
+    calibration, validation = minilm.write_sets(tmp_path / "data")
+    specs = BUILTIN_SPECS["encoder"]
+    source = ModelSource("python", "infervisor.worker.models.minilm:minilm")
+    runner = ModelRunner(minilm.minilm(), specs, None)
+    launch = LaunchSpec("t", "minilm", -1, source, specs, None, (0,), 1, profiles=("openvino_int8",),
+                        cache_dir=str(tmp_path / "cache"), calibration=str(calibration))  # fmt: skip
+    selection = select_profile(
+        runner, launch.profiles, Tolerance(0.98), read_caps(), build_context(launch, runner),
+        validation=load_calibration(validation, specs),
+    )  # fmt: skip
+    assert selection.profile == "openvino_int8", selection.skipped
+    assert selection.cosine >= 0.98
+
+
+def test_an_openvino_worker_keeps_no_mapped_copy_of_the_weights_it_serves_from(tmp_path: Path) -> None:
+    """The cached IR's weights the plugin maps go at the worker's release; it answers the same, at a new size too."""
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.memory import drop_package_weight_pages
+    from infervisor.worker.profiles.build import build_profile
+
+    specs = BUILTIN_SPECS["resnet18"]
+    runner = ModelRunner(build_builtin("resnet18"), specs, None)
+    launch = LaunchSpec("t", "resnet18", -1, ModelSource("builtin", "resnet18"), specs, None, (0,), 1,
+                        profiles=("openvino",), cache_dir=str(tmp_path))  # fmt: skip
+    runner.module = build_profile("openvino", build_context(launch, runner)).callable
+    before = [runner.forward(runner.example_inputs(batch=b)) for b in (1, 2)]
+    assert drop_package_weight_pages() >= 40 * 2**20  # resnet18's 45 MB of fp32 weights, mapped from the .bin
+    after = [runner.forward(runner.example_inputs(batch=b)) for b in (1, 2)]
+    for want, got in zip(before, after, strict=True):
+        assert np.array_equal(want[0][1], got[0][1])
+    assert runner.forward(runner.example_inputs(batch=3))[0][1].shape[0] == 3
+    assert _resident_kb_of_files_under(tmp_path) < 1024  # serving, even a new batch size, did not read them back
+
+
+def _resident_kb_of_files_under(folder: Path) -> int:
+    """Resident kB of this process's mappings of files under `folder`, from /proc/self/smaps."""
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:
+            inside = len(fields) >= 6 and fields[5].startswith(str(folder))
+        elif inside and fields and fields[0] == "Rss:":
+            resident += int(fields[1])
+    return resident
