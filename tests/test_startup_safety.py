@@ -70,6 +70,11 @@ def _cli(*args: str) -> tuple[int, str]:
 # ---- one daemon per runtime dir ----------------------------------------------------------------
 
 
+def _who(status: dict[str, Any]) -> list[tuple[object, ...]]:
+    """Which workers serve the tiny model: slot, pid, state and restarts."""
+    return [(w["slot"], w["pid"], w["state"], w["restarts"]) for w in status["models"]["tiny"]["workers"]]
+
+
 def test_a_second_daemon_on_the_same_runtime_dir_is_refused_and_the_first_serves_on(
     start_daemon: Callable[..., Daemon],
 ) -> None:
@@ -83,7 +88,8 @@ def test_a_second_daemon_on_the_same_runtime_dir_is_refused_and_the_first_serves
     assert f"another infervisor (pid {first.process.pid}) is serving {first.runtime_dir}" in refusal["error"]
     assert not _events(output, "worker_state"), "the refused daemon started workers"
     # The first still owns both sockets: the same daemon answers status and serves a request.
-    assert first.status()["models"]["tiny"]["workers"] == before["models"]["tiny"]["workers"]
+    # The same workers (memory is read live, and moves as other processes map shared libraries).
+    assert _who(first.status()) == _who(before)
     code, text = _cli("infer", "--runtime-dir", str(first.runtime_dir), "--model", "tiny", "--random")
     assert code == 0, text
 
