@@ -8,7 +8,6 @@ pool reconciles toward the configured shape and the monitors look at the workers
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 import time
@@ -33,6 +32,7 @@ from infervisor.supervisor.host.topology import read_topology
 from infervisor.supervisor.lifecycle.launcher import Launcher, launch_worker
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.monitors.age import AgeWatch
 from infervisor.supervisor.monitors.canary import CanaryWatch
@@ -79,7 +79,7 @@ class Arbiter:
         self.anomalies = Anomalies()
         self.endpoints = ClientEndpoints(self.context, config, runtime_dir)
         self.links = WorkerLinks(self.loop, self.anomalies)
-        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, self, self.anomalies)
+        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, self.anomalies)
         self.pool = WorkerPool(self.serving, plan, self.links, self.broker, launcher)
         # Its own context, so its own I/O thread: a flood of commands cannot delay the request sockets' I/O.
         self.control_context: zmq.Context[Any] = zmq.Context(1)
@@ -94,6 +94,9 @@ class Arbiter:
         self.watcher = FileWatcher(self.loop.wake)
         self.thermal = ThermalWatch()
         self.canaries = CanaryWatch()
+        # Each worker message goes straight to its owner; a link that lost its framing, to the pool.
+        self.inbox = WorkerInbox(self.anomalies, self.broker, self.pool, self.judge_canary)
+        self.links.deliver_to(self.inbox.deliver, self.pool.link_broken)
         self.memory = MemoryWatch()
         #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches).
         self.fallback = FallbackControl(self.serving, self.pool)
@@ -214,7 +217,7 @@ class Arbiter:
         self.pool.tick(now)
         self.fallback.reconcile()
         self.broker.expire(now)
-        self.broker.flush_replies()
+        self.broker.replies.flush()
         self.pet_watchdog(now)
         if self.pool.stopping:
             return
@@ -258,42 +261,10 @@ class Arbiter:
             self.state = state
             self.notifier.status(line)
 
-    # ---- what the broker saw (WorkerEvents) ---------------------------------------------------
-
-    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
-        """A starting worker is warm: the pool lets it serve."""
-        self.pool.worker_ready(slot, ready)
-
-    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
-        """A starting worker entered a phase: the pool times it against the start or the compile limit."""
-        self.pool.worker_progress(slot, progress)
-
-    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
-        """A starting worker cannot load its model: the pool keeps its words for status."""
-        self.pool.worker_load_error(slot, error)
-
-    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
-        """A worker's link failed: the pool replaces the worker."""
-        self.pool.link_broken(slot, reason)
-
-    def worker_drained(self, slot: WorkerSlot) -> None:
-        """A draining worker answered its last request."""
-        self.pool.worker_drained(slot)
-
-    def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
+    def judge_canary(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
         """Judge a canary: outputs on the golden inputs must still match this worker's own warm-up outputs."""
         model = self.serving.model(slot.model.name) or slot.model
         self.act(self.canaries.judge(slot, model, result, time.monotonic()))
-
-    def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
-        """Keep a worker's torch.profiler report for status (malformed operator JSON is kept as an error)."""
-        try:
-            operators = json.loads(result.operators)
-        except ValueError:
-            operators = {"error": "the worker sent operators that are not JSON"}
-        slot.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
-        slot.profile_started_at = None
-        log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests)
 
     # ---- monitors -----------------------------------------------------------------------------
 

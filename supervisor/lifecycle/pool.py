@@ -3,7 +3,9 @@
 The pool alone creates, spawns, kills, retires and moves slots, and it is the only caller of slot
 transitions. It holds each model's members (the slots the broker routes to) and the slots outside
 them (successors warming up, old workers draining away), works the rolling-restart queue, and stops
-everything in order. The broker tells it what it saw of a worker; the monitors tell the arbiter.
+everything in order. The worker inbox hands it what workers say of their lifecycle (READY, PROGRESS,
+LOAD_ERROR, drained), the worker links what broke; it asks the broker's pipelines whether a worker is
+busy or hung; the monitors tell the arbiter.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class WorkerPool:
         self.stopping = False
         self.stop_deadline = 0.0
         self.kill_deadline: float | None = None
-        broker.route_to(self.members)
+        broker.route_to(self.members_of)
 
     # ---- what is there ----------------------------------------------------------------------
 
@@ -222,7 +224,7 @@ class WorkerPool:
             slot.respawn_at = now
             slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
             return
-        if len(self.broker.running(slot)) > 1:
+        if len(self.broker.pipelines.of(slot).running()) > 1:
             # A batch was running: the broker splits it to find the request that kills (each split costs one
             # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
             self.restarts[(slot.model.name, cause)] += 1
@@ -258,17 +260,17 @@ class WorkerPool:
                 self.check_start(slot, now)
             elif slot.profile_started_at is not None and now - slot.profile_started_at < PROFILE_START_GRACE_S:
                 continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
-            elif slot.inflight:
+            elif (pipeline := self.broker.pipelines.of(slot)).held:
                 # Only the head of the pipeline is running (one request, or one batch), so progress is measured
                 # from its start; its budget grows with its rows, since warm-up timed a batch of one.
-                rows = sum(r.rows for r in self.broker.running(slot))
+                rows = pipeline.running_rows()
                 budget = max(config.hang_min_s, config.hang_factor * slot.expected_ms * rows / 1000.0)
                 if slot.profile_started_at is not None:
                     # The grace is over: what waited behind the profiler's start is timed from its end.
-                    slot.progress_at = max(slot.progress_at, slot.profile_started_at + PROFILE_START_GRACE_S)
+                    pipeline.hold_progress_until(slot.profile_started_at + PROFILE_START_GRACE_S)
                     slot.profile_started_at = None
                 hung = f"no reply within {budget:.1f} s (hung)"
-                if now - slot.progress_at > budget and slot.kill(hung, RestartReason.HANG):
+                if pipeline.stalled_for(now) > budget and slot.kill(hung, RestartReason.HANG):
                     slot.hung_request = True
             elif slot.state is SlotState.SERVING and now - slot.last_heard > slot.heartbeat_s * slot.liveness:
                 slot.kill(f"no heartbeat for {now - slot.last_heard:.1f} s", RestartReason.HEARTBEAT)
@@ -325,7 +327,7 @@ class WorkerPool:
             return
         now = time.monotonic()
         slot.ready_ms = (now - slot.spawned_at) * 1000.0
-        slot.progress_at = slot.ready_at = now
+        slot.ready_at = now
         slot.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.threads_seen = ready.threads
         slot.profile, slot.profile_notes, slot.build_notes = ready.profile, ready.profile_notes, ready.build_notes
@@ -400,7 +402,7 @@ class WorkerPool:
         if slot.state is SlotState.SERVING:
             slot.transition(SlotState.DRAINING, reason)
             slot.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
-            if not slot.inflight:
+            if not self.broker.pipelines.of(slot).held:
                 self.links.send_control(slot, wm.Drain())
         elif slot.state is SlotState.STARTING:
             slot.transition(SlotState.STOPPING, reason)
@@ -552,7 +554,7 @@ class WorkerPool:
 
     def advance_stop(self, now: float) -> None:
         """Finish the work in hand, or answer it SHUTTING_DOWN at the deadline; then stop and kill workers."""
-        busy = self.broker.queued_count + self.broker.inflight_count
+        busy = self.broker.queued_count + self.broker.pipelines.held_count
         if busy and now < self.stop_deadline:
             return
         if busy:

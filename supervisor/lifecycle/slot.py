@@ -9,7 +9,6 @@ import collections
 import enum
 import signal
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psutil
 import structlog
@@ -21,9 +20,6 @@ from infervisor.supervisor.lifecycle.launcher import Launched, WorkerProcess
 from infervisor.supervisor.lifecycle.process_tree import descendants_of, kill_all, own_child
 from infervisor.supervisor.lifecycle.start_clock import StartClock
 from infervisor.supervisor.settings.config import ModelConfig
-
-if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
-    from infervisor.supervisor.routing.pending import PendingRequest
 
 log = structlog.get_logger("supervisor")
 
@@ -134,10 +130,6 @@ class WorkerSlot:
     last_heard: float = 0.0
     ready_ms: float = 0.0
     expected_ms: float = 0.0
-    #: Requests handed to the current process, in dispatch order (it serves them in that order).
-    inflight: dict[int, PendingRequest] = field(default_factory=dict)
-    #: When the head of the pipeline last moved (a reply, or a dispatch into an empty pipeline).
-    progress_at: float = 0.0
     respawn_at: float = 0.0
     kill_at: float | None = None
     #: SIGKILL already sent to the current process: its exit is pending, a second kill would only log again.
@@ -196,15 +188,6 @@ class WorkerSlot:
     def pid(self) -> int | None:
         """The live process id, if any."""
         return self.process.pid if self.process is not None and self.state in LIVE_STATES else None
-
-    def can_take(self, prefetch: int) -> bool:
-        """Serving with room in its pipeline (`prefetch` requests in hand at most) and a link that still carries."""
-        return (
-            self.state is SlotState.SERVING
-            and len(self.inflight) < prefetch
-            and self.link is not None
-            and self.link.sendable
-        )
 
     def transition(self, new: SlotState, reason: str) -> None:
         """Move to `new`, refusing moves the machine does not allow, and log the change as data."""

@@ -256,7 +256,7 @@ def take_snapshot(
                 errors=tuple(sorted(queue.errors.items())),
                 queued=len(queue.waiting),
                 capacity=queue.capacity,
-                in_flight=sum(len(s.inflight) for s in mine),
+                in_flight=sum(broker.pipelines.of(s).size for s in mine),
                 workers=tuple(states.items()),
                 total=EMPTY if model_times is None else _histogram(model_times.total, model_times.total_sum),
                 queue=EMPTY if model_times is None else _histogram(model_times.queue, model_times.queue_sum),

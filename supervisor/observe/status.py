@@ -38,8 +38,8 @@ def pss_of(pid: int | None) -> int | None:
         return None
 
 
-def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
-    """One worker's row."""
+def slot_status(slot: WorkerSlot, held: int, now: float | None = None) -> dict[str, Any]:
+    """One worker's row (`held`: requests its process holds, from the broker's pipelines)."""
     pid = slot.pid
     now = time.monotonic() if now is None else now
     return {
@@ -47,8 +47,8 @@ def slot_status(slot: WorkerSlot, now: float | None = None) -> dict[str, Any]:
         "pid": pid,
         "state": slot.state.value,
         "reason": slot.reason,
-        "busy": bool(slot.inflight),
-        "inflight": len(slot.inflight),
+        "busy": bool(held),
+        "inflight": held,
         "cores": list(slot.assignment.cpus),
         "node": slot.assignment.node,
         "shared_cores": slot.assignment.shared,
@@ -126,9 +126,10 @@ def models_status(
             "profiles": list(model.profiles),
             "fallback": fallbacks.status(name, model) if fallbacks is not None else None,
             "batching": batching_status(model.batching, queue),
-            "workers": [slot_status(s) for s in slots]
+            "workers": [slot_status(s, broker.pipelines.of(s).size) for s in slots]
             + [
-                slot_status(s) | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
+                slot_status(s, broker.pipelines.of(s).size)
+                | {"role": "successor" if s.state is SlotState.STARTING else "retiring"}
                 for s in pool.extra
                 if s.model.name == name
             ],
