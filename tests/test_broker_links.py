@@ -37,9 +37,13 @@ class BrokenLinks:
 
     def __init__(self) -> None:
         self.broken: list[tuple[str, str]] = []
+        self.ready: list[str] = []
+        self.drained: list[str] = []
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
-        """Not expected here."""
+        """Let it serve, as the pool does."""
+        self.ready.append(slot.name)
+        slot.state = SlotState.SERVING
 
     def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
         """Not expected here."""
@@ -52,7 +56,8 @@ class BrokenLinks:
         self.broken.append((slot.name, reason))
 
     def worker_drained(self, slot: WorkerSlot) -> None:
-        """Not expected here."""
+        """Remember the report."""
+        self.drained.append(slot.name)
 
 
 class Rig:
@@ -225,3 +230,31 @@ def test_a_long_line_is_cut_at_its_fair_share_so_one_worker_never_takes_it_all(t
         assert not rig.broker.queues["tiny"].waiting
     finally:
         rig.close()
+
+
+def test_a_ready_read_from_a_link_goes_to_the_pool_and_the_worker_then_gets_what_waits(tmp_path: Path) -> None:
+    """READY is handed to the pool by the worker inbox (no relay); the broker then dispatches the line to it."""
+    rig = Rig(tmp_path, workers=1)
+    try:
+        slot = rig.slots[0]
+        slot.state = SlotState.STARTING
+        rig.send_request(7)
+        assert len(rig.broker.queues["tiny"].waiting) == 1, "nobody serves yet: it waits in line"
+        rig.workers[0].send(wm.encode(wm.Ready(slot.worker_id, 1, 1.0, 1.0, 1, [0], "eager", [], [])))
+        assert slot.link is not None and slot.link.wait_readable(5.0) and rig.links.read(slot)
+        assert rig.events.ready == [slot.name]
+        assert rig.request_at(0).request_id > 0 and rig.held(slot) == 1
+        assert not rig.broker.queues["tiny"].waiting
+    finally:
+        rig.close()
+
+
+def test_a_draining_workers_last_reply_tells_the_pool_it_may_go(rig: Rig) -> None:
+    """The client gets its answer, and the pool hears the draining worker holds nothing any more."""
+    rig.send_request(3)
+    busy = next(i for i, slot in enumerate(rig.slots) if rig.held(slot))
+    request = rig.request_at(busy)
+    rig.slots[busy].state = SlotState.DRAINING
+    rig.answer_and_read(busy, request, 3)
+    assert rig.client_reply()["id"] == 3
+    assert rig.events.drained == [rig.slots[busy].name]
