@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from infervisor.protocol.constants import MAX_BATCH_REQUESTS
 from infervisor.supervisor.routing.pending import PendingRequest
@@ -83,8 +83,7 @@ def is_due(wait_until: float, now: float) -> bool:
     return now >= wait_until - _DUE_EARLY_S
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What to do with the head of a queue now: send these requests, or wait until `wait_until`."""
 
     batch: list[PendingRequest]

@@ -218,14 +218,16 @@ class Broker:
         if self.shed:  # half of the workers that can serve, so shedding never routes to a dead one
             serving = [s for s in slots if s.state is SlotState.SERVING]
             slots = serving[: (len(serving) + 1) // 2]
+        batched = config.batching is not None
         for slot in slots:
             if slot.state is not SlotState.SERVING or slot.link is None or not slot.link.sendable:
                 continue
             if spec is not None and slot.model.inputs != spec:
                 continue
             pipeline = self.pipelines.of(slot)
-            held = pipeline.size
-            if not batcher.has_room(config.batching, config.prefetch, held, pipeline.batches() if held else 0):
+            held = len(pipeline.held)
+            batches = pipeline.batches() if held and batched else 0
+            if not batcher.has_room(config.batching, config.prefetch, held, batches):
                 continue
             key = (held, -pipeline.progress_at)
             if best is None or key < best_key:

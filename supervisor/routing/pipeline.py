@@ -92,7 +92,10 @@ class Pipelines:
 
     def add(self, slot: WorkerSlot, requests: list[PendingRequest], now: float) -> None:
         """Requests sent to the slot's process, in the order it will serve them."""
-        self.by_worker.setdefault(slot.worker_id, Pipeline()).add(requests, now)
+        pipeline = self.by_worker.get(slot.worker_id)
+        if pipeline is None:
+            pipeline = self.by_worker[slot.worker_id] = Pipeline()
+        pipeline.add(requests, now)
 
     def take_all(self, slot: WorkerSlot) -> list[PendingRequest]:
         """Detach every request the slot's process holds, oldest first, and forget its pipeline."""
