@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from infervisor.supervisor.routing.batcher import take
+from infervisor.supervisor.routing.batcher import decide, has_room, share_of_line, take
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import BatchingConfig
 
@@ -83,3 +83,23 @@ def test_a_share_caps_the_batch_and_a_batch_at_its_share_goes_without_waiting() 
     decision = take(queue, _policy(delay_us=10_000_000), now=0.01, share=3, worker_busy=True)
     assert [r.internal_id for r in decision.batch] == [0, 1, 2] and decision.wait_until is None
     assert [r.internal_id for r in queue] == [3, 4]
+
+
+def test_a_model_without_batching_sends_its_oldest_request_alone() -> None:
+    """No batching policy: the decision is a batch of one, the head of the line, and it never waits."""
+    queue = _queue(WIDE, WIDE, WIDE)
+    decision = decide(queue, None, now=1.0, share=lambda: None, worker_busy=True)
+    assert [r.internal_id for r in decision.batch] == [0] and decision.wait_until is None and len(queue) == 2
+
+
+def test_prefetch_counts_requests_without_batching_and_batches_with_it() -> None:
+    """Prefetch 2: three requests in one batch leave room with batching, two lone ones do not without."""
+    assert has_room(_policy(), prefetch=2, held=3, batches=1)
+    assert not has_room(None, prefetch=2, held=2, batches=2)
+
+
+def test_a_line_is_shared_among_idle_workers_and_a_long_one_cut_at_its_fair_share() -> None:
+    """10 waiting, 3 idle: 4 each; one idle of two busy ones holding 1: 11 over 2 is 6; one worker: no cap."""
+    assert share_of_line(10, idle=3, serving_held=[0, 0, 0]) == 4
+    assert share_of_line(10, idle=1, serving_held=[1, 0]) == 6
+    assert share_of_line(10, idle=1, serving_held=[0]) is None

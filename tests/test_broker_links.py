@@ -20,6 +20,7 @@ from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
 from infervisor.supervisor.core.event_loop import EventLoop
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.observe.anomalies import Anomalies
 from infervisor.supervisor.routing.broker import Broker
@@ -32,15 +33,22 @@ DESC = (TensorDesc("x", "float32", (1, 16)),)
 
 
 class BrokenLinks:
-    """The broker's event sink in this rig: only records which links it reported broken."""
+    """The pool's place in this rig: only records which links were reported broken."""
 
     def __init__(self) -> None:
         self.broken: list[tuple[str, str]] = []
+        self.ready: list[str] = []
+        self.drained: list[str] = []
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
-        """Not expected here."""
+        """Let it serve, as the pool does."""
+        self.ready.append(slot.name)
+        slot.state = SlotState.SERVING
 
     def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
+        """Not expected here."""
+
+    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
         """Not expected here."""
 
     def link_broken(self, slot: WorkerSlot, reason: str) -> None:
@@ -48,13 +56,8 @@ class BrokenLinks:
         self.broken.append((slot.name, reason))
 
     def worker_drained(self, slot: WorkerSlot) -> None:
-        """Not expected here."""
-
-    def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
-        """Not expected here."""
-
-    def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
-        """Not expected here."""
+        """Remember the report."""
+        self.drained.append(slot.name)
 
 
 class Rig:
@@ -70,7 +73,9 @@ class Rig:
         self.links = WorkerLinks(self.loop, anomalies)
         self.events = BrokenLinks()
         self.endpoints = ClientEndpoints(self.context, config, tmp)
-        self.broker = Broker(self.endpoints, self.loop, self.links, ServingConfig(config), self.events, anomalies)
+        self.broker = Broker(self.endpoints, self.loop, self.links, ServingConfig(config), anomalies)
+        inbox = WorkerInbox(anomalies, self.broker, self.events, lambda slot, result: None)
+        self.links.deliver_to(inbox.deliver, self.events.link_broken)
         self.slots: list[WorkerSlot] = []
         self.workers: list[Link] = []
         for index in range(workers):
@@ -78,14 +83,19 @@ class Rig:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             slot.proc.link = Link(ours, WORKER_LINK_FRAMES, 2**30)
             slot.state = SlotState.SERVING
+            slot.proc.worker_id = f"tiny.{index}.1"
             self.slots.append(slot)
             self.workers.append(Link(theirs, WORKER_LINK_FRAMES, 2**30))
-        self.broker.route_to({"tiny": self.slots})
+        self.broker.route_to({"tiny": self.slots}.get)
         for slot in self.slots:
             self.links.attach(slot)
         self.client = self.context.socket(zmq.DEALER)
         self.client.setsockopt(zmq.LINGER, 0)
         self.client.connect(self.endpoints.ipc_endpoint)
+
+    def held(self, slot: WorkerSlot) -> int:
+        """How many requests the slot's worker holds."""
+        return self.broker.pipelines.of(slot).size
 
     def send_request(self, request_id: int) -> None:
         """One infer request from the client, taken in by the broker."""
@@ -152,21 +162,21 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
 def test_a_reply_written_just_before_the_worker_died_is_delivered_not_rerun(rig: Rig) -> None:
     """The worker answers and exits before the broker reads: draining at reap delivers the answer once."""
     rig.send_request(41)
-    busy = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+    busy = next(i for i, slot in enumerate(rig.slots) if rig.held(slot))
     request = rig.request_at(busy)
     rig.reply(busy, request, 41)
     rig.workers[busy].close()  # the process exits; nothing of it was read yet
     rig.links.drain(rig.slots[busy])
     header = rig.client_reply()
     assert (header["type"], header["id"]) == ("result", 41)
-    assert not rig.slots[busy].inflight, "answered, so nothing is left to re-dispatch"
+    assert not rig.held(rig.slots[busy]), "answered, so nothing is left to re-dispatch"
     assert rig.broker.queues["tiny"].completed == 1
 
 
 def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig) -> None:
     """The most recently busy worker died unnoticed: the send fails, and the same request goes to its sibling."""
     rig.send_request(1)
-    first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+    first = next(i for i, slot in enumerate(rig.slots) if rig.held(slot))
     rig.reply(first, rig.request_at(first), 1)
     assert rig.slots[first].proc.link is not None
     assert rig.slots[first].proc.link.wait_readable(5.0)
@@ -176,7 +186,7 @@ def test_a_request_for_a_worker_whose_link_died_goes_to_another_at_once(rig: Rig
     rig.send_request(2)  # ties go to the most recently busy worker: the dead one is tried first
     other = 1 - first
     assert rig.request_at(other).request_id > 0
-    assert rig.slots[other].inflight and not rig.slots[first].inflight
+    assert rig.held(rig.slots[other]) and not rig.held(rig.slots[first])
     assert not rig.broker.queues["tiny"].waiting
     assert rig.events.broken == [(rig.slots[first].name, "worker link closed")], "reported, not acted on"
 
@@ -187,7 +197,7 @@ def test_idle_workers_never_wait_for_companions_and_only_a_busy_workers_next_bat
     rig = Rig(tmp_path, workers=2, batching=batching, prefetch=2)
     try:
         rig.send_request(1)
-        first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+        first = next(i for i, slot in enumerate(rig.slots) if rig.held(slot))
         lone = rig.request_at(first)
         rig.send_request(2)
         assert rig.request_at(1 - first).request_id > 0, "the other idle worker took it at once"
@@ -205,7 +215,7 @@ def test_a_long_line_is_cut_at_its_fair_share_so_one_worker_never_takes_it_all(t
     rig = Rig(tmp_path, workers=2, batching={"max_batch_size": 32, "max_queue_delay_us": 0})
     try:
         rig.send_request(1)
-        first = next(i for i, slot in enumerate(rig.slots) if slot.inflight)
+        first = next(i for i, slot in enumerate(rig.slots) if rig.held(slot))
         lone = rig.request_at(first)
         rig.send_request(2)
         second = rig.request_at(1 - first)
@@ -220,3 +230,31 @@ def test_a_long_line_is_cut_at_its_fair_share_so_one_worker_never_takes_it_all(t
         assert not rig.broker.queues["tiny"].waiting
     finally:
         rig.close()
+
+
+def test_a_ready_read_from_a_link_goes_to_the_pool_and_the_worker_then_gets_what_waits(tmp_path: Path) -> None:
+    """READY is handed to the pool by the worker inbox (no relay); the broker then dispatches the line to it."""
+    rig = Rig(tmp_path, workers=1)
+    try:
+        slot = rig.slots[0]
+        slot.state = SlotState.STARTING
+        rig.send_request(7)
+        assert len(rig.broker.queues["tiny"].waiting) == 1, "nobody serves yet: it waits in line"
+        rig.workers[0].send(wm.encode(wm.Ready(slot.proc.worker_id, 1, 1.0, 1.0, 1, [0], "eager", [], [])))
+        assert slot.proc.link is not None and slot.proc.link.wait_readable(5.0) and rig.links.read(slot)
+        assert rig.events.ready == [slot.name]
+        assert rig.request_at(0).request_id > 0 and rig.held(slot) == 1
+        assert not rig.broker.queues["tiny"].waiting
+    finally:
+        rig.close()
+
+
+def test_a_draining_workers_last_reply_tells_the_pool_it_may_go(rig: Rig) -> None:
+    """The client gets its answer, and the pool hears the draining worker holds nothing any more."""
+    rig.send_request(3)
+    busy = next(i for i, slot in enumerate(rig.slots) if rig.held(slot))
+    request = rig.request_at(busy)
+    rig.slots[busy].state = SlotState.DRAINING
+    rig.answer_and_read(busy, request, 3)
+    assert rig.client_reply()["id"] == 3
+    assert rig.events.drained == [rig.slots[busy].name]

@@ -27,6 +27,7 @@ from infervisor.supervisor.lifecycle.slot import (
     WorkerSlot,
     allowed_transitions,
 )
+from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.observe.anomalies import Anomalies
 from infervisor.supervisor.routing.broker import Broker
@@ -78,30 +79,6 @@ class Launches:
         return Launched(process, None, f"{model.name}.{assignment.slot}.{len(self.processes)}")
 
 
-class Events:
-    """Routes the broker's reports to the pool, as the arbiter does."""
-
-    pool: WorkerPool
-
-    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
-        self.pool.worker_ready(slot, ready)
-
-    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
-        self.pool.worker_progress(slot, progress)
-
-    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
-        self.pool.link_broken(slot, reason)
-
-    def worker_drained(self, slot: WorkerSlot) -> None:
-        self.pool.worker_drained(slot)
-
-    def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
-        """Not used here."""
-
-    def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
-        """Not used here."""
-
-
 def _config(tmp: Path, **model: Any) -> Config:
     return parse_config(json.dumps({"max_restarts": 3, "models": {"tiny": {**MODEL, **model}}}), tmp)
 
@@ -125,11 +102,11 @@ class Rig:
         anomalies = Anomalies()
         self.links = WorkerLinks(self.loop, anomalies)
         self.endpoints = ClientEndpoints(self.context, config, tmp)
-        events = Events()
-        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, events, anomalies)
+        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, anomalies)
         self.launches = Launches()
         self.pool = WorkerPool(self.serving, _plan(config), self.links, self.broker, self.launches)
-        events.pool = self.pool
+        self.inbox = WorkerInbox(anomalies, self.broker, self.pool, lambda slot, result: None)
+        self.links.deliver_to(self.inbox.deliver, self.pool.link_broken)
         # The pool reads the clock itself where no tick hands it one (spawn, READY): start the rig's clock there.
         self.now = time.monotonic()
 

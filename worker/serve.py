@@ -142,7 +142,7 @@ class WorkerLoop:
 
     def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
         """Answer one request, inside a profiling session when one is open."""
-        self.answer(request, frames)
+        self.answer([(request, frames)])
         if self.profiler is not None:
             self.profile_left -= 1
             if self.profile_left <= 0:
@@ -179,30 +179,6 @@ class WorkerLoop:
         if request is not None:
             self.send(wm.ProfileResult(request.seq, request.requests, json.dumps(operators)))
 
-    def answer(self, request: wm.Request, frames: list[Any]) -> None:
-        """Check, run and answer one client request; a bad input or model error is a reply, never a crash."""
-        received = time.monotonic()
-        if request.deadline is not None and received >= request.deadline:
-            # It waited in this worker's pipeline past its deadline: running it would be wasted work.
-            self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the model ran")
-            return
-        started = time.perf_counter()
-        self.requests += 1
-        try:
-            prepared = prepare(self.launch, self.runner, self.shared_inputs, frames)
-            decode_ms = timed_ms(started)
-            model_started = time.perf_counter()
-            outputs = self.runner.forward(prepared.inputs)
-            model_ms = timed_ms(model_started)
-        except ProtocolError as exc:
-            self.reply_error(request.request_id, exc.code, exc.message)
-            return
-        except Exception as exc:  # noqa: BLE001 - the model itself failed: answer, keep serving
-            log.warning("model_error", request_id=request.request_id, error=f"{type(exc).__name__}: {exc}")
-            self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
-            return
-        self.send_result(request, prepared, outputs, received, decode_ms, model_ms)
-
     def send_result(
         self,
         request: wm.Request,
@@ -236,14 +212,8 @@ class WorkerLoop:
         self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
 
     def answer_batch(self, batch: wm.Batch, frames: list[Any]) -> None:
-        """Check each member alone, run the good ones as one forward pass, answer each with its own rows.
-
-        A member past its deadline or with a bad input gets its own error reply and leaves the batch;
-        a failing forward pass is every remaining member's error.
-        """
-        received = time.monotonic()
-        started = time.perf_counter()
-        members: list[tuple[wm.Request, Prepared]] = []
+        """Answer the REQUESTs a BATCH holds as one forward pass (a member that cannot be read is only logged)."""
+        requests: list[tuple[wm.Request, list[Any]]] = []
         offset = 0
         for count in batch.frame_counts:
             header, member_frames = frames[offset], frames[offset + 1 : offset + count]
@@ -256,30 +226,50 @@ class WorkerLoop:
             if not isinstance(request, wm.Request):
                 log.error("bad_batch_member", error=f"a {type(request).__name__} inside a batch")
                 continue
+            requests.append((request, member_frames))
+        self.answer(requests)
+
+    def answer(self, requests: list[tuple[wm.Request, list[Any]]]) -> None:
+        """Check each request alone, run the good ones as one forward pass, answer each with its own rows.
+
+        A lone request is a batch of one, run as it is (nothing joined or split). A request past its
+        deadline or with a bad input gets its own error reply and leaves the batch; a failing forward
+        pass is every remaining request's error, never a crash.
+        """
+        received = time.monotonic()
+        started = time.perf_counter()
+        members: list[tuple[wm.Request, Prepared]] = []
+        for request, frames in requests:
             if request.deadline is not None and received >= request.deadline:
+                # It waited in this worker's pipeline past its deadline: running it would be wasted work.
                 why = "deadline passed before the model ran"
                 self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, why)
                 continue
             try:
-                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, member_frames)))
+                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, frames)))
             except ProtocolError as exc:
                 self.reply_error(request.request_id, exc.code, exc.message)
         if not members:
             return
         self.requests += len(members)
         decode_ms = timed_ms(started)
-        rows = [next(iter(prepared.inputs.values())).shape[0] for _, prepared in members]
         try:
             model_started = time.perf_counter()
-            outputs = self.runner.forward(batching.join([prepared.inputs for _, prepared in members]))
-            model_ms = timed_ms(model_started)
-            parts = batching.split(outputs, rows)
+            if len(members) == 1:
+                parts = [self.runner.forward(members[0][1].inputs)]
+                model_ms = timed_ms(model_started)
+            else:
+                rows = [next(iter(prepared.inputs.values())).shape[0] for _, prepared in members]
+                outputs = self.runner.forward(batching.join([prepared.inputs for _, prepared in members]))
+                model_ms = timed_ms(model_started)
+                parts = batching.split(outputs, rows)
         except ProtocolError as exc:
             for request, _ in members:
                 self.reply_error(request.request_id, exc.code, exc.message)
             return
-        except Exception as exc:  # noqa: BLE001 - the model itself failed: every member is answered, the worker serves on
-            log.warning("model_error", batch=len(members), error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the model itself failed: every request is answered, the worker serves on
+            ids = [request.request_id for request, _ in members]
+            log.warning("model_error", request_ids=ids, error=f"{type(exc).__name__}: {exc}")
             for request, _ in members:
                 self.reply_error(request.request_id, ErrorCode.INTERNAL, f"model raised {type(exc).__name__}: {exc}")
             return

@@ -8,7 +8,6 @@ pool reconciles toward the configured shape and the monitors look at the workers
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 import time
@@ -33,6 +32,7 @@ from infervisor.supervisor.host.topology import read_topology
 from infervisor.supervisor.lifecycle.launcher import Launcher, launch_worker
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.registry import build_monitors
@@ -77,7 +77,7 @@ class Arbiter:
         self.anomalies = Anomalies()
         self.endpoints = ClientEndpoints(self.context, config, runtime_dir)
         self.links = WorkerLinks(self.loop, self.anomalies)
-        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, self, self.anomalies)
+        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, self.anomalies)
         self.pool = WorkerPool(self.serving, plan, self.links, self.broker, launcher)
         # Its own context, so its own I/O thread: a flood of commands cannot delay the request sockets' I/O.
         self.control_context: zmq.Context[Any] = zmq.Context(1)
@@ -92,8 +92,9 @@ class Arbiter:
         self.watcher = FileWatcher(self.loop.wake)
         #: Built from the table (supervisor/monitors/registry.py): adding a monitor is one file and one entry there.
         self.monitors = build_monitors()
-        # The monitors whose readings other parts of the daemon use, named and typed by the table's bundle.
-        self.thermal, self.canaries, self.memory = self.monitors.thermal, self.monitors.canaries, self.monitors.memory
+        # Each worker message goes straight to its owner; a link that lost its framing, to the pool.
+        self.inbox = WorkerInbox(self.anomalies, self.broker, self.pool, self.judge_canary)
+        self.links.deliver_to(self.inbox.deliver, self.pool.link_broken)
         #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches).
         self.fallback = FallbackControl(self.serving, self.pool)
         self.signals: collections.deque[int] = collections.deque()
@@ -210,7 +211,7 @@ class Arbiter:
         self.pool.tick(now)
         self.fallback.reconcile()
         self.broker.expire(now)
-        self.broker.flush_replies()
+        self.broker.replies.flush()
         self.pet_watchdog(now)
         if self.pool.stop.stopping:
             return
@@ -226,7 +227,7 @@ class Arbiter:
                 )
         self.affinity.reconcile((s.assignment.cpus for s in self.pool.roster.all_slots()), self.config.pin_supervisor)
         # Polling idle adds heat: a throttling box lets go of the request until it cools.
-        self.cpu_latency.reconcile(self.config.cpu_latency_us, self.thermal.throttled)
+        self.cpu_latency.reconcile(self.config.cpu_latency_us, self.monitors.thermal.throttled)
         self.announce_readiness()
 
     def pet_watchdog(self, now: float) -> None:
@@ -254,42 +255,10 @@ class Arbiter:
             self.state = state
             self.notifier.status(line)
 
-    # ---- what the broker saw (WorkerEvents) ---------------------------------------------------
-
-    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
-        """A starting worker is warm: the pool lets it serve."""
-        self.pool.worker_ready(slot, ready)
-
-    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress) -> None:
-        """A starting worker entered a phase: the pool times it against the start or the compile limit."""
-        self.pool.worker_progress(slot, progress)
-
-    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
-        """A starting worker cannot load its model: the pool keeps its words for status."""
-        self.pool.worker_load_error(slot, error)
-
-    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
-        """A worker's link failed: the pool replaces the worker."""
-        self.pool.link_broken(slot, reason)
-
-    def worker_drained(self, slot: WorkerSlot) -> None:
-        """A draining worker answered its last request."""
-        self.pool.worker_drained(slot)
-
-    def canary_result(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
+    def judge_canary(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
         """Judge a canary: outputs on the golden inputs must still match this worker's own warm-up outputs."""
         model = self.serving.model(slot.model.name) or slot.model
-        self.act(self.canaries.judge(slot, model, result, time.monotonic()))
-
-    def profile_result(self, slot: WorkerSlot, result: wm.ProfileResult) -> None:
-        """Keep a worker's torch.profiler report for status (malformed operator JSON is kept as an error)."""
-        try:
-            operators = json.loads(result.operators)
-        except ValueError:
-            operators = {"error": "the worker sent operators that are not JSON"}
-        slot.notes.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
-        slot.proc.profile_started_at = None
-        log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests)
+        self.act(self.monitors.canaries.judge(slot, model, result, time.monotonic()))
 
     # ---- monitors -----------------------------------------------------------------------------
 
@@ -311,9 +280,9 @@ class Arbiter:
 
     def publish_metrics(self) -> Snapshot:
         """Take a snapshot and hand it to the metrics endpoint (which never reads the loop's state itself)."""
-        rss_mb = {pid: samples[-1][1] for pid, samples in self.memory.history.items() if samples}
-        memory, reloads, anomalies = self.memory.pss_mb, self.reloader.stats, self.anomalies.counts
-        readings = Readings(rss_mb, memory, self.thermal.reading, reloads, anomalies)
+        rss_mb = {pid: samples[-1][1] for pid, samples in self.monitors.memory.history.items() if samples}
+        memory, reloads, anomalies = self.monitors.memory.pss_mb, self.reloader.stats, self.anomalies.counts
+        readings = Readings(rss_mb, memory, self.monitors.thermal.reading, reloads, anomalies)
         snapshot = take_snapshot(
             self.pool, self.broker, readings, self.fallback.fallbacks, time.time(), time.monotonic()
         )

@@ -4,8 +4,9 @@ The pool and the parts it holds alone create, spawn, kill, retire and move slots
 transitions. Its roster (supervisor/lifecycle/roster.py) holds each model's members (the slots the
 broker routes to) and the slots outside them (successors warming up, old workers draining away); its
 rollout works the rolling-restart queue through its steps (rollout_steps.py); its stop sequence
-(stopping.py) stops everything in order. The broker tells it what it saw of a worker; the monitors
-tell the arbiter.
+(stopping.py) stops everything in order. The worker inbox hands it what workers say of their lifecycle
+(READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke; it asks the broker's pipelines
+whether a worker is busy or hung; the monitors tell the arbiter.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class WorkerPool:
         self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
         #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
         self.load_failures: collections.Counter[str] = collections.Counter()
-        broker.route_to(self.roster.members)
+        broker.route_to(self.roster.members_of)
 
     # ---- the reconcile step ------------------------------------------------------------------
 
@@ -184,7 +185,7 @@ class WorkerPool:
             slot.respawn_at = now
             slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
             return
-        if len(self.broker.running(slot)) > 1:
+        if len(self.broker.pipelines.of(slot).running()) > 1:
             # A batch was running: the broker splits it to find the request that kills (each split costs one
             # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
             self.restarts[(slot.model.name, cause)] += 1
@@ -221,17 +222,17 @@ class WorkerPool:
                 self.check_start(slot, now)
             elif proc.profile_started_at is not None and now - proc.profile_started_at < PROFILE_START_GRACE_S:
                 continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
-            elif slot.inflight:
+            elif (pipeline := self.broker.pipelines.of(slot)).held:
                 # Only the head of the pipeline is running (one request, or one batch), so progress is measured
                 # from its start; its budget grows with its rows, since warm-up timed a batch of one.
-                rows = sum(r.rows for r in self.broker.running(slot))
+                rows = pipeline.running_rows()
                 budget = max(config.hang_min_s, config.hang_factor * proc.expected_ms * rows / 1000.0)
                 if proc.profile_started_at is not None:
                     # The grace is over: what waited behind the profiler's start is timed from its end.
-                    slot.progress_at = max(slot.progress_at, proc.profile_started_at + PROFILE_START_GRACE_S)
+                    pipeline.hold_progress_until(proc.profile_started_at + PROFILE_START_GRACE_S)
                     proc.profile_started_at = None
                 hung = f"no reply within {budget:.1f} s (hung)"
-                if now - slot.progress_at > budget and slot.kill(hung, RestartReason.HANG):
+                if pipeline.stalled_for(now) > budget and slot.kill(hung, RestartReason.HANG):
                     proc.hung_request = True
             elif slot.state is SlotState.SERVING and now - proc.last_heard > proc.heartbeat_s * proc.liveness:
                 slot.kill(f"no heartbeat for {now - proc.last_heard:.1f} s", RestartReason.HEARTBEAT)
@@ -280,7 +281,7 @@ class WorkerPool:
                     self.serving.finish_rollout(name)
                     log.info("model_config_applied", model=name)
 
-    # ---- what the broker saw -----------------------------------------------------------------
+    # ---- what the workers said -----------------------------------------------------------------
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
         """A warm worker: it serves from now on."""
@@ -288,7 +289,7 @@ class WorkerPool:
             return
         now = time.monotonic()
         slot.proc.ready_ms = (now - slot.proc.spawned_at) * 1000.0
-        slot.progress_at = slot.proc.ready_at = now
+        slot.proc.ready_at = now
         slot.proc.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
         slot.proc.threads_seen = ready.threads
         slot.proc.profile, slot.proc.profile_notes = ready.profile, ready.profile_notes
@@ -353,7 +354,7 @@ class WorkerPool:
         if slot.state is SlotState.SERVING:
             slot.transition(SlotState.DRAINING, reason)
             slot.proc.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
-            if not slot.inflight:
+            if not self.broker.pipelines.of(slot).held:
                 self.links.send_control(slot, wm.Drain())
         elif slot.state is SlotState.STARTING:
             slot.transition(SlotState.STOPPING, reason)

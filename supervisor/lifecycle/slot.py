@@ -10,7 +10,6 @@ import collections
 import enum
 import signal
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psutil
 import structlog
@@ -22,9 +21,6 @@ from infervisor.supervisor.lifecycle.launcher import Launched, WorkerProcess
 from infervisor.supervisor.lifecycle.process_tree import descendants_of, kill_all, own_child
 from infervisor.supervisor.lifecycle.start_clock import StartClock
 from infervisor.supervisor.settings.config import ModelConfig
-
-if TYPE_CHECKING:  # a type only: pending.py imports nothing of ours back
-    from infervisor.supervisor.routing.pending import PendingRequest
 
 log = structlog.get_logger("supervisor")
 
@@ -222,10 +218,6 @@ class WorkerSlot:
     #: The current (or last) process: replaced whole at each spawn.
     proc: Incarnation = field(default_factory=Incarnation)
     notes: SlotNotes = field(default_factory=SlotNotes)
-    #: Requests handed to the current process, in dispatch order (it serves them in that order).
-    inflight: dict[int, PendingRequest] = field(default_factory=dict)
-    #: When the head of the pipeline last moved (a reply, or a dispatch into an empty pipeline).
-    progress_at: float = 0.0
 
     @property
     def name(self) -> str:
@@ -237,15 +229,6 @@ class WorkerSlot:
         """The live process id, if any."""
         process = self.proc.process
         return process.pid if process is not None and self.state in LIVE_STATES else None
-
-    def can_take(self, prefetch: int) -> bool:
-        """Serving with room in its pipeline (`prefetch` requests in hand at most) and a link that still carries."""
-        return (
-            self.state is SlotState.SERVING
-            and len(self.inflight) < prefetch
-            and self.proc.link is not None
-            and self.proc.link.sendable
-        )
 
     def transition(self, new: SlotState, reason: str) -> None:
         """Move to `new`, refusing moves the machine does not allow, and log the change as data."""

@@ -72,6 +72,10 @@ class WorkerLinks:
         self.watch_writes(link)
         return True
 
+    def lost(self, slot: WorkerSlot, reason: str) -> None:
+        """A sender found the slot's link closed: tell whoever replaces workers (the pool)."""
+        self.on_broken(slot, reason)
+
     def send_control(self, slot: WorkerSlot, message: wm.WorkerMessage) -> bool:
         """Send a heartbeat, drain, stop, canary or profile message; False if the link is closed."""
         return self.send(slot, wm.encode(message))

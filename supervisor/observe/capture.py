@@ -50,7 +50,7 @@ def take_snapshot(
     return Snapshot(
         taken_at=now,
         models=tuple(_models(pool, broker, fallbacks)),
-        slots=tuple(_slot_sample(slot, role, readings, clock) for slot, role in roles),
+        slots=tuple(_slot_sample(slot, role, readings, clock, broker.pipelines.of(slot).size) for slot, role in roles),
         refused=tuple(sorted(broker.refused.items())),
         # Every reason of every model, from 0: a first crash then shows in increase().
         restarts=tuple(
@@ -125,7 +125,7 @@ def _queue_figures(queue: ModelQueue) -> dict[str, Any]:
     }
 
 
-def _slot_sample(slot: WorkerSlot, role: Role, readings: Readings, clock: float) -> SlotSample:
+def _slot_sample(slot: WorkerSlot, role: Role, readings: Readings, clock: float, held: int) -> SlotSample:
     """One slot, copied."""
     pid = slot.pid
     rss_mb, pss_mb = readings.rss_mb, readings.pss_mb
@@ -136,7 +136,7 @@ def _slot_sample(slot: WorkerSlot, role: Role, readings: Readings, clock: float)
         pid=pid,
         state=slot.state,
         reason=slot.reason,
-        inflight=len(slot.inflight),
+        inflight=held,
         cores=tuple(slot.assignment.cpus),
         node=slot.assignment.node,
         shared_cores=slot.assignment.shared,

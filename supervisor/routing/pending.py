@@ -38,3 +38,7 @@ class PendingRequest:
     batch_id: int = 0
     #: After its batch killed a worker, the most requests it may be sent with (the batch was split in two).
     batch_limit: int | None = None
+
+    def expired(self, now: float) -> bool:
+        """True once its deadline passed: it gets DEADLINE_EXCEEDED, never a late result."""
+        return self.deadline is not None and now >= self.deadline

@@ -1,0 +1,79 @@
+"""Each model's line and counters, and the one final reply every request gets (counted once, where it belongs)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from infervisor.protocol.client_messages import RequestId, encode_error
+from infervisor.protocol.constants import ErrorCode
+from infervisor.supervisor.observe.recorders import ModelTimes
+from infervisor.supervisor.routing.client_ledger import ClientLedger
+from infervisor.supervisor.routing.pending import Peer, PendingRequest
+
+
+@dataclass
+class ModelQueue:
+    """Requests of one model waiting for an idle worker, plus that model's counters."""
+
+    capacity: int
+    waiting: collections.deque[PendingRequest] = field(default_factory=collections.deque)
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: Its successful requests: how many and how long (dropped with the queue when the model leaves).
+    times: ModelTimes = field(default_factory=ModelTimes)
+    #: With batching: how many batches of each size (rows) were sent, and how long requests waited to be batched.
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    batch_wait_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+    @property
+    def completed(self) -> int:
+        """Requests of the model answered with a result."""
+        return self.times.completed
+
+
+class Replies:
+    """Sends final replies through the client ledger and counts them in their model's queue (or as refused)."""
+
+    def __init__(
+        self,
+        ledger: ClientLedger,
+        queues: dict[str, ModelQueue],
+        refused: collections.Counter[str],
+    ) -> None:
+        self.ledger = ledger
+        self.queues = queues
+        self.refused = refused
+
+    def error(self, client: Peer, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
+        """Send an error reply to a client connection (counted by the caller)."""
+        self.ledger.send(client, [encode_error(request_id, code, message)])
+
+    def refuse(self, client: Peer, request_id: RequestId | None, model: str | None, code: ErrorCode, why: str) -> None:
+        """Answer a request at admission: counted in its model's errors when it named a served one, else as refused."""
+        queue = self.queues.get(model) if model is not None else None
+        if queue is not None:
+            queue.errors[code.value] += 1
+        else:
+            self.refused[code.value] += 1
+        self.error(client, request_id, code, why)
+
+    def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
+        """Send the one final reply of an accepted request, give back its budget, and count it."""
+        queue = self.queues.get(request.model)  # None once a reload removed the model
+        if queue is not None and code is None:
+            queue.times.request_done(request.accepted_at, request.dispatched_at, time.monotonic())
+        elif queue is not None and code is not None:
+            queue.errors[code.value] += 1
+        self.ledger.give_back(request.client, request.cost)
+        self.ledger.send(request.client, [header, *frames])
+
+    def fail(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
+        """Finish an accepted request with an error."""
+        self.finish(request, code, encode_error(request.request_id, code, message), [])
+
+    def flush(self) -> None:
+        """Send replies that waited for room at their clients."""
+        if self.ledger.waiting:
+            self.ledger.flush()
