@@ -3,7 +3,7 @@
 A fallback is an overlay on config.json: the model's workers are rebuilt with the chain that
 starts after the profile they serve now, and every later reload applies the same overlay, so an
 unrelated edit does not undo it. Editing the model's `profiles` in config.json ends it (the
-operator chose a chain), as does `infervisor fallback --reset`. The arbiter starts the rollouts;
+operator chose a chain), as does `infervisor fallback --reset`. fallback_control.py starts the rollouts;
 this module only decides the chains and keeps what is in force and why.
 """
 

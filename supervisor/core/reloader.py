@@ -69,7 +69,7 @@ class ConfigReloader:
         self.generation = 0
         self.last_diff: dict[str, object] = {}
         self.stats = ReloadStats(last_success_at=started_at)
-        #: The daemon's STATUS= line now (the arbiter keeps it), sent again with READY=1 after a reload.
+        #: The daemon's STATUS= line now (core/readiness.py keeps it), sent again with READY=1 after a reload.
         self.status_line = status_line
 
     def watch_files(self) -> None:

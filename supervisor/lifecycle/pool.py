@@ -6,7 +6,7 @@ broker routes to) and the slots outside them (successors warming up, old workers
 rollout works the rolling-restart queue through its steps (rollout_steps.py); its stop sequence
 (stopping.py) stops everything in order. The worker inbox hands it what workers say of their lifecycle
 (READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke; it asks the broker's pipelines
-whether a worker is busy or hung; the monitors tell the arbiter.
+whether a worker is busy or hung; the monitors' findings reach it through core/responses.py.
 """
 
 from __future__ import annotations

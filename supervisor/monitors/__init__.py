@@ -1,1 +1,1 @@
-"""Monitors: each looks at the workers and reports findings; the arbiter acts on them."""
+"""Monitors: each looks at the workers and reports findings; core/responses.py acts on them."""

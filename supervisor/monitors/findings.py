@@ -1,4 +1,4 @@
-"""What a monitor reports, and what the arbiter should do about it."""
+"""What a monitor reports, and what the daemon should do about it (core/responses.py does it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from infervisor.supervisor.lifecycle.slot import WorkerSlot
 
 
 class Action(enum.Enum):
-    """The arbiter's response to a finding."""
+    """The response to a finding (core/responses.py: RESPONSES)."""
 
     RECORD = "record"  # show it in status only: a passing check, too frequent to log
     NOTE = "note"  # log it and show it in status

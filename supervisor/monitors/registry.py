@@ -1,6 +1,6 @@
 """The daemon's monitors, one table: each monitor's name, what it watches, and how to build it.
 
-The arbiter builds its monitors from `MONITORS` once at start and runs every one each monitor turn;
+core/assembly.py builds the monitors from `MONITORS` once at start, the arbiter runs every one each turn;
 adding a monitor is one module in this package and one entry here. A few monitors keep readings the
 daemon uses beyond their findings (heat for the idle-polling hold and load shedding, memory samples
 for the metrics, canary verdicts for worker replies): `Monitors` names those, typed, by their class.

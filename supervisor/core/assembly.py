@@ -1,0 +1,136 @@
+"""The daemon's parts, built and wired once: who talks to whom is decided here, and the arbiter only runs the loop.
+
+Worker links deliver to the worker inbox, which hands replies to the broker, lifecycle messages to the
+pool and canary answers to the responses; the broker routes to the pool's members; the reloader and the
+fallback start rollouts the pool carries out; the monitors come from their table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from infervisor.supervisor.core.event_loop import EventLoop
+from infervisor.supervisor.core.fallback_control import FallbackControl
+from infervisor.supervisor.core.readiness import Readiness
+from infervisor.supervisor.core.reloader import ConfigReloader
+from infervisor.supervisor.core.responses import Responses
+from infervisor.supervisor.host.affinity import SupervisorAffinity
+from infervisor.supervisor.host.cpu_latency import CpuLatencyHold
+from infervisor.supervisor.host.file_watch import FileWatcher
+from infervisor.supervisor.host.planner import Assignment, WorkerDemand, plan_cores
+from infervisor.supervisor.host.sd_notify import Notifier
+from infervisor.supervisor.host.topology import read_topology
+from infervisor.supervisor.lifecycle.launcher import Launcher
+from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
+from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
+from infervisor.supervisor.monitors.registry import Monitors, build_monitors
+from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.observe.exposition import Metrics
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.serving_config import ServingConfig
+
+Plan = dict[str, list[Assignment]]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Everything the loop drives, wired to each other."""
+
+    runtime_dir: Path
+    started_at: float
+    serving: ServingConfig
+    affinity: SupervisorAffinity
+    context: zmq.Context[Any]
+    loop: EventLoop
+    anomalies: Anomalies
+    endpoints: ClientEndpoints
+    links: WorkerLinks
+    broker: Broker
+    pool: WorkerPool
+    monitors: Monitors
+    #: Models moved down their chain (`infervisor fallback`, repeated canary mismatches).
+    fallback: FallbackControl
+    responses: Responses
+    inbox: WorkerInbox
+    readiness: Readiness
+    cpu_latency: CpuLatencyHold
+    watcher: FileWatcher
+    reloader: ConfigReloader
+    #: Published each monitor turn; served over HTTP only with metrics_listen, and by `infervisor metrics`.
+    metrics: Metrics
+
+
+def core_planner(sysfs_root: Path, affinity: SupervisorAffinity) -> Callable[[Config], Plan]:
+    """Core assignments per model, from the topology and the cpus this process was given at start."""
+
+    def plan(config: Config) -> Plan:
+        demands = [
+            WorkerDemand(m.name, m.workers, m.cores_per_worker, m.use_smt, m.threads) for m in config.models.values()
+        ]
+        # The cpus we were given at start, not our own mask now: pinning the supervisor narrows that.
+        assignments = plan_cores(read_topology(sysfs_root), affinity.allowed, demands, config.oversubscribe)
+        planned: Plan = {name: [] for name in config.models}
+        for assignment in assignments:
+            planned[assignment.model].append(assignment)
+        return planned
+
+    return plan
+
+
+def assemble(config: Config, config_path: Path, runtime_dir: Path, sysfs_root: Path, launcher: Launcher) -> Parts:
+    """Build the daemon's parts for `config` and wire them; nothing runs until the arbiter's loop starts."""
+    started_at = time.time()
+    serving = ServingConfig(config)
+    affinity = SupervisorAffinity(frozenset(os.sched_getaffinity(0)))
+    plan = core_planner(sysfs_root, affinity)
+    context: zmq.Context[Any] = zmq.Context(1)
+    loop = EventLoop()
+    anomalies = Anomalies()
+    endpoints = ClientEndpoints(context, config, runtime_dir)
+    links = WorkerLinks(loop, anomalies)
+    broker = Broker(endpoints, loop, links, serving, anomalies)
+    pool = WorkerPool(serving, plan(config), links, broker, launcher)
+    monitors = build_monitors()
+    fallback = FallbackControl(serving, pool)
+    responses = Responses(serving, pool, links, fallback, monitors.canaries)
+    # Each worker message goes straight to its owner; a link that lost its framing, to the pool.
+    inbox = WorkerInbox(anomalies, broker, pool, responses.judge_canary)
+    links.deliver_to(inbox.deliver, pool.link_broken)
+    notifier = Notifier()
+    readiness = Readiness(notifier, started_at)
+    watcher = FileWatcher(loop.wake)
+    reloader = ConfigReloader(
+        config_path, serving, pool, plan, watcher, notifier, started_at, fallback.fallbacks, readiness.current_line
+    )
+    return Parts(
+        runtime_dir=runtime_dir,
+        started_at=started_at,
+        serving=serving,
+        affinity=affinity,
+        context=context,
+        loop=loop,
+        anomalies=anomalies,
+        endpoints=endpoints,
+        links=links,
+        broker=broker,
+        pool=pool,
+        monitors=monitors,
+        fallback=fallback,
+        responses=responses,
+        inbox=inbox,
+        readiness=readiness,
+        cpu_latency=CpuLatencyHold(),
+        watcher=watcher,
+        reloader=reloader,
+        metrics=Metrics(),
+    )
