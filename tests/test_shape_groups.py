@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from infervisor.common.cpuinfo import read_caps
+from infervisor.common.profiles import cpu_refusal
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.settings.config import ConfigError, parse_config
+from infervisor.worker.profiles.build import BuildContext
+from infervisor.worker.profiles.cache import ArtifactCache
 from infervisor.worker.profiles.calibration import MAX_SAMPLES, load_calibration
-from infervisor.worker.profiles.select import golden_set
+from infervisor.worker.profiles.select import golden_set, select_profile
+from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.runner import ModelRunner
 from tests.conftest import Daemon, model_entry
 from tests.shape_models import convolutional_without_pooling, fully_convolutional
@@ -111,3 +116,20 @@ def test_a_daemon_gates_and_calibrates_on_two_shape_groups(start_daemon: Callabl
     _answers_as_eager(
         daemon, "fcn", convolutional_without_pooling, [(1, 3, 24, 24), (3, 3, 24, 24), (1, 3, 64, 48), (2, 3, 64, 48)]
     )
+
+
+def test_openvino_int8_calibrates_and_is_gated_on_two_shape_groups(tmp_path: Path) -> None:
+    """NNCF observes each sample of both groups at its own size; the IR serves both sizes as eager does."""
+    pytest.importorskip("nncf", reason="the openvino extra is not installed")
+    data = _two_sizes(tmp_path / "sizes.npz")
+    module = convolutional_without_pooling()
+    runner = ModelRunner(module, [IMAGE_SPEC], None)
+    example = tuple(runner.example_inputs(batch=1).values())
+    context = BuildContext(module, example, (IMAGE_SPEC,), "digest", cache=ArtifactCache(tmp_path), calibration=data)
+    validation = load_calibration(data, [IMAGE_SPEC])
+    refusal = cpu_refusal("openvino_int8", read_caps())
+    if refusal is not None:
+        pytest.skip(refusal)
+    selection = select_profile(runner, ["openvino_int8"], Tolerance(0.98), read_caps(), context, validation=validation)
+    assert selection.profile == "openvino_int8", selection.skipped
+    assert any("2 shape groups (3x24x24, 3x64x48)" in note for note in selection.notes), selection.notes
