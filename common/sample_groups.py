@@ -39,7 +39,7 @@ def sample_groups(keys: Iterable[str], inputs: Sequence[str]) -> dict[str, dict[
         if separator and label and name in names:
             groups.setdefault(label, {})[name] = key
     if not groups:
-        raise GroupError(f"has no array for any input {sorted(names)} (it has {sorted(keys)})")
+        raise GroupError(f"lacks arrays for inputs {list(inputs)}; it has {sorted(keys)}")
     for label, members in groups.items():
         missing = [name for name in inputs if name not in members]
         if missing:
