@@ -28,6 +28,12 @@ def fully_convolutional() -> nn.Module:
     return FullyConvolutional().eval()
 
 
+def convolutional_without_pooling() -> nn.Module:
+    """3x3 convs and a 1x1 head, no pooling: every H, W answers the same shape through any profile (seeded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Conv2d(8, 2, 1)).eval()
+
+
 class LineRecognizer(nn.Module):
     """A text-line recogniser: convolutions down to a sequence over the width, a BiLSTM and a per-step head."""
 

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from infervisor.common.sample_groups import PLAIN, GroupError, group_name, sample_groups
 from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from infervisor.protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
 from infervisor.supervisor.settings.config_keys import ReadContext
@@ -144,7 +145,8 @@ def read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
 
 
 def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], where: str) -> None:
-    """A calibration/validation .npz holds one array per input, samples along dim 0, each sample fitting the spec."""
+    """A calibration/validation .npz holds one array per input and shape group (common/sample_groups.py), samples
+    along dim 0, each sample fitting the spec; the arrays of a group share their sample count."""
     import numpy as np  # only when a data file is configured: validating a config needs no numpy otherwise
 
     if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
@@ -152,26 +154,33 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
         return
     try:
         with np.load(file, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
+            keys = list(archive.files)
+            groups = sample_groups(keys, [spec.name for spec in specs])
+            arrays = {key: archive[key] for members in groups.values() for key in members.values()}
+    except GroupError as exc:
+        r.fail(where, f"{file} {exc}")
+        return
     except (OSError, ValueError) as exc:
         r.fail(where, f"cannot read {file} as .npz: {exc}")
         return
-    samples = set()
-    for spec in specs:
-        array = arrays.get(spec.name)
-        if array is None:
-            r.fail(where, f"{file} has no array {spec.name!r} (it has {sorted(arrays)})")
-            continue
-        fits = (
-            array.ndim == len(spec.shape)
-            and array.dtype.name == spec.dtype
-            and all(_within(spec.dim_range(i), got) for i, got in enumerate(array.shape[1:], start=1))
-        )
-        if not fits:
-            r.fail(where, f"array {spec.name!r} is {array.dtype.name}{list(array.shape)}; expected {spec.describe()}")
-        samples.add(array.shape[0] if array.ndim else 0)
-    if len(samples) > 1 or 0 in samples:
-        r.fail(where, "its arrays must share a non-empty first (sample) dimension")
+    for label, members in groups.items():
+        group = "" if list(groups) == [PLAIN] else f"{group_name(label)}: "
+        samples = set()
+        for spec in specs:
+            key = members[spec.name]
+            array = arrays[key]
+            fits = (
+                array.ndim == len(spec.shape)
+                and array.dtype.name == spec.dtype
+                and all(_within(spec.dim_range(i), got) for i, got in enumerate(array.shape[1:], start=1))
+            )
+            if not fits:
+                r.fail(
+                    where, f"{group}array {key!r} is {array.dtype.name}{list(array.shape)}; expected {spec.describe()}"
+                )
+            samples.add(array.shape[0] if array.ndim else 0)
+        if len(samples) > 1 or 0 in samples:
+            r.fail(where, f"{group}its arrays must share a non-empty first (sample) dimension")
 
 
 def _within(bound: DimRange, size: int) -> bool:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from infervisor.common.sample_groups import PLAIN, GroupError, group_name, round_robin, sample_groups
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.synthetic import draw
 
@@ -24,33 +26,44 @@ class CalibrationError(Exception):
 
 
 def load_calibration(path: Path, specs: Sequence[TensorSpec]) -> list[Inputs]:
-    """One batch-1 input tuple per sample of an .npz holding one array per input, samples along dim 0."""
+    """One batch-1 input tuple per sample of an .npz holding one array per input and shape group
+    (common/sample_groups.py), samples along dim 0; at most MAX_SAMPLES, taken from the groups in turn.
+
+    Samples of different groups may differ in the open dims: whoever batches them groups them by shape.
+    """
     try:
         with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
+            groups = sample_groups(list(archive.files), [s.name for s in specs])
+            arrays = {key: archive[key] for members in groups.values() for key in members.values()}
+    except GroupError as exc:
+        raise CalibrationError(f"calibration set {path} {exc}") from exc
     except (OSError, ValueError) as exc:
         raise CalibrationError(f"cannot read calibration set {path}: {exc}") from exc
-    missing = [s.name for s in specs if s.name not in arrays]
-    if missing:
-        raise CalibrationError(f"calibration set {path} lacks arrays for inputs {missing}; it has {sorted(arrays)}")
-    counts = {arrays[s.name].shape[0] if arrays[s.name].ndim else 0 for s in specs}
-    if len(counts) != 1 or 0 in counts:
-        raise CalibrationError(f"calibration arrays in {path} must share a non-empty first (sample) dimension")
-    for spec in specs:
-        array = arrays[spec.name]
-        if array.dtype.name != spec.dtype or array.ndim != len(spec.shape):
-            raise CalibrationError(
-                f"calibration array {spec.name!r} is {array.dtype.name}{list(array.shape)}, expected {spec.describe()}"
-            )
-        for want, got in zip(spec.shape[1:], array.shape[1:], strict=True):
-            if want is not None and want != got:
-                raise CalibrationError(
-                    f"calibration array {spec.name!r} has shape {list(array.shape)}, expected {spec.describe()}"
-                )
-    samples = min(counts.pop(), MAX_SAMPLES)
-    return [
-        tuple(torch.from_numpy(np.ascontiguousarray(arrays[s.name][i : i + 1])) for s in specs) for i in range(samples)
+    counts = [
+        _checked_group(path, label, [arrays[members[s.name]] for s in specs], specs)
+        for label, members in groups.items()
     ]
+    keys = [[members[s.name] for s in specs] for members in groups.values()]
+    return [
+        tuple(torch.from_numpy(np.ascontiguousarray(arrays[key][i : i + 1])) for key in keys[group])
+        for group, i in round_robin(counts, MAX_SAMPLES)
+    ]
+
+
+def _checked_group(path: Path, label: str, arrays: list[np.ndarray[Any, Any]], specs: Sequence[TensorSpec]) -> int:
+    """The group's sample count, once its arrays fit the specs and share it."""
+    where = "" if label == PLAIN else f" ({group_name(label)})"
+    counts = {array.shape[0] if array.ndim else 0 for array in arrays}
+    if len(counts) != 1 or 0 in counts:
+        raise CalibrationError(f"calibration arrays in {path}{where} must share a non-empty first (sample) dimension")
+    for spec, array in zip(specs, arrays, strict=True):
+        fits = array.dtype.name == spec.dtype and array.ndim == len(spec.shape)
+        if not fits or any(w is not None and w != g for w, g in zip(spec.shape[1:], array.shape[1:], strict=True)):
+            raise CalibrationError(
+                f"calibration array {spec.name!r}{where} is {array.dtype.name}{list(array.shape)}, "
+                f"expected {spec.describe()}"
+            )
+    return counts.pop()
 
 
 def random_calibration(example: Inputs, specs: Sequence[TensorSpec] | None = None) -> list[Inputs]:

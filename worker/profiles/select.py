@@ -186,6 +186,11 @@ def _sample_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served
         seeds = _SYNTHETIC_SEEDS if batch is None or batch[0] == 1 else _SYNTHETIC_SEEDS[:1]
         samples = [runner.example_inputs(batch=1, seed=seed) for seed in seeds]
         what = f"{len(samples)} {describe_synthetic(runner.specs)}"  # e.g. "3 synthetic samples (x: uniform 0..1)"
+    # A validation set's shape groups (common/sample_groups.py) differ in open dims: rows join only their own.
+    groups = _shape_groups(samples)
+    shapes = [_shape_text(samples[members[0]]) for members in groups] if len(groups) > 1 else []
+    if shapes:
+        what += f" in {len(groups)} shape groups ({', '.join(shapes)})"
     if batch is None:
         if any(d is None for spec in runner.specs for d in spec.shape) and not validation:
             # A dynamic dim that is not a batch (a sequence length): checked at another size too.
@@ -194,22 +199,44 @@ def _sample_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served
             return GoldenSet(
                 [*_alone(samples, kind), larger], f"{what}, each alone and once at size {_MIN_BATCHED_ROWS}"
             )
-        return GoldenSet(_alone(samples, kind), f"{what}, each alone")
+        return GoldenSet(_alone(samples, kind, bool(shapes)), f"{what}, each alone")
     bounded = any(spec.bounds and spec.bounds[0] is not None for spec in runner.specs)
-    sizes = _batched_sizes(len(samples), batch, bounded, served)
-    cases = _alone(samples, kind) if batch[0] == 1 else []
-    start = 0
-    for size in sizes:
-        rows = tuple((start + i) % len(samples) for i in range(size))
-        start = (start + size) % len(samples) if size < len(samples) else 0
-        inputs = {name: torch.cat([samples[r][name] for r in rows]) for name in names}
-        cases.append(GoldenCase(f"a batch of {size}", inputs, rows, kind))
+    cases = _alone(samples, kind, bool(shapes)) if batch[0] == 1 else []
+    batched: list[str] = []
+    for group, members in enumerate(groups):
+        at = f" at {shapes[group]}" if shapes else ""
+        sizes = _batched_sizes(len(members), batch, bounded, served)
+        start = 0
+        for size in sizes:
+            rows = tuple(members[(start + i) % len(members)] for i in range(size))
+            start = (start + size) % len(members) if size < len(members) else 0
+            inputs = {name: torch.cat([samples[r][name] for r in rows]) for name in names}
+            cases.append(GoldenCase(f"a batch of {size}{at}", inputs, rows, kind))
+        batched.append(", ".join(str(n) for n in sizes) + at)
     alone = "each alone and " if batch[0] == 1 else ""
-    return GoldenSet(cases, f"{what}, {alone}batched at {', '.join(str(n) for n in sizes)}")
+    return GoldenSet(cases, f"{what}, {alone}batched at {'; '.join(batched)}")
 
 
-def _alone(samples: list[dict[str, torch.Tensor]], kind: str) -> list[GoldenCase]:
-    return [GoldenCase(f"{kind} {i} alone", sample, (i,), kind) for i, sample in enumerate(samples)]
+def _shape_groups(samples: list[dict[str, torch.Tensor]]) -> list[list[int]]:
+    """The samples' indices grouped by their inputs' shapes, in the order each shape first appears."""
+    groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for index, sample in enumerate(samples):
+        groups.setdefault(tuple(tuple(t.shape) for t in sample.values()), []).append(index)
+    return list(groups.values())
+
+
+def _shape_text(sample: dict[str, torch.Tensor]) -> str:
+    """A sample's shape without its batch dim, e.g. `3x64x64`, or `x 3x64x64, mask 64` for several inputs."""
+    shapes = {name: "x".join(map(str, t.shape[1:])) for name, t in sample.items()}
+    return next(iter(shapes.values())) if len(shapes) == 1 else ", ".join(f"{n} {s}" for n, s in shapes.items())
+
+
+def _alone(samples: list[dict[str, torch.Tensor]], kind: str, shaped: bool = False) -> list[GoldenCase]:
+    """Each sample as its own batch-1 case; `shaped`: the label says its shape (the set has several)."""
+    return [
+        GoldenCase(f"{kind} {i} alone" + (f" at {_shape_text(sample)}" if shaped else ""), sample, (i,), kind)
+        for i, sample in enumerate(samples)
+    ]
 
 
 def _rows_text(rows: tuple[int, ...]) -> str:

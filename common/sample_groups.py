@@ -1,0 +1,63 @@
+"""Shape groups of a calibration or validation .npz: key `NAME` is the unlabelled group, keys `NAME@LABEL` group LABEL.
+
+Within a group every input's array shares the sample dim (dim 0); groups may differ in the open dims, so a
+model with a variable image size or sequence length is checked and calibrated on real data at several sizes.
+Shared by the config check (supervisor) and the loader (worker); no numpy here, only the keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+#: The unlabelled group: keys that are an input's name exactly (every .npz from before groups).
+PLAIN = ""
+SEPARATOR = "@"
+
+
+class GroupError(ValueError):
+    """The file's keys do not form whole groups; the message names the group and the input."""
+
+
+def group_name(label: str) -> str:
+    """How a group is called in messages: `group 'small'`, or `the unlabelled group` for plain keys."""
+    return "the unlabelled group" if label == PLAIN else f"group {label!r}"
+
+
+def sample_groups(keys: Iterable[str], inputs: Sequence[str]) -> dict[str, dict[str, str]]:
+    """label -> input name -> the file's key, in the order the file first names each group (unlabelled first).
+
+    A key that is neither an input's name nor `input@label` is not ours and is left alone, as before groups.
+    Raises GroupError when a group lacks an input, or when no key names an input at all.
+    """
+    keys, names = list(keys), set(inputs)
+    groups: dict[str, dict[str, str]] = {}
+    for key in keys:
+        if key in names:
+            groups.setdefault(PLAIN, {})[key] = key
+            continue
+        name, separator, label = key.rpartition(SEPARATOR)
+        if separator and label and name in names:
+            groups.setdefault(label, {})[name] = key
+    if not groups:
+        raise GroupError(f"lacks arrays for inputs {list(inputs)}; it has {sorted(keys)}")
+    for label, members in groups.items():
+        missing = [name for name in inputs if name not in members]
+        if missing:
+            raise GroupError(
+                f"{group_name(label)} has no array for input {missing[0]!r} (key {_key(missing[0], label)!r})"
+            )
+    return dict(sorted(groups.items(), key=lambda item: item[0] != PLAIN))
+
+
+def _key(name: str, label: str) -> str:
+    return name if label == PLAIN else f"{name}{SEPARATOR}{label}"
+
+
+def round_robin(counts: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """(group, sample) pairs taken one from each group in turn, at most `limit`: every group is represented."""
+    taken: list[tuple[int, int]] = []
+    for index in range(max(counts, default=0)):
+        for group, count in enumerate(counts):
+            if index < count and len(taken) < limit:
+                taken.append((group, index))
+    return taken
