@@ -3,7 +3,7 @@
     .venv/bin/python bench/gate.py [--models tiny,resnet18,resnet50,encoder,minilm,minilm-synthetic]
                                    [--profiles eager,jit,...] [--threads 2] [--cache-dir D] [--json F]
 
-Each model's golden set is built as a worker builds it (worker/profiles/select.py golden_set: every
+Each model's golden set is built as a worker builds it (infervisor/worker/profiles/select.py golden_set: every
 sample alone, all of them batched); each profile is built (packages compiled into --cache-dir, or
 loaded from it) and its worst-row cosine, largest error, and where each was, are printed. `minilm`
 is the real all-MiniLM-L6-v2 (extra `minilm`) checked on its 8 validation sentences and calibrated

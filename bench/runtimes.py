@@ -10,15 +10,15 @@ of load on a shared box hits every configuration alike: compare ratios within on
 single calls per sample, and the worst-row cosine against eager fp32 over 8 samples, alone and
 batched. The built-ins are judged and timed on synthetic samples and calibrated on 32 more; `minilm`
 is the real all-MiniLM-L6-v2 (extra `minilm`), judged and timed on its 8 validation sentences and
-calibrated on its 16 calibration sentences (worker/models/minilm.py), daemon profiles included. The
-daemon profiles are built as a worker builds them (worker/profiles/build.py); the plain configurations
+calibrated on its 16 calibration sentences (infervisor/worker/models/minilm.py), daemon profiles included. The
+daemon profiles are built as a worker builds them (infervisor/worker/profiles/build.py); the plain configurations
 are what a user of each runtime writes: OpenVINO fp32, bf16 and NNCF int8 (its TRANSFORMER recipe on
 attention models), ONNX Runtime fp32 and static int8 (QDQ, per-channel), on the same calibration
 samples. Needs the `openvino` and `bench` extras.
 
 Below the table, the targets: the profile a worker's fastest pick over these daemon profiles would
 serve at --min-cosine (the fastest by the geometric mean of its batch-1 and batch-8 medians, as
-worker/profiles/timing.py scores it), against the fastest plain configuration meeting the same
+infervisor/worker/profiles/timing.py scores it), against the fastest plain configuration meeting the same
 tolerance at each batch size, and against the fastest torch fp32 profile: each ratio timed head to head,
 the two configurations alternating call by call (--pairs), which a burst of other load cannot tilt.
 """

@@ -37,7 +37,6 @@ from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
 #: What the daemon and the clients import, copied where every test user can read it (the checkout may not be).
-PACKAGES = ("protocol", "common", "supervisor", "worker")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making users and groups and acting as them needs root")
 
@@ -177,8 +176,8 @@ def accounts() -> Iterator[Accounts]:
                   "--user-group", *extra, name)  # fmt: skip
             made.append(name)
         base.chmod(0o755)
-        for package in PACKAGES:  # with __pycache__: the test users could not write one
-            shutil.copytree(ROOT / package, base / "tree" / package)
+        # With __pycache__: the test users could not write one.
+        shutil.copytree(ROOT / "infervisor", base / "tree" / "infervisor")
         hidden = _hidden_folders()
         for index, (folder, names) in enumerate(hidden.items()):
             for number, name in enumerate(names):

@@ -40,7 +40,8 @@ def copy_of_the_tree(destination: Path) -> Path:
     package_root.mkdir()
     shutil.copy(ROOT / "infervisor" / "__init__.py", package_root / "__init__.py")
     for package in PACKAGES:
-        shutil.copytree(ROOT / package, package_root / package, ignore=shutil.ignore_patterns("__pycache__"))
+        source = ROOT / "infervisor" / package
+        shutil.copytree(source, package_root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", destination / "pyproject.toml")
     return package_root
 
@@ -252,7 +253,7 @@ def helper_offences(root: Path) -> list[str]:
     """Imports of a shared helper from anywhere but its home (bench scripts and supervisor/), and bench scripts
     importing the daemon's core."""
     offences = []
-    paths = [*sorted((root / "bench").glob("*.py")), *sorted((root / "supervisor").rglob("*.py"))]
+    paths = [*sorted((root / "bench").glob("*.py")), *sorted((root / "infervisor" / "supervisor").rglob("*.py"))]
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -293,7 +294,7 @@ def test_bench_scripts_and_commands_take_helpers_from_leaves_not_the_core() -> N
 )
 def test_a_helper_taken_through_the_core_is_named(tmp_path: Path, script: str, line: str, offence: str) -> None:
     """A bench script that imports a helper from elsewhere than its home, or the broker, fails the check."""
-    for folder in ("bench", "supervisor"):
+    for folder in ("bench", "infervisor/supervisor"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     add_line_after_future_import(tmp_path / script, line)
     offences = helper_offences(tmp_path)

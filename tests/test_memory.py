@@ -39,7 +39,7 @@ def _served_worker(daemon: Daemon) -> tuple[dict[str, Any], int]:
     with daemon.client() as client:
         for _ in range(20):
             got = client.infer("tiny", {"x": x})["y"]
-            # The package's weights were unmapped from its library file after loading (worker/memory.py).
+            # The package's weights were unmapped from its library file after loading (infervisor/worker/memory.py).
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     (worker,) = daemon.status()["models"]["tiny"]["workers"]
     return worker, int(psutil.Process(worker["pid"]).memory_full_info().pss)

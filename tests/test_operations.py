@@ -267,5 +267,5 @@ def test_switching_the_profile_chain_rolls_the_model_with_no_failed_request(
         wait_for(lambda: load.ok > served_before_end + 20, 60, "requests served by the aoti worker")
     assert load.failures == [] and load.ok > 0
     (new,) = _pool(daemon, "tiny")
-    # It compiled the package, then restarted its process and loaded it from the cache (worker/reexec.py).
+    # It compiled the package, then restarted its process and loaded it from the cache (infervisor/worker/reexec.py).
     assert any(n.startswith("restarted the process after its build (2 cache miss") for n in new["profile_build"]), new

@@ -378,7 +378,7 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
 
 
 def test_the_documented_state_diagram_is_the_transition_table() -> None:
-    """docs/architecture.md's diagram is what supervisor/lifecycle/slot.py's TRANSITIONS renders, arrow for arrow."""
+    """docs/architecture.md's diagram is what lifecycle/slot.py's TRANSITIONS renders, arrow for arrow."""
     text = state_diagram.DOCS.read_text()
     assert state_diagram.render(text) == text, "run `python -m infervisor.supervisor.core.state_diagram --write`"
     arrows = sum(len(moves) for moves in TRANSITIONS.values())

@@ -19,7 +19,7 @@ from infervisor.protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAM
 from infervisor.supervisor.core.control import ControlError, control_request
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
-#: Exit status of a refused start (supervisor/commands/serve.py: EXIT_CONFIG).
+#: Exit status of a refused start (infervisor/supervisor/commands/serve.py: EXIT_CONFIG).
 EXIT_CONFIG = 78
 
 TINY = {"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}

@@ -1,0 +1,105 @@
+"""The live fallback's steps: `infervisor fallback` and a repeated canary mismatch roll a model down its chain.
+
+infervisor/supervisor/core/fallback.py decides the chains and keeps what is in force; this module turns a decision
+into a readiness-gated rollout of the model's pool (the rollout target, then one worker at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import structlog
+
+from infervisor.supervisor.core.fallback import Fallback, FallbackOrigin, Fallbacks
+from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.monitors.findings import Finding
+from infervisor.supervisor.settings.serving_config import ServingConfig
+
+log = structlog.get_logger("supervisor")
+
+
+class FallbackControl:
+    """Starts the rollouts a fallback or its reset needs, and answers the control commands for them."""
+
+    def __init__(self, serving: ServingConfig, pool: WorkerPool) -> None:
+        self.serving = serving
+        self.pool = pool
+        #: Models moved down their chain: an overlay on config.json that every reload keeps.
+        self.fallbacks = Fallbacks()
+
+    def command(self, command: dict[str, Any]) -> dict[str, Any]:
+        """`{"cmd": "fallback", "model": M, "reset": bool, "reason": str}`: the control socket's answer."""
+        model, reset = command.get("model"), command.get("reset", False)
+        if not isinstance(model, str) or type(reset) is not bool:
+            return {"ok": False, "error": "fallback needs model (a string) and reset (true or false)"}
+        if reset:
+            return self.reset(model)
+        why = str(command.get("reason") or "operator command")[:200]
+        return self.fall_back(model, why, FallbackOrigin.OPERATOR)
+
+    def for_finding(self, slot: WorkerSlot, finding: Finding) -> bool:
+        """A monitor's repeated evidence against the slot's profile moves its model down; False when it cannot."""
+        earlier = finding.detail.get("earlier_pids")
+        pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
+        reason = f"{finding.monitor} on {slot.proc.profile} repeated in pids {pids}"
+        answer = self.fall_back(slot.model.name, reason, FallbackOrigin.CANARY)
+        if not answer["ok"]:
+            log.warning("fallback_not_possible", slot=slot.name, reason=reason, why=answer["error"])
+        return bool(answer["ok"])
+
+    def fall_back(self, model: str, reason: str, origin: FallbackOrigin) -> dict[str, Any]:
+        """Rebuild a model's workers, rolling, with the chain after the profile they serve now; the answer."""
+        refused = self.refusal(model)
+        if refused is not None:
+            return {"ok": False, "error": refused}
+        current = self.serving.current.models[model]
+        serving = [
+            s.proc.profile for s in self.pool.roster.members[model] if s.state is SlotState.SERVING and s.proc.profile
+        ]
+        if not serving:
+            return {"ok": False, "error": f"no worker of {model!r} serves: there is no profile to fall back from"}
+        outcome = self.fallbacks.step_down(current, serving, reason, origin)
+        if isinstance(outcome, str):
+            return {"ok": False, "error": f"{model!r} cannot fall back: {outcome}"}
+        return self.roll_chain(
+            model, outcome.chain, outcome, f"fallback from {outcome.left}: {reason}", "model_fell_back"
+        )
+
+    def reset(self, model: str) -> dict[str, Any]:
+        """Rebuild a fallen-back model's workers, rolling, with the chain config.json gives it."""
+        refused = self.refusal(model)
+        if refused is not None:
+            return {"ok": False, "error": refused}
+        outcome = self.fallbacks.reset(model)
+        if isinstance(outcome, str):
+            return {"ok": False, "error": outcome}
+        return self.roll_chain(
+            model, outcome.configured, outcome, "fallback reset by the operator", "fallback_reset_started"
+        )
+
+    def refusal(self, model: str) -> str | None:
+        """Why the model's chain cannot be changed now, or None."""
+        if model not in self.pool.roster.members:
+            return f"no model {model[:128]!r}; serving {sorted(self.pool.roster.members)}"
+        if self.serving.target(model) is not None:
+            return f"{model!r} is rolling out a config; fall back once `infervisor status` shows it applied"
+        return None
+
+    def roll_chain(
+        self, model: str, chain: tuple[str, ...], fallback: Fallback, why: str, event: str
+    ) -> dict[str, Any]:
+        """Make `chain` the model's rollout target and replace its workers one at a time (readiness-gated)."""
+        current = self.serving.current.models[model]
+        self.serving.begin_rollout(dataclasses.replace(current, profiles=chain))
+        queued = self.pool.restart(model, why, RestartReason.CONFIG)
+        log.warning(
+            event, model=model, left=fallback.left, profiles=list(chain), configured=list(fallback.configured),
+            origin=fallback.origin.value, reason=fallback.reason, workers=queued,
+        )  # fmt: skip
+        return {"ok": True, "model": model, "profiles": list(chain), "from": fallback.left, "queued": queued}
+
+    def reconcile(self) -> None:
+        """Follow the rollouts a fallback started (a finished reset ends it, a rolled-back one is noted)."""
+        self.fallbacks.reconcile(self.serving)

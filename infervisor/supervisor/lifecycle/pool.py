@@ -1,0 +1,423 @@
+"""The worker pool: every slot's lifecycle, reconciled toward the configured shape on each `tick`.
+
+The pool and the parts it holds alone create, spawn, kill, retire and move slots, and call slot
+transitions. Its roster (infervisor/supervisor/lifecycle/roster.py) holds each model's members (the slots the
+broker routes to) and the slots outside them (successors warming up, old workers draining away); its
+rollout works the rolling-restart queue through its steps (rollout_steps.py); its stop sequence
+(stopping.py) stops everything in order. The worker inbox hands it what workers say of their lifecycle
+(READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke; it asks the broker's pipelines
+whether a worker is busy or hung; the monitors' findings reach it through core/responses.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import time
+
+import structlog
+
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import ErrorCode, WorkerExitCode
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.launcher import ExitRecord, Launcher, launch_worker
+from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
+from infervisor.supervisor.lifecycle.rollout_steps import RolloutSteps
+from infervisor.supervisor.lifecycle.roster import Roster
+from infervisor.supervisor.lifecycle.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from infervisor.supervisor.lifecycle.stopping import STOP_KILL_AFTER_S, StopSequence
+from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
+from infervisor.supervisor.settings.serving_config import ServingConfig
+
+log = structlog.get_logger("supervisor")
+
+_BACKOFF_BASE_S = 0.5
+_BACKOFF_MAX_S = 30.0
+#: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
+_EXITS_KEPT = 64
+#: How long after a `profile` command a worker is not killed as hung or silent: torch.profiler takes seconds to start.
+PROFILE_START_GRACE_S = 30.0
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def same_error(one: str, other: str) -> bool:
+    """Two load errors say the same thing: equal once object addresses (`at 0x7f...`), which differ by process, go."""
+    return _ADDRESS.sub("0x", one) == _ADDRESS.sub("0x", other)
+
+
+class WorkerPool:
+    """Owns the worker slots of every model and drives their state machines."""
+
+    def __init__(
+        self,
+        serving: ServingConfig,
+        plan: dict[str, list[Assignment]],
+        links: WorkerLinks,
+        broker: Broker,
+        launcher: Launcher = launch_worker,
+    ) -> None:
+        self.serving = serving
+        self.links = links
+        self.broker = broker
+        self.launcher = launcher
+        models = serving.current.models
+        self.roster = Roster(
+            serving, {name: [WorkerSlot(models[name], a) for a in assignments] for name, assignments in plan.items()}
+        )
+        #: Worker processes replaced, per model and why: exits not asked for (here) and rollout steps (the rollout).
+        self.restarts: collections.Counter[tuple[str, RestartReason]] = collections.Counter()
+        self.rollout = Rollout(self.restarts)
+        self.steps = RolloutSteps(self.roster, serving, self.rollout, links, broker, self.spawn, self.retire)
+        self.stop = StopSequence(self.roster, serving, self.rollout, links, broker)
+        #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
+        self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
+        #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
+        self.load_failures: collections.Counter[str] = collections.Counter()
+        broker.route_to(self.roster.members_of)
+
+    # ---- the reconcile step ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn every member."""
+        for slot in self.roster.all_slots():
+            self.spawn(slot)
+
+    def tick(self, now: float) -> None:
+        """One reconcile step: reap exits, kill the stuck, heartbeat, then stop or roll out and manage."""
+        self.reap(now)
+        self.murder(now)
+        self.heartbeat(now)
+        if self.stop.stopping:
+            self.stop.advance(now)
+            return
+        self.rollout.advance(self.steps)
+        self.settle_targets()
+        self.manage(now)
+
+    def spawn(self, slot: WorkerSlot) -> None:
+        """Start the slot's process and listen to it; a failed fork/exec is retried later, not fatal."""
+        self.links.detach(slot)
+        config = self.serving.current
+        try:
+            launched = self.launcher(slot.model, slot.assignment, config, self.recent_exits.get(slot.model.name, ()))
+        except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
+            log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
+            if slot.state is not SlotState.BACKOFF:
+                slot.transition(SlotState.BACKOFF, f"spawn failed: {exc}")
+            slot.respawn_at = time.monotonic() + _BACKOFF_MAX_S
+            return
+        slot.adopt_process(launched, config.heartbeat_interval_ms / 1000.0, config.heartbeat_liveness, time.monotonic())
+        slot.transition(SlotState.STARTING, f"spawned pid {launched.process.pid} on cpus {list(slot.assignment.cpus)}")
+        self.links.attach(slot)
+
+    def reap(self, now: float) -> None:
+        """Collect exited workers: settle their state, then re-dispatch what they held."""
+        for slot in self.roster.all_slots():
+            if slot.proc.process is None or slot.state not in LIVE_STATES:
+                continue
+            code = slot.proc.process.poll()
+            if code is not None:
+                self.on_exit(slot, code, now)
+
+    def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
+        """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
+        how = describe_exit(code)
+        slot.end_descendants()
+        if code == WorkerExitCode.LOAD_FAILED:
+            self.load_failures[slot.model.name] += 1
+            if slot.proc.load_error:
+                # The worker's own words (what to declare, which file is missing) reach status, not only its log.
+                how = f"{how}: {slot.proc.load_error}"
+        # Status says why we killed it (which profile overran its build, which request hung), not only the signal.
+        proc = slot.proc
+        slot.notes.last_exit = f"{how} ({proc.kill_reason})" if proc.killed and proc.kill_reason else how
+        exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
+        pid = proc.process.pid if proc.process is not None else None
+        signal_number = -code if code < 0 else None
+        exits.append(
+            {
+                "pid": pid,
+                "how": how,
+                "signal": signal_number,
+                "killed_by_supervisor": proc.killed,
+                # The next worker of the model skips a profile whose build keeps overrunning (profiles/attempts.py).
+                "compile_overrun": proc.compile_overrun,
+            }
+        )
+        self.links.drain(slot)
+        self.links.detach(slot)
+        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
+            log.warning("worker_exited", slot=slot.name, pid=pid, how=how)
+        self.settle_exit(slot, how, code, now)
+        # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
+        self.broker.worker_lost(slot, how)
+        if slot.state is SlotState.FAILED and not self.broker.has_capacity(slot.model.name):
+            self.broker.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
+
+    def settle_exit(self, slot: WorkerSlot, how: str, code: int, now: float) -> None:
+        """The state after an exit: STOPPED if we asked for it, else BACKOFF, or FAILED after too many."""
+        if slot.state in (SlotState.DRAINING, SlotState.STOPPING):
+            slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
+            return
+        config = self.serving.current
+        cause = (slot.proc.kill_cause if slot.proc.killed else None) or RestartReason.CRASH
+        load_error = slot.proc.load_error if code == WorkerExitCode.LOAD_FAILED else ""
+        repeated = bool(load_error) and same_error(load_error, slot.notes.last_load_error)
+        slot.notes.last_load_error = load_error
+        if repeated:
+            # The same load error twice: a load that can never succeed (a bad spec, a factory that raises) is not
+            # retried as a crash loop; a reload or `infervisor restart` tries again.
+            slot.record_failure(now, config.restart_window_s)
+            slot.transition(SlotState.FAILED, f"{how} (twice in a row: not retried until a reload or restart)")
+            log.error("worker_slot_failed", slot=slot.name, failures=2, last_exit=how, load_error=load_error)
+            return
+        if slot.proc.hung_request:
+            # A hung worker is handled as a crash (counted toward max_restarts); the request itself is charged a
+            # retry by the broker. The respawn is at once: one over-long request says little about the next start.
+            failures = slot.record_failure(now, config.restart_window_s)
+            if failures >= config.max_restarts:
+                self.fail_slot(slot, failures, how)
+                return
+            self.restarts[(slot.model.name, cause)] += 1
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
+            return
+        if len(self.broker.pipelines.of(slot).running()) > 1:
+            # A batch was running: the broker splits it to find the request that kills (each split costs one
+            # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
+            self.restarts[(slot.model.name, cause)] += 1
+            slot.respawn_at = now
+            slot.transition(SlotState.BACKOFF, f"{how} while running a batch; it is split, respawn now")
+            return
+        failures = slot.record_failure(now, config.restart_window_s)
+        if failures >= config.max_restarts:
+            self.fail_slot(slot, failures, how)
+            return
+        self.restarts[(slot.model.name, cause)] += 1  # a FAILED slot is not restarted: the workers gauge shows it
+        # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
+        never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
+        delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
+        slot.respawn_at = now + (delay if never_ready or failures > 1 else 0.0)
+        slot.transition(SlotState.BACKOFF, f"{how}; respawn in {slot.respawn_at - now:.1f} s")
+
+    def fail_slot(self, slot: WorkerSlot, failures: int, how: str) -> None:
+        """Too many failures in the restart window: no more respawns until a reload or restart."""
+        why = f"{failures} failures within {self.serving.current.restart_window_s:.0f} s; last: {how}"
+        slot.transition(SlotState.FAILED, why)
+        log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
+
+    def murder(self, now: float) -> None:
+        """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
+        config = self.serving.current
+        for slot in self.roster.all_slots():
+            proc = slot.proc
+            if slot.state not in LIVE_STATES or proc.process is None:
+                continue
+            if proc.kill_at is not None and now >= proc.kill_at:
+                slot.kill("did not exit after STOP")
+            elif slot.state is SlotState.STARTING:
+                self.check_start(slot, now)
+            elif proc.profile_started_at is not None and now - proc.profile_started_at < PROFILE_START_GRACE_S:
+                continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
+            elif (pipeline := self.broker.pipelines.of(slot)).held:
+                # Only the head of the pipeline is running (one request, or one batch), so progress is measured
+                # from its start; its budget grows with its rows, since warm-up timed a batch of one.
+                rows = pipeline.running_rows()
+                budget = max(config.hang_min_s, config.hang_factor * proc.expected_ms * rows / 1000.0)
+                if proc.profile_started_at is not None:
+                    # The grace is over: what waited behind the profiler's start is timed from its end.
+                    pipeline.hold_progress_until(proc.profile_started_at + PROFILE_START_GRACE_S)
+                    proc.profile_started_at = None
+                hung = f"no reply within {budget:.1f} s (hung)"
+                if pipeline.stalled_for(now) > budget and slot.kill(hung, RestartReason.HANG):
+                    proc.hung_request = True
+            elif slot.state is SlotState.SERVING and now - proc.last_heard > proc.heartbeat_s * proc.liveness:
+                slot.kill(f"no heartbeat for {now - proc.last_heard:.1f} s", RestartReason.HEARTBEAT)
+
+    def check_start(self, slot: WorkerSlot, now: float) -> None:
+        """Kill a starting worker past a limit: the start limit (loading, checking), the compile limit (builds)."""
+        config = self.serving.current
+        overrun = slot.proc.start.overrun(now, config.worker_start_timeout_s, config.compile_timeout_s)
+        if overrun is None or not slot.kill(overrun.reason, RestartReason.START_TIMEOUT):
+            return
+        if overrun.profile is not None:
+            slot.proc.compile_overrun = {"profile": overrun.profile, "limit_s": overrun.limit_s, "at": time.time()}
+        log.error(
+            "worker_start_overrun",
+            slot=slot.name,
+            pid=slot.pid,
+            phase=slot.proc.start.phase.value,
+            profile=overrun.profile,
+            limit_s=overrun.limit_s,
+            reason=overrun.reason,
+        )
+
+    def heartbeat(self, now: float) -> None:
+        """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
+        for slot in self.roster.all_slots():
+            if slot.state in (SlotState.SERVING, SlotState.DRAINING) and now >= slot.proc.next_heartbeat:
+                slot.proc.next_heartbeat = now + slot.proc.heartbeat_s
+                self.links.send_control(slot, wm.Heartbeat())
+
+    def manage(self, now: float) -> None:
+        """Reconcile toward the desired pools: respawn members whose back-off has elapsed, forget retired slots."""
+        for slot in self.roster.member_slots():
+            if slot.state is SlotState.STOPPED or (slot.state is SlotState.BACKOFF and now >= slot.respawn_at):
+                self.spawn(slot)
+        self.roster.forget_stopped(keep=self.rollout.successor)
+
+    def settle_targets(self) -> None:
+        """A model whose every member is built from its rollout target serves with that config from now on."""
+        for name in self.serving.rolling():
+            target = self.serving.target(name)
+            members = self.roster.members.get(name)
+            if members is None:
+                self.serving.drop_rollout(name)
+            elif target is not None and not self.rollout.has_work_for(name):
+                if not any(builds_differ(s.model, target) for s in members):
+                    self.serving.finish_rollout(name)
+                    log.info("model_config_applied", model=name)
+
+    # ---- what the workers said -----------------------------------------------------------------
+
+    def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
+        """A warm worker: it serves from now on."""
+        if slot.state is not SlotState.STARTING:
+            return
+        now = time.monotonic()
+        slot.proc.ready_ms = (now - slot.proc.spawned_at) * 1000.0
+        slot.proc.ready_at = now
+        slot.proc.expected_ms = ready.warmup_ms / max(1, slot.model.warmup_iterations)
+        slot.proc.threads_seen = ready.threads
+        slot.proc.profile, slot.proc.profile_notes = ready.profile, ready.profile_notes
+        slot.proc.build_notes = ready.build_notes
+        slot.notes.last_load_error = ""
+        self.roster.has_served.add(slot.model.name)
+        slot.transition(
+            SlotState.SERVING,
+            f"ready in {slot.proc.ready_ms:.0f} ms (load {ready.load_ms:.0f} ms, warm-up {ready.warmup_ms:.0f} ms, "
+            f"profile {ready.profile})",
+        )
+
+    def worker_progress(self, slot: WorkerSlot, progress: wm.Progress, now: float | None = None) -> None:
+        """A starting worker entered a phase: its clock and limits follow it, and the log says so (one event each)."""
+        if slot.state is not SlotState.STARTING:
+            return
+        now = time.monotonic() if now is None else now
+        ended = slot.proc.start.enter(progress, now)
+        if ended is None:
+            log.warning("worker_phase_unknown", slot=slot.name, phase=progress.phase[:64])
+            return
+        previous, took = ended
+        clock = slot.proc.start
+        log.info(
+            "worker_phase",
+            slot=slot.name,
+            pid=slot.pid,
+            phase=clock.phase.value,
+            profile=clock.profile or None,
+            index=clock.index or None,
+            count=clock.count or None,
+            elapsed_s=round(now - clock.spawned_at, 1),
+            worker_elapsed_s=round(progress.elapsed_ms / 1000.0, 1),
+            previous=previous.value,
+            previous_s=round(took, 1),
+            detail=clock.detail[:300] or None,
+        )
+
+    def worker_load_error(self, slot: WorkerSlot, error: wm.LoadError) -> None:
+        """A starting worker says why its model cannot load; its exit, reaped next, carries that text to status."""
+        slot.proc.load_error = error.error
+
+    def track_descendants(self) -> None:
+        """Walk each live worker's process tree, so what a crashing worker leaves running is killed at its reap."""
+        for slot in self.roster.all_slots():
+            slot.track_descendants()
+
+    def link_broken(self, slot: WorkerSlot, reason: str) -> None:
+        """A worker that cannot be written to or sent garbage is replaced: kill it, reaping does the rest."""
+        slot.kill(reason, RestartReason.LINK_BROKEN)
+
+    def worker_drained(self, slot: WorkerSlot) -> None:
+        """A draining worker holds nothing any more: it may go."""
+        self.links.send_control(slot, wm.Drain())
+
+    # ---- restarts and reloads ----------------------------------------------------------------
+
+    def retire(self, slot: WorkerSlot, reason: str) -> None:
+        """Take a worker out of service gently: drain a serving one, stop a starting one, forget a dead one."""
+        if slot not in self.roster.extra:
+            self.roster.extra.append(slot)
+        if slot.state is SlotState.SERVING:
+            slot.transition(SlotState.DRAINING, reason)
+            slot.proc.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
+            if not self.broker.pipelines.of(slot).held:
+                self.links.send_control(slot, wm.Drain())
+        elif slot.state is SlotState.STARTING:
+            slot.transition(SlotState.STOPPING, reason)
+            slot.kill(reason)
+        elif slot.state in (SlotState.BACKOFF, SlotState.FAILED):
+            slot.transition(SlotState.STOPPED, reason)
+
+    def restart(
+        self,
+        model: str | None,
+        reason: str,
+        cause: RestartReason = RestartReason.OPERATOR,
+        forget_overruns: bool = False,
+    ) -> int:
+        """Queue a rolling restart of one model's workers (or all); returns how many were queued.
+
+        `forget_overruns`: the new workers try again profiles whose builds overran the compile limit.
+        """
+        queued = 0
+        for name, slots in self.roster.members.items():
+            if model is None or name == model:
+                for ended in self.recent_exits.get(name, ()) if forget_overruns else ():
+                    ended["compile_overrun"] = None
+                for slot in slots:
+                    self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, cause))
+                    queued += 1
+        log.info("restart_requested", model=model or "*", workers=queued, reason=reason)
+        return queued
+
+    def recycle(self, slot: WorkerSlot, reason: str) -> None:
+        """Replace one worker for a monitor, rolling, unless it is already being replaced."""
+        if not self.rollout.involves(slot):
+            self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, RestartReason.MONITOR_RECYCLE))
+
+    def adopt(self, new: Config, plan: dict[str, list[Assignment]], diff: ConfigDiff) -> None:
+        """Reshape the pools for a config the arbiter now serves: new, removed and scaled models at once,
+        rebuilt workers by rolling replacement. Live keys need nothing here: every part reads them from
+        the serving config."""
+        for name in diff.removed:
+            self.rollout.drop_model(name, "model removed from config")
+            for slot in self.roster.members.pop(name):
+                self.retire(slot, "model removed from config")
+            self.broker.remove_model(name)
+        for name, wanted in plan.items():
+            model = self.serving.desired(name) or new.models[name]
+            pool = self.roster.members.setdefault(name, [])
+            for slot in pool[len(wanted) :]:
+                self.retire(slot, f"scaled down to {len(wanted)} workers")
+            del pool[len(wanted) :]
+            for index, assignment in enumerate(wanted):
+                if index >= len(pool):
+                    slot = WorkerSlot(model, assignment)
+                    pool.append(slot)
+                    self.spawn(slot)
+                    continue
+                slot = pool[index]
+                moved = slot.assignment.cpus != assignment.cpus or slot.assignment.threads != assignment.threads
+                # A worker already built from this config (an earlier step of the same rollout) stays.
+                stale = worker_keys_changed(diff, name) or builds_differ(slot.model, model)
+                # One already queued or being replaced gets the newest config anyway: a step reads it when it starts.
+                if (moved or (name in diff.rolling and stale)) and not self.rollout.involves(slot):
+                    why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"
+                    self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}", RestartReason.CONFIG))
+        self.broker.sync_queues()
+        for name in self.roster.members:
+            self.broker.dispatch(name)

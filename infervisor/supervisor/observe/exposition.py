@@ -1,0 +1,294 @@
+"""The Prometheus exposition: prometheus_client families rendered from the latest published snapshot.
+
+No thread races the loop. The loop alone writes everything measured; once per monitor turn it takes
+a `Snapshot` (infervisor/supervisor/observe/capture.py) and swaps it into the collector with one reference
+assignment. The HTTP endpoint's one thread (infervisor/supervisor/observe/http_endpoint.py), and `infervisor
+metrics` on the loop itself, only read the snapshot they find there and render it here. So a scrape
+costs the loop nothing but that snapshot.
+
+Names follow Prometheus's rules: the `infervisor_` prefix, base units (`_seconds`, `_bytes`),
+counters end in `_total`; the list with labels and meaning is in docs/operations.md ("Metrics").
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, make_wsgi_app
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from infervisor.common.text import clip
+from infervisor.protocol.constants import PROTOCOL_VERSION, ErrorCode
+from infervisor.supervisor.lifecycle.slot import SlotState
+from infervisor.supervisor.observe.http_endpoint import HttpEndpoint
+from infervisor.supervisor.observe.recorders import ReloadOutcome
+from infervisor.supervisor.observe.snapshot import Role, Snapshot
+
+#: The load error in `infervisor_model_load_error_info` is shortened to whole sentences within this: a label is no
+#: place for a traceback.
+LOAD_ERROR_LABEL_CHARS = 200
+#: The codes a model's error counter starts at 0 for, so rate() and increase() see the first one (TIMEOUT is the
+#: Python client's own, never sent).
+ERROR_CODES = tuple(code.value for code in ErrorCode if code is not ErrorCode.TIMEOUT)
+#: Upper bounds of the batch-size histogram, in rows.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+def _installed(distribution: str) -> str:
+    """A distribution's version from its metadata (never an import: the supervisor does not load torch)."""
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_labels() -> dict[str, str]:
+    """The labels of `infervisor_build_info`."""
+    return {
+        "version": _installed("infervisor"),
+        "torch_version": _installed("torch"),
+        "protocol_version": str(PROTOCOL_VERSION),
+        "python_version": platform.python_version(),
+    }
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over the latest published snapshot; it reads one reference and nothing else."""
+
+    def __init__(self, snapshot: Snapshot | None = None) -> None:
+        #: Replaced whole by the loop (`Metrics.publish`); never changed in place.
+        self.snapshot = snapshot
+        self.build = build_labels()
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families of the snapshot there is now (only the build info before the first one)."""
+        yield InfoMetricFamily(
+            "infervisor_build", "the daemon's version, the torch it serves with, the wire protocol", self.build
+        )
+        snapshot = self.snapshot  # one read: the loop may publish another meanwhile
+        if snapshot is None:
+            return
+        yield from _request_families(snapshot)
+        yield from _worker_families(snapshot)
+        yield from _daemon_families(snapshot)
+
+
+class Metrics:
+    """The registry that renders the loop's latest snapshot, and the opt-in HTTP endpoint serving it."""
+
+    def __init__(self) -> None:
+        self.collector = SnapshotCollector()
+        self.registry = CollectorRegistry()
+        self.registry.register(self.collector)
+        ProcessCollector(registry=self.registry)  # the supervisor's own process_* figures, the standard names
+        self.endpoint = HttpEndpoint()
+
+    @property
+    def url(self) -> str | None:
+        """Where scrapes go once listening."""
+        return self.endpoint.url
+
+    @property
+    def error(self) -> str | None:
+        """Why the endpoint does not listen, when binding failed."""
+        return self.endpoint.error
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Swap in a new snapshot: one reference assignment, so a reader sees the old one or the new one whole."""
+        self.collector.snapshot = snapshot
+
+    def render(self) -> str:
+        """The text exposition format of the latest snapshot (what a scrape of /metrics returns)."""
+        return generate_latest(self.registry).decode()
+
+    def listen(self, address: str) -> None:
+        """Serve /metrics on HOST:PORT from a thread of its own; a failure is logged and shown, serving goes on."""
+        self.endpoint.listen(address, make_wsgi_app(self.registry))
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint and close its socket."""
+        self.endpoint.close()
+
+
+def _request_families(snapshot: Snapshot) -> Iterator[Metric]:
+    requests = CounterMetricFamily(
+        "infervisor_requests",
+        'requests answered, by model, outcome and code; model "" for those refused before naming a served model',
+        labels=["model", "outcome", "code"],
+    )
+    queued = GaugeMetricFamily("infervisor_requests_queued", "requests waiting for a worker", labels=["model"])
+    capacity = GaugeMetricFamily("infervisor_queue_capacity", "queue_size: one more is OVERLOADED", labels=["model"])
+    in_flight = GaugeMetricFamily("infervisor_requests_in_flight", "requests held by workers", labels=["model"])
+    histograms = {
+        "total": HistogramMetricFamily(
+            "infervisor_request_duration_seconds",
+            "successful requests, from acceptance to the reply",
+            labels=["model"],
+            unit="seconds",
+        ),
+        "queue": HistogramMetricFamily(
+            "infervisor_request_queue_seconds",
+            "successful requests, from acceptance to the dispatch to the worker that answered",
+            labels=["model"],
+            unit="seconds",
+        ),
+        "service": HistogramMetricFamily(
+            "infervisor_request_service_seconds",
+            "successful requests, from the dispatch to the worker's reply",
+            labels=["model"],
+            unit="seconds",
+        ),
+    }
+    for model in snapshot.models:
+        slots = snapshot.slots_of(model.name)
+        requests.add_metric([model.name, "success", "ok"], model.completed)
+        errors = dict(model.errors)
+        for code in (*ERROR_CODES, *sorted(set(errors) - set(ERROR_CODES))):
+            requests.add_metric([model.name, "error", code], errors.get(code, 0))
+        queued.add_metric([model.name], model.queued)
+        capacity.add_metric([model.name], model.capacity)
+        in_flight.add_metric([model.name], sum(s.inflight for s in slots))
+        for which, histogram in (("total", model.total), ("queue", model.queue), ("service", model.service)):
+            histograms[which].add_metric([model.name], histogram.cumulative(), histogram.total)
+    for code, count in snapshot.refused:
+        requests.add_metric(["", "error", code], count)
+    yield from (requests, queued, capacity, in_flight, *histograms.values())
+    yield _batch_sizes(snapshot)
+
+
+def _batch_sizes(snapshot: Snapshot) -> HistogramMetricFamily:
+    """Rows per forward pass of each batching model (the wait to be batched is the queue histogram)."""
+    family = HistogramMetricFamily(
+        "infervisor_batch_size_rows", "rows joined into one forward pass, per batching model", labels=["model"]
+    )
+    for model in snapshot.models:
+        if not model.batch_sizes:
+            continue
+        counts = dict(model.batch_sizes)
+        buckets = [(str(bound), sum(n for rows, n in counts.items() if rows <= bound)) for bound in BATCH_BUCKETS]
+        buckets.append(("+Inf", sum(counts.values())))
+        family.add_metric([model.name], buckets, float(sum(rows * n for rows, n in counts.items())))
+    return family
+
+
+def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
+    states = GaugeMetricFamily("infervisor_workers", "worker processes by state", labels=["model", "state"])
+    for model in snapshot.models:
+        counts = {state.value: 0 for state in SlotState}
+        for slot in snapshot.slots_of(model.name):
+            counts[slot.state.value] += 1
+        for state, count in counts.items():
+            states.add_metric([model.name, state], count)
+    rss = GaugeMetricFamily(
+        "infervisor_worker_resident_memory_bytes",
+        "RSS of each serving or draining worker, as the memory monitor last sampled it",
+        labels=["model", "slot", "pid"],
+        unit="bytes",
+    )
+    pss = GaugeMetricFamily(
+        "infervisor_worker_proportional_memory_bytes",
+        "PSS of each serving or draining worker (shared pages divided among the processes mapping them): "
+        "what the box pays for it",
+        labels=["model", "slot", "pid"],
+        unit="bytes",
+    )
+    profile = InfoMetricFamily(
+        "infervisor_worker_profile", "the optimisation profile each serving worker runs", labels=["model", "slot"]
+    )
+    for slot in snapshot.slots:
+        if slot.pid is None:
+            continue
+        if slot.sampled_rss_bytes is not None:
+            rss.add_metric([slot.model, str(slot.slot), str(slot.pid)], slot.sampled_rss_bytes)
+        if slot.sampled_pss_bytes is not None:
+            pss.add_metric([slot.model, str(slot.slot), str(slot.pid)], slot.sampled_pss_bytes)
+        # One profile per (model, slot): the serving members' only.
+        if slot.profile is not None and slot.role is Role.MEMBER and slot.state is SlotState.SERVING:
+            profile.add_metric([slot.model, str(slot.slot)], {"profile": slot.profile})
+    restarts = CounterMetricFamily(
+        "infervisor_worker_restarts", "worker processes replaced, by model and reason", labels=["model", "reason"]
+    )
+    for model_name, reason, count in snapshot.restarts:
+        restarts.add_metric([model_name, reason], count)
+    load_failures = CounterMetricFamily(
+        "infervisor_worker_load_failures", "worker processes that could not load their model", labels=["model"]
+    )
+    # One series per model at most, and only while it cannot load: the reason text stays a bounded label.
+    load_error = InfoMetricFamily(
+        "infervisor_model_load_error", "why a model cannot load now, in its worker's words", labels=["model"]
+    )
+    for model in snapshot.models:
+        load_failures.add_metric([model.name], model.load_failures)
+        if model.load_error:
+            load_error.add_metric([model.name], {"error": clip(model.load_error, LOAD_ERROR_LABEL_CHARS)})
+    yield from (states, rss, pss, profile, restarts, load_failures, load_error)
+
+
+def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:
+    yield from _thermal_families(snapshot)
+    yield from _reload_families(snapshot)
+    anomalies = CounterMetricFamily(
+        "infervisor_anomalies", "things that should not happen, by kind (status counters)", labels=["kind"]
+    )
+    # Refused requests are in infervisor_requests_total already.
+    for kind, count in sorted(snapshot.anomalies):
+        if not kind.startswith("rejected_"):
+            anomalies.add_metric([kind], count)
+    yield anomalies
+    yield GaugeMetricFamily(
+        "infervisor_metrics_snapshot_timestamp_seconds",
+        "Unix time the loop took these figures (it lags while the loop stalls)",
+        snapshot.taken_at,
+    )
+
+
+def _thermal_families(snapshot: Snapshot) -> Iterator[Metric]:
+    thermal = snapshot.thermal
+    yield GaugeMetricFamily(
+        "infervisor_thermal_throttled",
+        "1 while the CPU throttles or runs too hot",
+        float(bool(thermal.get("throttled", False))),
+    )
+    yield GaugeMetricFamily(
+        "infervisor_thermal_shedding",
+        "1 while throttling routes to half of each model's workers",
+        float(snapshot.shedding),
+    )
+    if (max_temp_c := thermal.get("max_temp_c")) is not None:
+        yield GaugeMetricFamily("infervisor_cpu_temperature_celsius", "hottest thermal zone", max_temp_c)
+    if (throttle_events := thermal.get("throttle_events")) is not None:
+        yield CounterMetricFamily(
+            "infervisor_cpu_throttle_events",
+            "the kernel's core and package throttle counts, summed",
+            throttle_events,
+        )
+    if (min_freq_ratio := thermal.get("min_freq_ratio")) is not None:
+        yield GaugeMetricFamily(
+            "infervisor_cpu_frequency_ratio", "lowest current/maximum clock over the CPUs", min_freq_ratio
+        )
+
+
+def _reload_families(snapshot: Snapshot) -> Iterator[Metric]:
+    outcomes = CounterMetricFamily("infervisor_config_reloads", "reloads of config.json by outcome", labels=["outcome"])
+    outcomes.add_metric([ReloadOutcome.SUCCESS.value], snapshot.reloads_success)
+    outcomes.add_metric([ReloadOutcome.FAILURE.value], snapshot.reloads_failure)
+    yield outcomes
+    yield GaugeMetricFamily(
+        "infervisor_config_last_reload_successful",
+        "0 after a refused file, until a good one",
+        float(snapshot.last_reload_ok),
+    )
+    yield GaugeMetricFamily(
+        "infervisor_config_last_reload_success_timestamp_seconds",
+        "Unix time of the last successful reload (of the start before any)",
+        snapshot.last_reload_success_at,
+    )
+    yield InfoMetricFamily("infervisor_config", "the digest of the config served", {"digest": snapshot.config_digest})

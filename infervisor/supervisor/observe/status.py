@@ -1,0 +1,171 @@
+"""The status document served on the control socket (and printed by `infervisor status`), rendered from the
+loop's snapshot (infervisor/supervisor/observe/snapshot.py); only the memory of each process is read here, now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+
+from infervisor.common.profiles import PROFILES
+from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
+from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
+from infervisor.supervisor.observe.stats import percentile
+from infervisor.supervisor.settings.config import BatchingConfig, Config
+
+
+def rss_of(pid: int | None) -> int | None:
+    """Resident memory of a process in bytes, or None when it is gone."""
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
+
+
+def pss_of(pid: int | None) -> int | None:
+    """Proportional set size of a process in bytes (its shared pages divided among their users), or None."""
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_full_info().pss)
+    except (psutil.Error, AttributeError):  # gone, or a kernel without smaps
+        return None
+
+
+def slot_status(slot: SlotSample) -> dict[str, Any]:
+    """One worker's row (its memory read now, not the monitor's last sample)."""
+    pid = slot.pid
+    return {
+        "slot": slot.slot,
+        "pid": pid,
+        "state": slot.state.value,
+        "reason": slot.reason,
+        "busy": bool(slot.inflight),
+        "inflight": slot.inflight,
+        "cores": list(slot.cores),
+        "node": slot.node,
+        "shared_cores": slot.shared_cores,
+        "threads": slot.threads,
+        "rss": rss_of(pid),
+        "pss": pss_of(pid),
+        "requests": slot.requests,
+        "p50_ms": percentile(slot.latencies_ms, 50),
+        "p99_ms": percentile(slot.latencies_ms, 99),
+        "ready_ms": round(slot.ready_ms, 1),
+        "profile": slot.profile,
+        "profile_skipped": list(slot.profile_skipped),
+        "profile_build": list(slot.profile_build),
+        **accuracy_data(slot),
+        "last_profile": slot.last_profile,
+        "restarts": slot.restarts,
+        "last_exit": slot.last_exit,
+        # Why its last worker could not load the model, in the worker's words (until a worker of the slot serves).
+        "load_error": slot.load_error or None,
+        "last_event": slot.last_event,
+        # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
+        "starting": slot.starting,
+    }
+
+
+def accuracy_data(slot: SlotSample) -> dict[str, str | None]:
+    """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
+    numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
+    if slot.profile is None:
+        return {"checked_on": None, "accuracy_warning": None}
+    if slot.validated:
+        return {"checked_on": "validation set", "accuracy_warning": None}
+    declared = PROFILES.get(slot.profile)
+    warning = None
+    if declared is not None and declared.changes_numerics:
+        warning = (
+            f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
+            "`validation`, an .npz of real inputs"
+        )
+    return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
+
+
+def models_status(snapshot: Snapshot) -> dict[str, Any]:
+    """Per model: its health, spec, queue, counters and workers (members first, then successors and retiring ones)."""
+    models: dict[str, Any] = {}
+    for sample in snapshot.models:
+        model = sample.config
+        models[sample.name] = {
+            "health": sample.report.health.value,
+            "reason": sample.report.reason,
+            # Why the model (or its last replacement) cannot load, in the worker's words; None when nothing failed.
+            "error": sample.load_error,
+            "source": {k: v for k, v in vars(model.source).items() if v is not None},
+            "inputs": [
+                {
+                    "name": s.name,
+                    "dtype": s.dtype,
+                    "shape": s.config_shape(),
+                    "synthetic": s.synthetic.to_config() if s.synthetic is not None else None,
+                }
+                for s in model.inputs
+            ],
+            "queued": sample.queued,
+            "queue_size": sample.capacity,
+            "completed": sample.completed,
+            "errors": dict(sample.errors),
+            "p50_ms": percentile(sample.latencies_ms, 50),
+            "p99_ms": percentile(sample.latencies_ms, 99),
+            "profiles": list(model.profiles),
+            "fallback": sample.fallback,
+            "batching": batching_status(model.batching, sample),
+            "workers": [
+                slot_status(s) | ({} if s.role is Role.MEMBER else {"role": s.role.value})
+                for s in snapshot.slots_of(sample.name)
+            ],
+        }
+    return models
+
+
+def batching_status(policy: BatchingConfig | None, sample: ModelSample) -> dict[str, Any] | None:
+    """How a batching model's requests were joined: batches per size (rows), mean size, the wait to be batched."""
+    if policy is None:
+        return None
+    batches = sum(count for _, count in sample.batch_sizes)
+    rows = sum(size * count for size, count in sample.batch_sizes)
+    return {
+        "max_batch_size": policy.max_batch_size,
+        "max_queue_delay_us": policy.max_queue_delay_us,
+        "preferred_batch_sizes": list(policy.preferred_batch_sizes),
+        "batches": batches,
+        "mean_size": round(rows / batches, 3) if batches else None,
+        "batch_sizes": {str(size): count for size, count in sample.batch_sizes},
+        "wait_p50_ms": percentile(sample.batch_wait_ms, 50),
+        "wait_p99_ms": percentile(sample.batch_wait_ms, 99),
+    }
+
+
+def config_states(snapshot: Snapshot) -> dict[str, Any]:
+    """Per model, where the last applied config stands: applied, still rolling out, or rolled back and why."""
+    return {
+        m.name: {"state": m.config_state} | ({} if m.config_error is None else {"error": m.config_error})
+        for m in snapshot.models
+    }
+
+
+def limits(config: Config) -> dict[str, int]:
+    """What a client must stay within (docs/protocol.md): frames, header, tensors per message, rank, names."""
+    return {
+        "max_frame_bytes": config.max_frame_bytes,
+        "max_header_bytes": MAX_HEADER_BYTES,
+        "max_tensors": MAX_TENSORS,
+        "max_rank": MAX_RANK,
+        "max_name_len": MAX_NAME_LEN,
+    }
+
+
+def rollout_status(snapshot: Snapshot) -> dict[str, Any]:
+    """The rolling-restart queue."""
+    rollout = snapshot.rollout
+    return {
+        "pending": rollout.pending,
+        "current": rollout.current,
+        "completed": rollout.completed,
+        "last_error": rollout.last_error,
+    }

@@ -1,0 +1,84 @@
+"""Where, when and by which build a figure was measured, and what the daemon served: so a signed report can be
+matched to what runs, and a figure from another box or another chain is said to be one."""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from infervisor.common.cpuinfo import parse_cpuinfo
+
+_SOURCE_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> str | None:
+    """The source checkout's commit (with `-dirty` when it has local changes), or None outside a git checkout."""
+    if not (_SOURCE_ROOT / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(_SOURCE_ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def cpu_model(proc: Path = Path("/proc")) -> str:
+    """This box's CPU `model name` ("unknown" when /proc/cpuinfo does not say)."""
+    try:
+        return parse_cpuinfo((proc / "cpuinfo").read_text()).model_name
+    except OSError:
+        return "unknown"
+
+
+def measured_on() -> dict[str, Any]:
+    """Date and time (UTC), host, CPU model, the infervisor and torch builds (torch by metadata: never imported)."""
+    return {
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "infervisor": _version("infervisor"),
+        "commit": git_commit(),
+        "torch": _version("torch"),
+    }
+
+
+def command_line() -> str:
+    """The command that was run, as a shell line a reader can paste to repeat it."""
+    return shlex.join(["infervisor", *sys.argv[1:]])
+
+
+def sha256_of(path: Path) -> str:
+    """The file's sha256, hex."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def served(model: dict[str, Any]) -> dict[str, Any]:
+    """What a running daemon served for one model (its status entry): the chain, the layout, each worker's profile."""
+    members = [w for w in model["workers"] if "role" not in w]
+    cores = sorted({len(w["cores"]) for w in members})
+    return {
+        "chain": list(model["profiles"]),
+        "workers": len(members),
+        "cores_per_worker": cores[0] if len(cores) == 1 else None,
+        "profiles": [w["profile"] for w in members],
+        "checked_on": sorted({str(w.get("checked_on")) for w in members if w.get("checked_on")}),
+    }

@@ -1,0 +1,332 @@
+"""Builds one profile of a model: the named transformation that turns the loaded module into what serves.
+
+Each profile declared in infervisor/common/profiles.py has exactly one builder here, registered with
+`@builds(name)`: eager (as loaded), jit (trace/script + freeze + optimize_for_inference), jit_onednn
+(frozen + oneDNN fusion), compile (torch.compile, inductor, freezing), aoti (torch.export +
+AOTInductor package), int8_static / int8_dynamic (PT2E with X86InductorQuantizer, then an
+AOTInductor package) and bf16 (autocast); the OpenVINO profiles register theirs from openvino.py
+(imported at the end of this module). Packages are cached on disk; see cache.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from infervisor.common.profiles import PROFILE_NAMES, PROFILES
+from infervisor.common.text import clip
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.cache import (
+    ArtifactCache,
+    CachedBuildFailure,
+    NoSpaceLeft,
+    artifact_key,
+    file_digest,
+    no_space_left,
+)
+from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+from infervisor.worker.profiles.export import (
+    BatchBuckets,
+    ExportError,
+    NoGain,
+    ShapeDispatch,
+    at_batch,
+    batch_only,
+    buckets_for,
+    compile_package,
+    export,
+    load_package,
+    quantize,
+)
+from infervisor.worker.profiles.flags import apply_global_flags
+
+
+class ProfileError(Exception):
+    """The profile cannot be built for this model; the message says why."""
+
+
+#: How a build note about a damaged cached package begins: a worker that restarts after its build passes these on.
+REJECTED_NOTE = "cached package "
+
+
+@dataclass
+class BuildContext:
+    """What building a profile needs besides its name."""
+
+    module: Any
+    example: Inputs
+    specs: tuple[TensorSpec, ...]
+    #: sha256 of the model (weights and code); part of every cache key.
+    digest: str
+    channels_last: bool = False
+    cache: ArtifactCache | None = None
+    calibration: Path | None = None
+    #: Only part of the fastest-pick decision's key: the profiles were checked on it.
+    validation: Path | None = None
+    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
+    served_batches: tuple[int, ...] = ()
+
+
+@dataclass
+class Built:
+    """A built profile: what serves, and what building it did (compiled, loaded from cache, ...)."""
+
+    callable: Callable[..., Any]
+    notes: list[str] = field(default_factory=list)
+
+
+Builder = Callable[[BuildContext], Built]
+_BUILDERS: dict[str, Builder] = {}
+#: The builder of every declared profile, by name (a test checks the two tables name the same profiles).
+BUILDERS: Mapping[str, Builder] = MappingProxyType(_BUILDERS)
+
+
+def builds(name: str) -> Callable[[Builder], Builder]:
+    """Register the decorated function as the one builder of the profile declared as `name`."""
+    if name not in PROFILES:
+        raise LookupError(f"profile {name!r} has a builder but no declaration in infervisor/common/profiles.py")
+    if name in _BUILDERS:
+        raise LookupError(f"profile {name!r} has two builders")
+
+    def register(builder: Builder) -> Builder:
+        _BUILDERS[name] = builder
+        return builder
+
+    return register
+
+
+class _Quantization(enum.Enum):
+    """How a packaged profile quantizes the exported program before compiling it."""
+
+    NONE = "none"
+    #: Activation ranges observed on a calibration set.
+    STATIC = "static"
+    #: Activations quantized per call.
+    DYNAMIC = "dynamic"
+
+
+def _frozen_script(module: Any, example: Inputs, optimize: bool) -> Any:
+    """TorchScript, frozen (weights become constants, BN folded), optionally optimised for inference.
+
+    optimize_for_inference rewrites convolutions into MKLDNN ops, which the oneDNN fusion pass then
+    cannot take apart (it fails at run time), so jit_onednn stops at freeze.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted = module
+        else:
+            scripted = torch.jit.trace(module, example, check_trace=False)  # type: ignore[no-untyped-call]
+        frozen = torch.jit.freeze(scripted.eval())
+        return torch.jit.optimize_for_inference(frozen) if optimize else frozen
+
+
+def _autocast_bf16(module: Any) -> Callable[..., Any]:
+    """The module under CPU bf16 autocast (outputs go back to float32 on the wire)."""
+
+    def run(*args: torch.Tensor) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return module(*args)
+
+    return run
+
+
+def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
+    if context.calibration is None:
+        notes.append("calibrated on seeded random inputs (no calibration set configured)")
+        return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
+    return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
+
+
+def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> Built:
+    """Export (and quantize) the module into AOTInductor packages, or load the cached ones.
+
+    A batch-only dynamic spec gets one static package per batch bucket (export.BATCH_BUCKETS), each
+    its own cache entry. A spec with another dynamic dim gets two: one for exactly the example's
+    shapes and one for any size (int8 ResNet-50 took 11 ms at batch 1 from a static package, 106 ms
+    from a dynamic one, so the dynamic one is only the fallback). A quantized profile is quantized
+    once, on the spec's own export, and every package is compiled from that one graph: batch 1 and
+    batch 8 answer a row with the same scales.
+    """
+    notes: list[str] = []
+    calibration: list[Inputs] = []
+    calibration_id = ""
+    if quantization is _Quantization.STATIC:
+        calibration, calibration_id = _calibration_set(context, notes)
+    if context.cache is None:
+        raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
+    cache = context.cache
+    quantized: list[torch.fx.GraphModule] = []
+
+    def program(example: Inputs, specs: tuple[TensorSpec, ...]) -> Any:
+        if quantization is _Quantization.NONE:
+            return export(context.module, example, specs)
+        if not quantized:  # only when some package is not cached yet
+            dynamic = quantization is _Quantization.DYNAMIC
+            whole = export(context.module, context.example, context.specs)
+            quantized.append(quantize(whole, calibration or [context.example], dynamic, context.specs))
+        return quantized[0]
+
+    def package(example: Inputs, specs: tuple[TensorSpec, ...], shapes: str) -> tuple[Any, Path]:
+        options = {
+            "channels_last": context.channels_last,
+            "calibration": calibration_id,
+            "shapes": shapes,
+            **package_options(context.specs),
+        }
+        if quantization is _Quantization.DYNAMIC:
+            options["quantized"] = "linear"  # packages from before dynamic int8 left convolutions alone are not reused
+        key = artifact_key(context.digest, name, specs, options)
+        path = cache.path_for(name, key)
+        fetched = cache.fetch(
+            path, key, lambda into: compile_package(program(example, specs), example, specs, into), load_package
+        )
+        if fetched.rejected is not None:
+            notes.append(f"{REJECTED_NOTE}{path.name} {fetched.rejected}: moved aside to {path.name}.corrupt, rebuilt")
+        done = "loaded cached" if fetched.hit else "compiled and cached"
+        notes.append(f"{done} package {path.name} ({shapes} shapes)")
+        return fetched.value, path
+
+    if batch_only(context.specs):
+        built: dict[int, Any] = {}
+        path = Path()
+        for size in buckets_for(context.specs):
+            example = at_batch(context.example, size)
+            built[size], path = package(example, _static_specs(context.specs, example), f"batch {size}")
+        costs, remembered = _bucket_costs(path.with_suffix(".buckets.json"), built, context.example)
+        buckets = BatchBuckets(built, costs)
+        notes.append(_buckets_note(buckets, remembered))
+        return Built(buckets, notes)
+    static_specs = _static_specs(context.specs, context.example)
+    static, _ = package(context.example, static_specs, "static")
+    if static_specs == context.specs:
+        return Built(static, notes)
+    dynamic, _ = package(context.example, context.specs, "dynamic")
+    return Built(ShapeDispatch(static, [tuple(t.shape) for t in context.example], dynamic, context.specs), notes)
+
+
+#: Bumped when what a package covers of the declared shapes changes (export.check_coverage).
+_COVERAGE_FORMAT = 1
+
+
+def package_options(specs: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """What every package, build record and crash record of a profile is keyed on besides its own shapes: the
+    declared inputs as the config writes them (bounds included). A static package compiled from the export of
+    `[null, 1, 64, [64, 1024]]` is not one of `[1, 1, 64, [64, 1024]]`, though both have the same example."""
+    return {"declared": [[s.name, s.dtype, s.config_shape()] for s in specs], "coverage": _COVERAGE_FORMAT}
+
+
+def _static_specs(specs: tuple[TensorSpec, ...], example: Inputs) -> tuple[TensorSpec, ...]:
+    return tuple(dataclasses.replace(s, shape=tuple(t.shape), bounds=()) for s, t in zip(specs, example, strict=True))
+
+
+def _bucket_costs(path: Path, packages: dict[int, Any], example: Inputs) -> tuple[dict[int, float], bool]:
+    """Each bucket's cost per call at this thread count: remembered beside its package, else measured and kept.
+
+    Measured once per package and thread count, so a restart neither pays the timing nor decides
+    on a noisier one.
+    """
+    threads = str(torch.get_num_threads())
+    known: dict[str, Any] = {}
+    try:
+        loaded = json.loads(path.read_text())
+        known = loaded if isinstance(loaded, dict) else {}
+        costs = {int(size): float(ms) for size, ms in known[threads].items()}
+        if sorted(costs) == sorted(packages):
+            return costs, True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    costs = BatchBuckets.measure(packages, example)
+    known[threads] = {str(size): round(ms, 5) for size, ms in costs.items()}
+    try:
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(known))
+        os.replace(temporary, path)
+    except OSError:  # a read-only cache costs the next start another measurement, nothing else
+        pass
+    return costs, False
+
+
+def _buckets_note(buckets: BatchBuckets, remembered: bool) -> str:
+    costs = ", ".join(f"batch {size} {ms:.3g} ms" for size, ms in sorted(buckets.costs_ms.items()))
+    plans = ", ".join(f"{rows} as {'+'.join(map(str, buckets.plan(rows)))}" for rows in (2, 4, 8, 12))
+    return f"batch buckets ({costs} a call, {'remembered' if remembered else 'measured'}): runs {plans}"
+
+
+@builds("eager")
+def _eager(context: BuildContext) -> Built:
+    return Built(context.module)
+
+
+@builds("jit")
+def _jit(context: BuildContext) -> Built:
+    return Built(_frozen_script(context.module, context.example, optimize=True))
+
+
+@builds("jit_onednn")
+def _jit_onednn(context: BuildContext) -> Built:
+    return Built(_frozen_script(context.module, context.example, optimize=False))
+
+
+@builds("compile")
+def _compile(context: BuildContext) -> Built:
+    # Compiled lazily: the selection's first golden run pays for it (inductor's on-disk
+    # cache, kept under cache_dir, makes a restart's compile shorter but not free).
+    return Built(torch.compile(context.module, backend="inductor", options={"freezing": True}))
+
+
+@builds("aoti")
+def _aoti(context: BuildContext) -> Built:
+    return _packaged("aoti", context, _Quantization.NONE)
+
+
+@builds("int8_static")
+def _int8_static(context: BuildContext) -> Built:
+    return _packaged("int8_static", context, _Quantization.STATIC)
+
+
+@builds("int8_dynamic")
+def _int8_dynamic(context: BuildContext) -> Built:
+    return _packaged("int8_dynamic", context, _Quantization.DYNAMIC)
+
+
+@builds("bf16")
+def _bf16(context: BuildContext) -> Built:
+    return Built(_autocast_bf16(context.module))
+
+
+def build_profile(name: str, context: BuildContext) -> Built:
+    """What serves `name`, built with the profile's global flags switched; ProfileError when it cannot be built."""
+    apply_global_flags(name)
+    builder = BUILDERS.get(name)
+    if builder is None:
+        raise ProfileError(f"profile {name!r} is not implemented; available: {', '.join(PROFILE_NAMES)}")
+    try:
+        return builder(context)
+    except ProfileError:
+        raise
+    except NoGain as exc:
+        raise ProfileError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - building from a user model can fail in many ways; each is a skip reason
+        cause, _, remembered = str(exc).partition(": ")
+        if isinstance(exc, CachedBuildFailure) and cause == NoGain.__name__:
+            raise ProfileError(remembered) from exc  # said as the first time, not as a build that failed
+        if isinstance(exc, ExportError | NoSpaceLeft):
+            detail = str(exc)
+        elif no_space_left(exc):
+            detail = clip(f"no space left on device ({type(exc).__name__}: {exc})")
+        else:
+            detail = clip(f"{type(exc).__name__}: {exc}")
+        raise ProfileError(f"{name} failed to build: {detail}") from exc
+
+
+# The OpenVINO builders register themselves with @builds; they need this module's names, so it comes last.
+from infervisor.worker.profiles import openvino as _openvino_builders  # noqa: E402,F401
