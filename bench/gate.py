@@ -62,7 +62,8 @@ def measure(
     from infervisor.common.profiles import cpu_refusal
     from infervisor.protocol.launch import LaunchSpec
     from infervisor.worker.loader import default_output_names, load_model
-    from infervisor.worker.profiles.build import ProfileError, build_profile
+    from infervisor.worker.profiles.build import build_profile
+    from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.flags import reset_global_flags
     from infervisor.worker.profiles.select import golden_set

@@ -17,16 +17,16 @@ from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.client_messages import InferRequest, encode_infer, encode_result
 from infervisor.protocol.tensors import TensorDesc
 from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
-from infervisor.supervisor.core.event_loop import EventLoop
+from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
-from infervisor.supervisor.observe.anomalies import Anomalies
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import parse_config
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)
 DESC = (TensorDesc("x", "float32", (1, 16)),)

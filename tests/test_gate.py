@@ -27,7 +27,7 @@ from infervisor.supervisor.toolkit.constraints import Accuracy
 from infervisor.supervisor.toolkit.doctor import Status, check_accuracy_data
 from infervisor.supervisor.toolkit.optimize import within_budget
 from infervisor.worker.loader import ModelLoadError, load_model
-from infervisor.worker.profiles.build import BuildContext
+from infervisor.worker.profiles.builders import BuildContext
 from infervisor.worker.profiles.calibration import load_calibration, random_calibration
 from infervisor.worker.profiles.select import golden_set, select_profile
 from infervisor.worker.profiles.validate import Tolerance, compare

@@ -23,14 +23,14 @@ from prometheus_client.samples import Sample
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import InferenceError
-from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState
+from infervisor.supervisor.instruments.recorders import BUCKETS_S, ModelTimes, ReloadStats
 from infervisor.supervisor.observe import status
 from infervisor.supervisor.observe.capture import Readings, take_snapshot
 from infervisor.supervisor.observe.exposition import Metrics
-from infervisor.supervisor.observe.recorders import BUCKETS_S, ModelTimes, ReloadStats
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import ConfigError, parse_config
+from infervisor.supervisor.workers.slot import RestartReason, SlotState
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for, write_thermal_sysfs
 from tests.test_pool_states import Rig
 

@@ -16,25 +16,25 @@ import zmq
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import StartPhase
 from infervisor.supervisor.core import state_diagram
-from infervisor.supervisor.core.event_loop import EventLoop
+from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.lifecycle.launcher import ExitRecord, Launched
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.slot import (
+from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.settings.config import Config, ModelConfig, parse_config
+from infervisor.supervisor.settings.config_diff import diff_configs
+from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.launcher import ExitRecord, Launched
+from infervisor.supervisor.workers.slot import (
     TRANSITIONS,
     IllegalTransition,
     SlotState,
     WorkerSlot,
     allowed_transitions,
 )
-from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
-from infervisor.supervisor.observe.anomalies import Anomalies
-from infervisor.supervisor.routing.broker import Broker
-from infervisor.supervisor.routing.endpoints import ClientEndpoints
-from infervisor.supervisor.settings.config import Config, ModelConfig, parse_config
-from infervisor.supervisor.settings.config_diff import diff_configs
-from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 from infervisor.worker.profiles.attempts import AttemptLog
 
 MODEL = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
@@ -378,7 +378,7 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
 
 
 def test_the_documented_state_diagram_is_the_transition_table() -> None:
-    """docs/architecture.md's diagram is what lifecycle/slot.py's TRANSITIONS renders, arrow for arrow."""
+    """docs/architecture.md's diagram is what workers/slot.py's TRANSITIONS renders, arrow for arrow."""
     text = state_diagram.DOCS.read_text()
     assert state_diagram.render(text) == text, "run `python -m infervisor.supervisor.core.state_diagram --write`"
     arrows = sum(len(moves) for moves in TRANSITIONS.values())

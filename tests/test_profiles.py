@@ -14,7 +14,8 @@ from infervisor.protocol.launch import LaunchSpec, ModelSource
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.settings.config import ConfigError, parse_config
 from infervisor.worker.models import build_builtin
-from infervisor.worker.profiles.build import BuildContext, ProfileError, build_profile
+from infervisor.worker.profiles.build import build_profile
+from infervisor.worker.profiles.builders import BuildContext, ProfileError
 from infervisor.worker.profiles.cache import ArtifactCache, CachedBuildFailure, model_digest
 from infervisor.worker.profiles.calibration import CalibrationError, load_calibration
 from infervisor.worker.profiles.validate import Tolerance, compare

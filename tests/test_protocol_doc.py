@@ -22,8 +22,8 @@ from infervisor.protocol.client_messages import InferRequest, encode_infer
 from infervisor.protocol.constants import TIMING_KEYS, ErrorCode
 from infervisor.protocol.errors import InferenceError, ProtocolError
 from infervisor.protocol.tensors import TensorDesc, TensorSpec
-from infervisor.supervisor.lifecycle.slot import SlotState
-from infervisor.supervisor.observe.health import DaemonState, ModelHealth
+from infervisor.supervisor.workers.health import DaemonState, ModelHealth
+from infervisor.supervisor.workers.slot import SlotState
 from infervisor.worker.runner import EXACT_WIDENING, ModelRunner
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry
 from tests.test_pool_states import Rig

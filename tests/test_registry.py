@@ -13,7 +13,8 @@ from infervisor.common.cpuinfo import WATCHED_FLAGS, parse_cpuinfo, read_caps
 from infervisor.common.profiles import PROFILE_NAMES, PROFILES, GlobalFlag, cpu_refusal
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.models import build_builtin
-from infervisor.worker.profiles.build import BUILDERS, BuildContext, ProfileError, build_profile, builds
+from infervisor.worker.profiles.build import build_profile
+from infervisor.worker.profiles.builders import BUILDERS, BuildContext, ProfileError, builds
 from infervisor.worker.profiles.flags import SETTERS, apply_global_flags, reset_global_flags
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -160,7 +160,7 @@ def test_an_open_dim_warmed_at_one_says_what_minimum_to_declare() -> None:
 
 def test_a_fastest_pick_is_keyed_on_the_declared_input_spec(tmp_path: Path) -> None:
     """The same model, chain and machine with another declared range is decided again, not reused."""
-    from infervisor.worker.profiles.build import BuildContext
+    from infervisor.worker.profiles.builders import BuildContext
     from infervisor.worker.profiles.cache import ArtifactCache
     from infervisor.worker.profiles.validate import Tolerance
 

@@ -15,7 +15,7 @@ from infervisor.common.cpuinfo import read_caps
 from infervisor.common.profiles import cpu_refusal
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.settings.config import ConfigError, parse_config
-from infervisor.worker.profiles.build import BuildContext
+from infervisor.worker.profiles.builders import BuildContext
 from infervisor.worker.profiles.cache import ArtifactCache
 from infervisor.worker.profiles.calibration import MAX_SAMPLES, load_calibration
 from infervisor.worker.profiles.select import golden_set, select_profile

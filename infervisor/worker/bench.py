@@ -100,7 +100,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     import psutil
 
     from infervisor.worker.loader import load_model
-    from infervisor.worker.profiles.build import ProfileError, build_profile
+    from infervisor.worker.profiles.build import build_profile
+    from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.select import golden_cases
     from infervisor.worker.profiles.validate import compare

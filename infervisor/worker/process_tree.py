@@ -3,7 +3,7 @@
 A model's forward may start processes of its own, in their own session (setsid) or daemonised by a
 double fork, which a process group would not catch. As a child subreaper the worker adopts every
 orphan of its tree instead of init, so its descendants are always its children's children; at exit
-it kills them. The supervisor does the same when it kills the worker (infervisor/supervisor/lifecycle/process_tree.py).
+it kills them. The supervisor does the same when it kills the worker (infervisor/supervisor/workers/process_tree.py).
 An adopted orphan that exits stays a zombie until the worker exits: the worker never calls wait(-1),
 which would take the exit status of a child some library (inductor's compile pool) waits for.
 """

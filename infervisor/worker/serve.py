@@ -31,7 +31,8 @@ from infervisor.worker.loader import ModelLoadError, default_output_names, load_
 from infervisor.worker.memory import release_unused_memory
 from infervisor.worker.process_tree import become_subreaper, end_descendants
 from infervisor.worker.profiles.attempts import AttemptLog
-from infervisor.worker.profiles.build import REJECTED_NOTE, BuildContext, package_options
+from infervisor.worker.profiles.build import package_options
+from infervisor.worker.profiles.builders import REJECTED_NOTE, BuildContext
 from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from infervisor.worker.profiles.calibration import load_calibration
 from infervisor.worker.profiles.coverage import Covered, Reloaded

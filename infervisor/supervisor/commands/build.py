@@ -31,10 +31,10 @@ from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from infervisor.supervisor.host.topology import TopologyError, read_topology
-from infervisor.supervisor.lifecycle.launcher import ExitRecord, launch_worker
-from infervisor.supervisor.lifecycle.slot import describe_exit
 from infervisor.supervisor.settings.config import Config, ConfigError, ModelConfig, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.workers.launcher import ExitRecord, launch_worker
+from infervisor.supervisor.workers.slot import describe_exit
 
 #: A phase longer than this gets a "still ..." line, so a log (a CI job, an image build) never goes quiet.
 _STILL_EVERY_S = 60.0

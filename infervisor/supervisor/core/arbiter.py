@@ -20,14 +20,14 @@ import zmq
 from infervisor.supervisor.core.assembly import Parts, assemble
 from infervisor.supervisor.core.control import ControlServer, status_server
 from infervisor.supervisor.core.control_commands import dispatch
-from infervisor.supervisor.core.event_loop import CONTROL
-from infervisor.supervisor.lifecycle.launcher import Launcher, launch_worker
+from infervisor.supervisor.host.event_loop import CONTROL
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.observe import status
 from infervisor.supervisor.observe.capture import Readings, take_snapshot
-from infervisor.supervisor.observe.health import daemon_state, status_line
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.workers.health import daemon_state, status_line
+from infervisor.supervisor.workers.launcher import Launcher, launch_worker
 
 log = structlog.get_logger("supervisor")
 

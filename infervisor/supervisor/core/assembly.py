@@ -16,28 +16,28 @@ from typing import Any
 
 import zmq
 
-from infervisor.supervisor.core.event_loop import EventLoop
 from infervisor.supervisor.core.fallback_control import FallbackControl
 from infervisor.supervisor.core.readiness import Readiness
 from infervisor.supervisor.core.reloader import ConfigReloader
 from infervisor.supervisor.core.responses import Responses
 from infervisor.supervisor.host.affinity import SupervisorAffinity
 from infervisor.supervisor.host.cpu_latency import CpuLatencyHold
+from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.file_watch import FileWatcher
 from infervisor.supervisor.host.planner import Assignment, WorkerDemand, plan_cores
 from infervisor.supervisor.host.sd_notify import Notifier
 from infervisor.supervisor.host.topology import read_topology
-from infervisor.supervisor.lifecycle.launcher import Launcher
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.monitors.registry import Monitors, build_monitors
-from infervisor.supervisor.observe.anomalies import Anomalies
 from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.launcher import Launcher
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 Plan = dict[str, list[Assignment]]
 

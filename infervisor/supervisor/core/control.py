@@ -21,7 +21,7 @@ from infervisor.protocol.constants import CONTROL_SOCKET_NAME, STATUS_SOCKET_NAM
 from infervisor.protocol.errors import ProtocolError
 from infervisor.supervisor.core.control_commands import read_only_commands
 from infervisor.supervisor.host.socket_group import SocketGroup, bind_ipc
-from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.instruments.anomalies import Anomalies
 
 log = structlog.get_logger("supervisor")
 

@@ -1,6 +1,6 @@
 """The live fallback's steps: `infervisor fallback` and a repeated canary mismatch roll a model down its chain.
 
-infervisor/supervisor/core/fallback.py decides the chains and keeps what is in force; this module turns a decision
+infervisor/supervisor/settings/fallback.py decides the chains and keeps what is in force; this module turns a decision
 into a readiness-gated rollout of the model's pool (the rollout target, then one worker at a time).
 """
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import structlog
 
-from infervisor.supervisor.core.fallback import Fallback, FallbackOrigin, Fallbacks
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
 from infervisor.supervisor.monitors.findings import Finding
+from infervisor.supervisor.settings.fallback import Fallback, FallbackOrigin, Fallbacks
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
 

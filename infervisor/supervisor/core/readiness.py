@@ -8,8 +8,8 @@ import structlog
 
 from infervisor.supervisor.host.sd_notify import Notifier
 from infervisor.supervisor.lifecycle.roster import Roster
-from infervisor.supervisor.lifecycle.slot import SlotState
-from infervisor.supervisor.observe.health import DaemonState, daemon_state, ready_to_announce, status_line
+from infervisor.supervisor.workers.health import DaemonState, daemon_state, ready_to_announce, status_line
+from infervisor.supervisor.workers.slot import SlotState
 
 log = structlog.get_logger("supervisor")
 

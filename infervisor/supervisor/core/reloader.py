@@ -15,18 +15,18 @@ from typing import Any
 
 import structlog
 
-from infervisor.supervisor.core.fallback import Fallbacks
 from infervisor.supervisor.host.file_watch import FileWatcher
 from infervisor.supervisor.host.logs import configure_logging
 from infervisor.supervisor.host.planner import Assignment, PlanError
 from infervisor.supervisor.host.sd_notify import Notifier
 from infervisor.supervisor.host.topology import TopologyError
+from infervisor.supervisor.instruments.recorders import ReloadOutcome, ReloadStats
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.slot import RestartReason
-from infervisor.supervisor.observe.recorders import ReloadOutcome, ReloadStats
 from infervisor.supervisor.settings.config import Config, ConfigError, load_config
 from infervisor.supervisor.settings.config_diff import ConfigDiff, diff_configs, held_back
+from infervisor.supervisor.settings.fallback import Fallbacks
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import RestartReason
 
 log = structlog.get_logger("supervisor")
 

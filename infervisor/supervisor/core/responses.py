@@ -16,11 +16,11 @@ import structlog
 from infervisor.protocol import worker_messages as wm
 from infervisor.supervisor.core.fallback_control import FallbackControl
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.slot import RestartReason, WorkerSlot
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.monitors.canary import CanaryWatch
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import RestartReason, WorkerSlot
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 

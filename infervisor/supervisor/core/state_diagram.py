@@ -1,4 +1,4 @@
-"""docs/architecture.md's slot state diagram, rendered from the transition table in lifecycle/slot.py.
+"""docs/architecture.md's slot state diagram, rendered from the transition table in workers/slot.py.
 
 `python -m infervisor.supervisor.core.state_diagram` exits 1 when the diagram differs from the table;
 `--write` rewrites it.
@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from infervisor.supervisor.lifecycle.slot import TRANSITIONS, SlotState
 from infervisor.supervisor.settings.config_docs import check_or_write
+from infervisor.supervisor.workers.slot import TRANSITIONS, SlotState
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
 BEGIN = "<!-- generated: slot states (python -m infervisor.supervisor.core.state_diagram --write) -->\n"

@@ -20,17 +20,17 @@ import structlog
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import ErrorCode, WorkerExitCode
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.lifecycle.launcher import ExitRecord, Launcher, launch_worker
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
 from infervisor.supervisor.lifecycle.rollout_steps import RolloutSteps
 from infervisor.supervisor.lifecycle.roster import Roster
-from infervisor.supervisor.lifecycle.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
 from infervisor.supervisor.lifecycle.stopping import STOP_KILL_AFTER_S, StopSequence
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.launcher import ExitRecord, Launcher, launch_worker
+from infervisor.supervisor.workers.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 

@@ -15,8 +15,8 @@ from typing import Protocol
 import structlog
 
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
 from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
 

@@ -14,12 +14,12 @@ import structlog
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
 from infervisor.supervisor.lifecycle.roster import Roster
-from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.settings.config import ModelConfig
 from infervisor.supervisor.settings.config_diff import builds_differ
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 

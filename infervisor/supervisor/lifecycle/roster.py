@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
-from infervisor.supervisor.observe.health import ModelReport, model_report
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.health import ModelReport, model_report
+from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 
 
 class Roster:

@@ -8,10 +8,10 @@ from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import ErrorCode
 from infervisor.supervisor.lifecycle.rollout import Rollout
 from infervisor.supervisor.lifecycle.roster import Roster
-from infervisor.supervisor.lifecycle.slot import LIVE_STATES, SlotState
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import LIVE_STATES, SlotState
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 

@@ -17,8 +17,8 @@ import structlog
 
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.errors import ProtocolError
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
-from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.instruments.anomalies import Anomalies
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 log = structlog.get_logger("supervisor")
 

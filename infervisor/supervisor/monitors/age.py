@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 #: The settings a process's limits were drawn from, and the drawn age and request limits.
 _Limits = tuple[tuple[float | None, int | None, float], float | None, float | None]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 
 class DriftWatch:

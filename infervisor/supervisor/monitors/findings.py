@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 
 class Action(enum.Enum):

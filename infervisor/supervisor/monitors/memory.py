@@ -12,10 +12,10 @@ import collections
 
 import psutil
 
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 MB = 2**20
 

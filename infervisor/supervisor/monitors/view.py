@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
 from infervisor.supervisor.monitors.findings import Finding
 from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 
 @dataclass(frozen=True)

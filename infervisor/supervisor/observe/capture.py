@@ -1,7 +1,7 @@
 """Taking the snapshot: copy what the broker, the pool and the monitors hold now, and change none of them.
 
 This module sits above the broker and the pool (it imports both); they import only the recorders
-(infervisor/supervisor/observe/recorders.py), so no import goes back up.
+(infervisor/supervisor/instruments/recorders.py), so no import goes back up.
 """
 
 from __future__ import annotations
@@ -10,10 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infervisor.supervisor.core.fallback import Fallbacks
+from infervisor.supervisor.instruments.recorders import ModelTimes, ReloadStats
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.slot import RestartReason, SlotState, WorkerSlot
-from infervisor.supervisor.observe.recorders import ModelTimes, ReloadStats
 from infervisor.supervisor.observe.snapshot import (
     Histogram,
     ModelSample,
@@ -23,6 +21,8 @@ from infervisor.supervisor.observe.snapshot import (
     Snapshot,
 )
 from infervisor.supervisor.routing.broker import Broker, ModelQueue
+from infervisor.supervisor.settings.fallback import Fallbacks
+from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 
 MB = 2**20
 

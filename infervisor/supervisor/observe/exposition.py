@@ -27,10 +27,10 @@ from prometheus_client.metrics_core import (
 
 from infervisor.common.text import clip
 from infervisor.protocol.constants import PROTOCOL_VERSION, ErrorCode
-from infervisor.supervisor.lifecycle.slot import SlotState
+from infervisor.supervisor.instruments.recorders import ReloadOutcome
 from infervisor.supervisor.observe.http_endpoint import HttpEndpoint
-from infervisor.supervisor.observe.recorders import ReloadOutcome
 from infervisor.supervisor.observe.snapshot import Role, Snapshot
+from infervisor.supervisor.workers.slot import SlotState
 
 #: The load error in `infervisor_model_load_error_info` is shortened to whole sentences within this: a label is no
 #: place for a traceback.

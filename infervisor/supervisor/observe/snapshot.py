@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infervisor.supervisor.lifecycle.slot import SlotState
-from infervisor.supervisor.observe.health import ModelReport
-from infervisor.supervisor.observe.recorders import BUCKETS_S
+from infervisor.supervisor.instruments.recorders import BUCKETS_S
 from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.workers.health import ModelReport
+from infervisor.supervisor.workers.slot import SlotState
 
 
 @dataclass(frozen=True, slots=True)

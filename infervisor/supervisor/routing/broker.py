@@ -23,10 +23,8 @@ from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from infervisor.protocol.tensors import TensorSpec
-from infervisor.supervisor.core.event_loop import CLIENTS, EventLoop
-from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
-from infervisor.supervisor.lifecycle.worker_links import WorkerLinks
-from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.host.event_loop import CLIENTS, EventLoop
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
@@ -36,6 +34,8 @@ from infervisor.supervisor.routing.pipeline import Pipelines
 from infervisor.supervisor.routing.replies import ModelQueue, Replies
 from infervisor.supervisor.settings.config import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
+from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 __all__ = ["Broker", "Members", "ModelQueue"]
 
@@ -89,7 +89,7 @@ class Broker:
         self.queues: dict[str, ModelQueue] = {}
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
         self.refused: collections.Counter[str] = collections.Counter()
-        #: Queue wait, service and total time of every successful request, per model (observe/recorders.py).
+        #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
         self.replies = Replies(self.ledger, self.queues, self.refused)
         #: What each worker process holds; the pool asks it whether a worker is busy or hung.
         self.pipelines = Pipelines()

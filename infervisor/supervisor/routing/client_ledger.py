@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from infervisor.protocol.sockets import NOBLOCK, send_frames
-from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing.pending import Peer
 
 #: Replies ZeroMQ may queue per connection before a send says EAGAIN and the reply waits in the outbox.

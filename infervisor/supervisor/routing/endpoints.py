@@ -8,9 +8,9 @@ from typing import Any
 import zmq
 
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME, MAX_HEADER_BYTES
-from infervisor.supervisor.host.curve import ThreadAuthenticator, enable_curve_server
 from infervisor.supervisor.host.socket_group import bind_ipc
 from infervisor.supervisor.routing.client_ledger import PEER_SNDHWM
+from infervisor.supervisor.routing.curve import ThreadAuthenticator, enable_curve_server
 from infervisor.supervisor.settings.config import Config
 
 #: Requests ZeroMQ may queue per connection before reading; the broker's bounded queues do admission control.

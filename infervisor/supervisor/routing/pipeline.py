@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
 from infervisor.supervisor.routing.pending import PendingRequest
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 
 @dataclass

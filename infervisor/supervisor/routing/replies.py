@@ -9,7 +9,7 @@ from typing import Any
 
 from infervisor.protocol.client_messages import RequestId, encode_error
 from infervisor.protocol.constants import ErrorCode
-from infervisor.supervisor.observe.recorders import ModelTimes
+from infervisor.supervisor.instruments.recorders import ModelTimes
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 

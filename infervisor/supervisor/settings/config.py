@@ -158,7 +158,7 @@ class Config:
     hang_factor: float
     hang_min_s: float
     worker_start_timeout_s: float
-    #: The per-profile build limit of a starting worker (infervisor/supervisor/lifecycle/start_clock.py).
+    #: The per-profile build limit of a starting worker (infervisor/supervisor/workers/start_clock.py).
     compile_timeout_s: float
     shutdown_grace_s: float
     max_frame_bytes: int

@@ -14,26 +14,34 @@ import dataclasses
 import enum
 import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from infervisor.common.profiles import PROFILE_NAMES, PROFILES
+from infervisor.common.profiles import PROFILE_NAMES
 from infervisor.common.text import clip
 from infervisor.protocol.tensors import TensorSpec
+
+# The OpenVINO builders register themselves with @builds when their module is imported.
+from infervisor.worker.profiles import openvino as _openvino_builders  # noqa: F401
+from infervisor.worker.profiles.builders import (
+    BUILDERS,
+    REJECTED_NOTE,
+    BuildContext,
+    Built,
+    ProfileError,
+    builds,
+    calibration_set,
+)
 from infervisor.worker.profiles.cache import (
-    ArtifactCache,
     CachedBuildFailure,
     NoSpaceLeft,
     artifact_key,
-    file_digest,
     no_space_left,
 )
-from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.export import (
     BatchBuckets,
     ExportError,
@@ -48,60 +56,6 @@ from infervisor.worker.profiles.export import (
     quantize,
 )
 from infervisor.worker.profiles.flags import apply_global_flags
-
-
-class ProfileError(Exception):
-    """The profile cannot be built for this model; the message says why."""
-
-
-#: How a build note about a damaged cached package begins: a worker that restarts after its build passes these on.
-REJECTED_NOTE = "cached package "
-
-
-@dataclass
-class BuildContext:
-    """What building a profile needs besides its name."""
-
-    module: Any
-    example: Inputs
-    specs: tuple[TensorSpec, ...]
-    #: sha256 of the model (weights and code); part of every cache key.
-    digest: str
-    channels_last: bool = False
-    cache: ArtifactCache | None = None
-    calibration: Path | None = None
-    #: Only part of the fastest-pick decision's key: the profiles were checked on it.
-    validation: Path | None = None
-    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
-    served_batches: tuple[int, ...] = ()
-
-
-@dataclass
-class Built:
-    """A built profile: what serves, and what building it did (compiled, loaded from cache, ...)."""
-
-    callable: Callable[..., Any]
-    notes: list[str] = field(default_factory=list)
-
-
-Builder = Callable[[BuildContext], Built]
-_BUILDERS: dict[str, Builder] = {}
-#: The builder of every declared profile, by name (a test checks the two tables name the same profiles).
-BUILDERS: Mapping[str, Builder] = MappingProxyType(_BUILDERS)
-
-
-def builds(name: str) -> Callable[[Builder], Builder]:
-    """Register the decorated function as the one builder of the profile declared as `name`."""
-    if name not in PROFILES:
-        raise LookupError(f"profile {name!r} has a builder but no declaration in infervisor/common/profiles.py")
-    if name in _BUILDERS:
-        raise LookupError(f"profile {name!r} has two builders")
-
-    def register(builder: Builder) -> Builder:
-        _BUILDERS[name] = builder
-        return builder
-
-    return register
 
 
 class _Quantization(enum.Enum):
@@ -139,13 +93,6 @@ def _autocast_bf16(module: Any) -> Callable[..., Any]:
     return run
 
 
-def _calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
-    if context.calibration is None:
-        notes.append("calibrated on seeded random inputs (no calibration set configured)")
-        return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
-    return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
-
-
 def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> Built:
     """Export (and quantize) the module into AOTInductor packages, or load the cached ones.
 
@@ -160,7 +107,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
     calibration: list[Inputs] = []
     calibration_id = ""
     if quantization is _Quantization.STATIC:
-        calibration, calibration_id = _calibration_set(context, notes)
+        calibration, calibration_id = calibration_set(context, notes)
     if context.cache is None:
         raise ProfileError(f"{name} needs an artifact cache directory (config cache_dir)")
     cache = context.cache
@@ -326,7 +273,3 @@ def build_profile(name: str, context: BuildContext) -> Built:
         else:
             detail = clip(f"{type(exc).__name__}: {exc}")
         raise ProfileError(f"{name} failed to build: {detail}") from exc
-
-
-# The OpenVINO builders register themselves with @builds; they need this module's names, so it comes last.
-from infervisor.worker.profiles import openvino as _openvino_builders  # noqa: E402,F401

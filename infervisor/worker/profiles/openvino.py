@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from infervisor.protocol.tensors import TensorSpec
-from infervisor.worker.profiles.build import (
+from infervisor.worker.profiles.builders import (
     REJECTED_NOTE,
     BuildContext,
     Built,
     ProfileError,
-    _calibration_set,
     builds,
+    calibration_set,
 )
 from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, file_digest, write_durably
 from infervisor.worker.profiles.calibration import Inputs
@@ -207,7 +207,7 @@ def build_openvino(name: str, context: BuildContext, precision: Precision) -> Bu
     make: Any = lambda: _convert(ov, context)  # noqa: E731 - called only on a cache miss
     ir_profile = _FP32_IR
     if precision is Precision.INT8:
-        calibration, calibration_id = _calibration_set(context, notes)
+        calibration, calibration_id = calibration_set(context, notes)
         options.update(calibration=calibration_id, nncf=_version("nncf"), recipe=_INT8_RECIPE)
         ir_profile = name
         make = lambda: _quantized(_convert(ov, context), calibration)  # noqa: E731

@@ -30,7 +30,8 @@ from infervisor.common.text import clip
 from infervisor.protocol.constants import StartPhase
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.attempts import AttemptLog
-from infervisor.worker.profiles.build import BuildContext, Built, ProfileError, build_profile
+from infervisor.worker.profiles.build import build_profile
+from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
 from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags

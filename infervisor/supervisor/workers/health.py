@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from infervisor.common.text import clip
-from infervisor.supervisor.lifecycle.slot import SlotState, WorkerSlot
+from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 
 
 class ModelHealth(enum.Enum):

@@ -17,10 +17,10 @@ import structlog
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.worker_link import Link
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.lifecycle.launcher import Launched, WorkerProcess
-from infervisor.supervisor.lifecycle.process_tree import descendants_of, kill_all, own_child
-from infervisor.supervisor.lifecycle.start_clock import StartClock
 from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.workers.launcher import Launched, WorkerProcess
+from infervisor.supervisor.workers.process_tree import descendants_of, kill_all, own_child
+from infervisor.supervisor.workers.start_clock import StartClock
 
 log = structlog.get_logger("supervisor")
 
@@ -161,7 +161,7 @@ class Incarnation:
     #: Its phases before READY (PROGRESS messages) and the limits they count against.
     start: StartClock = field(default_factory=StartClock)
     #: The process as psutil sees it (None unless it is our child), and the processes below it at the last look
-    #: (infervisor/supervisor/lifecycle/process_tree.py): killed with it.
+    #: (infervisor/supervisor/workers/process_tree.py): killed with it.
     tree_root: psutil.Process | None = None
     descendants: list[psutil.Process] = field(default_factory=list)
 

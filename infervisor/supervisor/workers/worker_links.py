@@ -8,9 +8,9 @@ from typing import Any
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import Link, LinkClosed
-from infervisor.supervisor.core.event_loop import POLLIN, POLLOUT, READABLE, WORKERS, EventLoop
-from infervisor.supervisor.lifecycle.slot import WorkerSlot
-from infervisor.supervisor.observe.anomalies import Anomalies
+from infervisor.supervisor.host.event_loop import POLLIN, POLLOUT, READABLE, WORKERS, EventLoop
+from infervisor.supervisor.instruments.anomalies import Anomalies
+from infervisor.supervisor.workers.slot import WorkerSlot
 
 #: Whole messages read from one link per call, so one chatty worker cannot hold the loop.
 _BATCH = 256

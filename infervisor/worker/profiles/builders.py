@@ -1,0 +1,80 @@
+"""The profile builders' registry and what a builder gets and gives: one leaf both build.py and openvino.py register in.
+
+`build_profile` (build.py) looks a profile's builder up here; a family of builders with its own
+runtime (the OpenVINO profiles) lives in its own module and registers with the same `@builds`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from infervisor.common.profiles import PROFILES
+from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.cache import ArtifactCache, file_digest
+from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+
+
+class ProfileError(Exception):
+    """The profile cannot be built for this model; the message says why."""
+
+
+#: How a build note about a damaged cached package begins: a worker that restarts after its build passes these on.
+REJECTED_NOTE = "cached package "
+
+
+@dataclass
+class BuildContext:
+    """What building a profile needs besides its name."""
+
+    module: Any
+    example: Inputs
+    specs: tuple[TensorSpec, ...]
+    #: sha256 of the model (weights and code); part of every cache key.
+    digest: str
+    channels_last: bool = False
+    cache: ArtifactCache | None = None
+    calibration: Path | None = None
+    #: Only part of the fastest-pick decision's key: the profiles were checked on it.
+    validation: Path | None = None
+    #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
+    served_batches: tuple[int, ...] = ()
+
+
+@dataclass
+class Built:
+    """A built profile: what serves, and what building it did (compiled, loaded from cache, ...)."""
+
+    callable: Callable[..., Any]
+    notes: list[str] = field(default_factory=list)
+
+
+Builder = Callable[[BuildContext], Built]
+_BUILDERS: dict[str, Builder] = {}
+#: The builder of every declared profile, by name (a test checks the two tables name the same profiles).
+BUILDERS: Mapping[str, Builder] = MappingProxyType(_BUILDERS)
+
+
+def builds(name: str) -> Callable[[Builder], Builder]:
+    """Register the decorated function as the one builder of the profile declared as `name`."""
+    if name not in PROFILES:
+        raise LookupError(f"profile {name!r} has a builder but no declaration in infervisor/common/profiles.py")
+    if name in _BUILDERS:
+        raise LookupError(f"profile {name!r} has two builders")
+
+    def register(builder: Builder) -> Builder:
+        _BUILDERS[name] = builder
+        return builder
+
+    return register
+
+
+def calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Inputs], str]:
+    """The calibration samples (the configured set, or seeded synthetic inputs) and what identifies them in a key."""
+    if context.calibration is None:
+        notes.append("calibrated on seeded random inputs (no calibration set configured)")
+        return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
+    return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
