@@ -299,3 +299,54 @@ def test_a_helper_taken_through_the_core_is_named(tmp_path: Path, script: str, l
     add_line_after_future_import(tmp_path / script, line)
     offences = helper_offences(tmp_path)
     assert len(offences) == 1 and offence in offences[0], offences
+
+
+#: supervisor/'s folders from the top down (docs/architecture.md): each imports only folders after it in this list.
+FOLDER_LAYERS = (
+    ("__main__",),
+    ("cli",),
+    ("commands",),
+    ("toolkit",),
+    ("core",),
+    ("observe",),
+    ("lifecycle",),
+    ("monitors",),
+    ("routing",),
+    ("workers",),
+    ("settings",),
+    ("host", "instruments"),
+)
+
+
+def layer_breaches(folder: Path, package: str) -> list[str]:
+    """Imports from one supervisor folder into a folder at its own level or above it (other than itself)."""
+    level = {name: rank for rank, names in enumerate(FOLDER_LAYERS) for name in names}
+    offences = []
+    for path in sorted(folder.rglob("*.py")):
+        part = path.relative_to(folder).parts[0].removesuffix(".py")
+        if part not in level:
+            continue
+        for name in sorted(_imported_modules(path, package)):
+            target = name.removeprefix(f"{package}.").split(".")[0]
+            if target != part and target in level and level[target] <= level[part]:
+                offences.append(f"{path.relative_to(folder)} -> {name}")
+    return offences
+
+
+def test_every_supervisor_folder_imports_only_the_folders_below_it() -> None:
+    """The folders stand in layers: no import runs back up or sideways, so no two folders import each other."""
+    folder = Path(cli.__file__).resolve().parent
+    assert {path.name for path in folder.iterdir() if path.is_dir() and path.name != "__pycache__"} <= {
+        name for names in FOLDER_LAYERS for name in names
+    }, "a new folder needs its place in FOLDER_LAYERS (and in docs/architecture.md)"
+    assert layer_breaches(folder, cli.__name__.removesuffix(".cli")) == []
+
+
+def test_an_import_back_up_the_layers_is_named(tmp_path: Path) -> None:
+    """A slot that imports the broker (routing sits above workers) fails the check, named."""
+    folder = tmp_path / "supervisor"
+    shutil.copytree(Path(cli.__file__).resolve().parent, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(folder / "workers" / "slot.py", "from infervisor.supervisor.routing import broker")
+    assert layer_breaches(folder, "infervisor.supervisor") == [
+        "workers/slot.py -> infervisor.supervisor.routing.broker"
+    ]
