@@ -139,7 +139,7 @@ def test_status_into_a_closed_pipe_ends_quietly(daemon: Daemon) -> None:
         # 1 as the Python docs' recipe exits; argparse itself swallows the EPIPE of its help text.
         assert done.returncode == (0 if args == ("--help",) else 1)
     shell = subprocess.run(
-        f"{sys.executable} -m supervisor status --runtime-dir {daemon.runtime_dir} | head -1",
+        f"{sys.executable} -m infervisor status --runtime-dir {daemon.runtime_dir} | head -1",
         shell=True, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=60, check=False,
     )  # fmt: skip
     assert shell.stdout.startswith("infervisor pid ") and shell.stderr == "", shell.stderr
