@@ -192,7 +192,8 @@ def accounts() -> Iterator[Accounts]:
             base,
             hidden,
         )
-        probe = subprocess.run([*found.command(found.outsider), sys.executable, "-c", "import numpy, zmq, infervisor.protocol"],
+        imports = "import numpy, zmq, infervisor.protocol"
+        probe = subprocess.run([*found.command(found.outsider), sys.executable, "-c", imports],
                                capture_output=True, text=True, timeout=120, cwd=found.tree)  # fmt: skip
         if probe.returncode != 0:
             pytest.skip(f"another user cannot run {sys.executable} and its packages: {probe.stderr.strip()[-300:]}")
