@@ -128,8 +128,11 @@ class ProfileResult:
 
     TYPE: ClassVar = WorkerMessageType.PROFILE_RESULT
     seq: int
+    #: The requests the session covered (a batch counts whole, so it may pass the number asked for).
     requests: int
     operators: str
+    #: None when the session covered the requests asked for; else why it ended sooner ("ended by shutdown ...").
+    ended: str | None
 
 
 @dataclass(frozen=True, slots=True)

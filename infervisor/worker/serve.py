@@ -64,10 +64,11 @@ class WorkerLoop:
         self.last_heard = time.monotonic()
         self.last_stats = 0.0
         self.process = psutil.Process()
-        #: A torch.profiler session over the next `profile_left` requests (the PROFILE message), or None.
+        #: A torch.profiler session over the next `profile_request.requests` requests (the PROFILE message), or None.
         self.profiler: Any = None
         self.profile_request: wm.Profile | None = None
-        self.profile_left = 0
+        #: Requests the open session has covered so far (every member of a batch counts).
+        self.profiled = 0
         #: Where inputs that a client left in shared memory are copied to (infervisor/worker/shared_inputs.py).
         self.shared_inputs = SharedInputs(client_group=launch.client_gid)
 
@@ -89,6 +90,10 @@ class WorkerLoop:
         except ProtocolError as exc:  # the stream lost its framing: nothing after it can be trusted
             log.error("supervisor_link_garbled", error=exc.message)
             return WorkerExitCode.SUPERVISOR_LOST
+        finally:
+            # A torch.profiler session still open when the interpreter exits kills the process with SIGSEGV
+            # (its collector is torn down under it): whatever ends the loop ends the session first.
+            self.end_profile_quietly("ended because the worker lost its supervisor")
 
     def serve_messages(self) -> int:
         """Wait for messages (one wake-up each), handle them in arrival order, keep heartbeats and stats going."""
@@ -122,9 +127,9 @@ class WorkerLoop:
             log.error("bad_supervisor_message", error=exc.message)
             return None
         if isinstance(message, wm.Request):
-            self.serve_request(message, frames[1:])
+            self.serve_requests([(message, frames[1:])])  # a lone request is a batch of one
         elif isinstance(message, wm.Batch):
-            self.answer_batch(message, frames[1:])
+            self.serve_requests(self.batch_members(message, frames[1:]))
         elif isinstance(message, wm.Canary):
             started = time.perf_counter()
             try:
@@ -138,35 +143,51 @@ class WorkerLoop:
         elif isinstance(message, (wm.Stop, wm.Drain)):
             # Requests are served one at a time, so by the time DRAIN is read nothing is in hand.
             log.info("worker_exiting", reason=type(message).__name__.lower(), requests=self.requests)
+            why = "shutdown" if isinstance(message, wm.Stop) else "the worker's retirement"
+            self.finish_profile(f"ended by {why}")
             return WorkerExitCode.OK
         return None
 
-    def serve_request(self, request: wm.Request, frames: list[Any]) -> None:
-        """Answer one request, inside a profiling session when one is open."""
-        self.answer([(request, frames)])
-        if self.profiler is not None:
-            self.profile_left -= 1
-            if self.profile_left <= 0:
-                self.finish_profile()
+    def serve_requests(self, requests: list[tuple[wm.Request, list[Any]]]) -> None:
+        """The one entry of every request, lone or batched: answer them, and count them in an open profiling session."""
+        self.answer(requests)
+        if self.profile_request is not None:
+            self.profiled += len(requests)
+            if self.profiled >= self.profile_request.requests:
+                self.finish_profile(None)
 
     def start_profile(self, message: wm.Profile) -> None:
-        """Profile the next requests (a session already open is closed without a report)."""
+        """Profile the next requests (a session already open reports what it has, ended by this one)."""
         from torch.profiler import ProfilerActivity, profile
 
-        if self.profiler is not None:
-            self.profiler.__exit__(None, None, None)
+        self.finish_profile(f"ended by profile seq {message.seq}")
         self.profiler = profile(activities=[ProfilerActivity.CPU])
         self.profiler.__enter__()
-        self.profile_request, self.profile_left = message, max(1, message.requests)
+        self.profile_request, self.profiled = wm.Profile(message.seq, max(1, message.requests)), 0
         # Starting the profiler takes seconds: this heartbeat tells the supervisor it is over (its hang budget
         # for the requests waiting behind it starts again from here).
         self.send(wm.Heartbeat())
 
-    def finish_profile(self) -> None:
-        """Close the session and send the operators that took the most CPU themselves."""
+    def end_profile_quietly(self, ended: str) -> None:
+        """Close an open session on the way out; its report is sent if the link still carries it."""
+        try:
+            self.finish_profile(ended)
+        except (LinkClosed, ProtocolError) as exc:
+            log.warning("profile_report_not_sent", error=str(exc))
+
+    def finish_profile(self, ended: str | None) -> None:
+        """Close the open session, if any, and send the operators that took the most CPU themselves.
+
+        `ended` is None when the session covered the requests asked for, else why it ended sooner.
+        """
         profiler, request = self.profiler, self.profile_request
+        if profiler is None or request is None:
+            return
         self.profiler, self.profile_request = None, None
         profiler.__exit__(None, None, None)
+        if ended is not None:
+            ended = f"{ended} after {self.profiled} of {request.requests} requests"
+            log.info("profile_ended_early", seq=request.seq, ended=ended)
         averages = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         operators = [
             {
@@ -177,8 +198,7 @@ class WorkerLoop:
             }
             for e in averages[:_PROFILE_TOP]
         ]
-        if request is not None:
-            self.send(wm.ProfileResult(request.seq, request.requests, json.dumps(operators)))
+        self.send(wm.ProfileResult(request.seq, self.profiled, json.dumps(operators), ended))
 
     def send_result(
         self,
@@ -212,8 +232,8 @@ class WorkerLoop:
         header = encode_result(prepared.infer.request_id, prepared.infer.model, descs, timing)
         self.send(wm.Reply(request.request_id, None, ""), [header, *[array for _, array in outputs]])
 
-    def answer_batch(self, batch: wm.Batch, frames: list[Any]) -> None:
-        """Answer the REQUESTs a BATCH holds as one forward pass (a member that cannot be read is only logged)."""
+    def batch_members(self, batch: wm.Batch, frames: list[Any]) -> list[tuple[wm.Request, list[Any]]]:
+        """The REQUESTs a BATCH holds, each with its frames (a member that cannot be read is only logged)."""
         requests: list[tuple[wm.Request, list[Any]]] = []
         offset = 0
         for count in batch.frame_counts:
@@ -228,7 +248,7 @@ class WorkerLoop:
                 log.error("bad_batch_member", error=f"a {type(request).__name__} inside a batch")
                 continue
             requests.append((request, member_frames))
-        self.answer(requests)
+        return requests
 
     def answer(self, requests: list[tuple[wm.Request, list[Any]]]) -> None:
         """Check each request alone, run the good ones as one forward pass, answer each with its own rows.

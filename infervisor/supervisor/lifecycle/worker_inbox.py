@@ -65,9 +65,14 @@ def keep_profile(slot: WorkerSlot, result: wm.ProfileResult) -> None:
         operators = json.loads(result.operators)
     except ValueError:
         operators = {"error": "the worker sent operators that are not JSON"}
-    slot.notes.last_profile = {"seq": result.seq, "requests": result.requests, "operators": operators}
+    slot.notes.last_profile = {
+        "seq": result.seq,
+        "requests": result.requests,
+        "operators": operators,
+        "ended": result.ended,
+    }
     slot.proc.profile_started_at = None
-    log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests)
+    log.info("profile_received", slot=slot.name, seq=result.seq, requests=result.requests, ended=result.ended)
 
 
 class WorkerInbox:
