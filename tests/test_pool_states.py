@@ -272,7 +272,7 @@ def test_a_drain_first_rollout_takes_the_worker_out_before_starting_its_replacem
         rig.ready(old)
         rig.pool.restart("tiny", "test")
         rig.tick()
-        assert rig.slots() == [] and old.state is SlotState.DRAINING and rig.pool.rollout.mid_drain
+        assert rig.slots() == [] and old.state is SlotState.DRAINING and rig.pool.rollout.drain_step_under_way
         rig.exit(old, 0)
         rig.tick()
         rig.tick()

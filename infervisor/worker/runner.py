@@ -118,7 +118,10 @@ class ModelRunner:
         for index, (key, tensor) in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"output {index} is a {type(tensor).__name__}, not a tensor")
-            name = names[index] if names is not None else key or ("output" if index == 0 else f"output_{index}")
+            # A dict's own key is kept as it is, "" included: the descriptor checks refuse it (INTERNAL), as
+            # docs/protocol.md section 5 says, rather than a made-up name the client never asked for.
+            default = "output" if index == 0 else f"output_{index}"
+            name = names[index] if names is not None else (key if key is not None else default)
             if tensor.dim() > MAX_RANK or any(name == other for other, _ in named):
                 raise TypeError(f"output {name!r} has rank {tensor.dim()} (max {MAX_RANK}) or a duplicate name")
             named.append((name, wire_array(name, tensor.detach())))

@@ -36,8 +36,10 @@ class FallbackControl:
             return {"ok": False, "error": "fallback needs model (a string) and reset (true or false)"}
         if reset:
             return self.reset(model)
-        why = str(command.get("reason") or "operator command")[:200]
-        return self.fall_back(model, why, FallbackOrigin.OPERATOR)
+        reason = command.get("reason")
+        if reason is not None and not isinstance(reason, str):
+            return {"ok": False, "error": "fallback's reason must be a string"}
+        return self.fall_back(model, (reason or "operator command")[:200], FallbackOrigin.OPERATOR)
 
     def for_finding(self, slot: WorkerSlot, finding: Finding) -> bool:
         """A monitor's repeated evidence against the slot's profile moves its model down; False when it cannot."""
@@ -55,9 +57,7 @@ class FallbackControl:
         if refused is not None:
             return {"ok": False, "error": refused}
         current = self.serving.current.models[model]
-        serving = [
-            s.proc.profile for s in self.pool.roster.members[model] if s.state is SlotState.SERVING and s.proc.profile
-        ]
+        serving = self.serving_profiles(model)
         if not serving:
             return {"ok": False, "error": f"no worker of {model!r} serves: there is no profile to fall back from"}
         outcome = self.fallbacks.step_down(current, serving, reason, origin)
@@ -75,9 +75,17 @@ class FallbackControl:
         outcome = self.fallbacks.reset(model)
         if isinstance(outcome, str):
             return {"ok": False, "error": outcome}
+        # `from` is the profile the reset leaves: what the workers serve now under the fallback's chain.
+        serving = [p for p in self.serving_profiles(model) if p in outcome.chain]
+        leaving = min(serving, key=outcome.chain.index) if serving else outcome.chain[0]
         return self.roll_chain(
-            model, outcome.configured, outcome, "fallback reset by the operator", "fallback_reset_started"
+            model, outcome.configured, outcome, "fallback reset by the operator", "fallback_reset_started", leaving
         )
+
+    def serving_profiles(self, model: str) -> list[str]:
+        """The profile of each serving member of the model."""
+        members = self.pool.roster.members[model]
+        return [s.proc.profile for s in members if s.state is SlotState.SERVING and s.proc.profile]
 
     def refusal(self, model: str) -> str | None:
         """Why the model's chain cannot be changed now, or None."""
@@ -88,17 +96,21 @@ class FallbackControl:
         return None
 
     def roll_chain(
-        self, model: str, chain: tuple[str, ...], fallback: Fallback, why: str, event: str
+        self, model: str, chain: tuple[str, ...], fallback: Fallback, why: str, event: str, left: str | None = None
     ) -> dict[str, Any]:
-        """Make `chain` the model's rollout target and replace its workers one at a time (readiness-gated)."""
+        """Make `chain` the model's rollout target and replace its workers one at a time (readiness-gated).
+
+        `left` is the profile the move leaves (default: the one the fallback left).
+        """
+        left = fallback.left if left is None else left
         current = self.serving.current.models[model]
         self.serving.begin_rollout(dataclasses.replace(current, profiles=chain))
         queued = self.pool.restart(model, why, RestartReason.CONFIG)
         log.warning(
-            event, model=model, left=fallback.left, profiles=list(chain), configured=list(fallback.configured),
+            event, model=model, left=left, profiles=list(chain), configured=list(fallback.configured),
             origin=fallback.origin.value, reason=fallback.reason, workers=queued,
         )  # fmt: skip
-        return {"ok": True, "model": model, "profiles": list(chain), "from": fallback.left, "queued": queued}
+        return {"ok": True, "model": model, "profiles": list(chain), "from": left, "queued": queued}
 
     def reconcile(self) -> None:
         """Follow the rollouts a fallback started (a finished reset ends it, a rolled-back one is noted)."""

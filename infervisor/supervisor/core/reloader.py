@@ -87,15 +87,16 @@ class ConfigReloader:
                 self.requested = self.requested or "config file changed"
             elif key in self.pool.roster.members:
                 self.pool.restart(key, "model file changed on disk", RestartReason.MODEL_FILE)
-        # A drain-first step has taken a worker out of its pool and not yet put the replacement in;
-        # re-planning the pool now would see a hole and fill it twice. The reload waits for the step.
-        if self.requested is not None and not self.pool.rollout.mid_drain:
+        # A drain-first step has taken a worker out of its pool and its replacement does not serve yet:
+        # re-planning the pool now would see a hole (or a half-built slot) and fill it twice. The reload
+        # waits for the step to end, as docs/protocol.md section 9 says.
+        if self.requested is not None and not self.pool.rollout.drain_step_under_way:
             reason, self.requested = self.requested, None
             self.reload(reason)
 
     def command(self) -> dict[str, Any]:
-        """`infervisor reload`: now, or once the drain-first step under way has put its replacement in."""
-        if self.pool.rollout.mid_drain:
+        """`infervisor reload`: now, or once the drain-first step under way has ended (replacement serves/failed)."""
+        if self.pool.rollout.drain_step_under_way:
             self.requested = "operator command"
             return {"ok": True, "queued": True, "generation": self.generation}
         return self.reload("operator command")

@@ -74,6 +74,8 @@ class Rollout:
         self.current: Replacement | None = None
         self.completed = 0
         self.last_error: str | None = None
+        #: Per model, its last failed replacement's error, until a replacement of it succeeds (status `error`).
+        self.failed: dict[str, str] = {}
         #: Replacements started, per model and cause (the pool's restart counts, shared with its exits).
         self.restarts: collections.Counter[tuple[str, RestartReason]] = (
             collections.Counter() if restarts is None else restarts
@@ -108,9 +110,10 @@ class Rollout:
         return len(self.queue) + (self.current is not None)
 
     @property
-    def mid_drain(self) -> bool:
-        """A drain-first step took a worker out of its pool and has not put the replacement in yet."""
-        return self.current is not None and self.current.successor is None
+    def drain_step_under_way(self) -> bool:
+        """A drain-first step is under way: its old worker drains, or its replacement starts in the pool."""
+        current = self.current
+        return current is not None and (current.successor is None or current.in_pool)
 
     @property
     def successor(self) -> WorkerSlot | None:
@@ -181,6 +184,7 @@ class Rollout:
                 queued.old = successor
         self.completed += 1
         self.current = None
+        self.failed.pop(replacement.model.name, None)
         log.info(
             "rollout_step_done",
             slot=successor.name,
@@ -202,6 +206,7 @@ class Rollout:
         else:  # restarting a failed (or backing-off) slot: there was nothing serving to keep
             keeps = f"the old worker is {replacement.old.state.value}: this slot serves nothing"
         self.last_error = f"{successor.name}: replacement failed ({successor.notes.last_exit}); {keeps}"
+        self.failed[replacement.model.name] = self.last_error
         log.error("rollout_failed", slot=successor.name, how=successor.notes.last_exit, reason=replacement.reason)
         if not replacement.in_pool:
             host.abandon(successor, "replacement abandoned")

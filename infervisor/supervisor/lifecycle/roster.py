@@ -5,7 +5,7 @@ The pool and its rollout steps change the roster; everything else asks it the re
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.health import ModelReport, model_report
@@ -62,16 +62,22 @@ class Roster:
         slots = list(self.member_slots())
         return bool(slots) and all(s.state is SlotState.FAILED for s in slots)
 
-    def load_errors(self) -> dict[str, str]:
-        """Per model, why it cannot load now: a member's repeated load error, or its failed rollout's."""
+    def model_errors(self, replacement_errors: Mapping[str, str]) -> dict[str, str]:
+        """Per model, status `models[NAME].error` (docs/protocol.md, Error fields): the first of these that holds.
+
+        A member's load error (in the worker's words), a failed member's reason (a crash loop), its failed
+        config rollout's error, its last failed replacement's error (`replacement_errors`, the rollout's).
+        """
         errors: dict[str, str] = {}
         for name, slots in self.members.items():
-            failing = [
-                s.notes.last_load_error for s in slots if s.notes.last_load_error and s.state is not SlotState.SERVING
+            waiting = [s for s in slots if s.state is not SlotState.SERVING]
+            candidates = [
+                *(s.notes.last_load_error for s in waiting if s.notes.last_load_error),
+                *(f"{s.name} failed: {s.reason}" for s in slots if s.state is SlotState.FAILED),
+                self.serving.rollout_error(name),
+                replacement_errors.get(name),
             ]
-            rollout_error = self.serving.rollout_error(name)
-            if failing:
-                errors[name] = failing[0]
-            elif rollout_error is not None:
-                errors[name] = rollout_error
+            error = next((c for c in candidates if c), None)
+            if error is not None:
+                errors[name] = error
         return errors

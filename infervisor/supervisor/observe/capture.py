@@ -79,7 +79,7 @@ def take_snapshot(
 def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> list[ModelSample]:
     """One sample per model of the pool that has a queue."""
     config = pool.serving.current
-    errors = pool.roster.load_errors()
+    errors = pool.roster.model_errors(pool.rollout.failed)
     reports = pool.roster.reports()
     models = []
     for name in pool.roster.members:

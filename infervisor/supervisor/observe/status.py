@@ -94,7 +94,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
         models[sample.name] = {
             "health": sample.report.health.value,
             "reason": sample.report.reason,
-            # Why the model (or its last replacement) cannot load, in the worker's words; None when nothing failed.
+            # Why it cannot serve or did not take a change (roster.model_errors; docs/protocol.md, Error fields).
             "error": sample.load_error,
             "source": {k: v for k, v in vars(model.source).items() if v is not None},
             "inputs": [
