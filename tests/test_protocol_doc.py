@@ -361,7 +361,7 @@ def test_frame_checks_run_in_the_three_passes_section_5_gives(daemon: Daemon) ->
 
 def test_the_shm_keys_section_5_1_marks_required_are_required(daemon: Daemon) -> None:
     """Each shm key whose Required cell says yes, missing or nil, gets its row's code (offset has no default)."""
-    rows = table_rows(section("5"), "| Key | Required |")
+    rows = table_rows(section("5"), "| Key | Required | Type | Constraint | Error if violated or missing |")
     required = {ticked(row[0])[0]: ticked(row[4])[0] for row in rows if row[1].startswith("yes")}
     assert set(required) == {"shm.name", "shm.offset"}
     for key, code in required.items():
