@@ -16,7 +16,7 @@ from infervisor.protocol.constants import CONTROL_SOCKET_NAME
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.fault_models import FAULT_INPUTS, ROW_INPUTS, SEGFAULT, SLEEP
 from tests.protocol_models import FLAGS_ENV
-from tests.test_protocol_doc import exchange, section, table_rows, ticked
+from tests.test_protocol_doc import section, table_rows, ticked
 
 #: The shared daemon's frame limit: small, so that frames around it are cheap to make.
 MAX_FRAME_BYTES = 2**20
@@ -39,6 +39,23 @@ def control_raw(daemon: Daemon, command: dict[str, Any]) -> dict[str, Any]:
     assert len(frames) == 2 and frames[0] == b"", frames
     answer: dict[str, Any] = msgpack.unpackb(frames[1])
     return answer
+
+
+def exchange(endpoint: str, frames: list[bytes], timeout_s: float = 60.0) -> tuple[dict[str, Any], list[bytes]]:
+    """Send `frames` from a fresh DEALER; the reply's decoded header and its tensor frames."""
+    socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    try:
+        socket.send_multipart(frames)
+        if not socket.poll(int(timeout_s * 1000)):
+            raise AssertionError(f"no reply within {timeout_s:.0f} s")
+        reply = socket.recv_multipart()
+    finally:
+        socket.close()
+    assert reply[0] == b"", "every reply starts with the empty delimiter"
+    header: dict[str, Any] = msgpack.unpackb(reply[1])
+    return header, reply[2:]
 
 
 def infer_frames(model: str, request_id: int, array: np.ndarray, name: str = "x") -> list[bytes]:
