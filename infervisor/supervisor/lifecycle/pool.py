@@ -395,6 +395,7 @@ class WorkerPool:
         the serving config."""
         for name in diff.removed:
             self.rollout.drop_model(name, "model removed from config")
+            self.rollout.failed.pop(name, None)  # a model added again later under the name starts with no error
             for slot in self.roster.members.pop(name):
                 self.retire(slot, "model removed from config")
             self.broker.remove_model(name)
