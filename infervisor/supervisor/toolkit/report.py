@@ -455,8 +455,11 @@ def _optimize_html(evidence: Evidence) -> list[str]:
                      f"clients for {check['seconds']:g} s, {check['samples']} requests: P50 {check['p50_ms']:.2f} ms, "
                      f"P99 {check['p99_ms']:.2f} ms, {check['errors']} errors{saturated}. This P99 is the one the "
                      "promise rests on.</p>")  # fmt: skip
-        parts.append(_command(f"infervisor probe --model {optimize['model']} --qps {check['qps']:g} "
-                              f"--clients {check['clients']} --duration {check['seconds']:g}"))  # fmt: skip
+        # Not a Repeat: the check's daemon is gone; this is its load, for the daemon that serves the written config.
+        same = (f"infervisor probe --model {optimize['model']} --qps {check['qps']:g} --clients {check['clients']} "
+                f"--duration {check['seconds']:g} --runtime-dir YOUR_DAEMONS_RUNTIME_DIR")  # fmt: skip
+        parts.append(f"<p class=repeat>The check's load against the daemon serving the written config: "
+                     f"<code>{html.escape(same)}</code></p>")  # fmt: skip
     else:
         parts.append(f"<p>Not checked through a daemon: {html.escape(_unchecked(optimize))}.</p>")
     parts.append(_command(optimize.get("command") or f"infervisor optimize --model {optimize['model']}"))
