@@ -1,4 +1,4 @@
-"""`infervisor doctor`: the ten-point checklist on this box, pass / warn / fail with a one-line fix each."""
+"""`infervisor doctor`: the 14-point checklist on this box, pass / warn / fail with a one-line fix each."""
 
 from __future__ import annotations
 

@@ -281,7 +281,7 @@ CLI_COMMANDS: Mapping[str, CliCommand] = {
         ),
         CliCommand(
             "doctor",
-            "the ten-point performance checklist on this box: pass / warn / fail",
+            "the 14-point performance checklist on this box (seed 1's, grown): pass / warn / fail",
             _doctor_options,
             f"{_HERE}.doctor:run_doctor",
         ),

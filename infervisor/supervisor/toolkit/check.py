@@ -43,23 +43,23 @@ class DaemonCheck:
 def _wait_serving(daemon: ScratchDaemon, model: str, timeout: float) -> list[str]:
     """The profiles of the model's workers once every one of them serves."""
 
-    def profiles(status: dict[str, Any]) -> list[str] | str | None:
+    def profiles(status: dict[str, Any]) -> tuple[list[str], str] | None:
         workers = status.get("models", {}).get(model, {}).get("workers", [])
         given_up = [w for w in workers if w["state"] == "failed"]
         if given_up:  # the daemon stopped respawning it: waiting longer only hides the reason
             first = given_up[0]
-            return f"{model} slot {first['slot']} failed: {first.get('load_error') or first.get('last_exit')}"
+            return [], f"{model} slot {first['slot']} failed: {first.get('load_error') or first.get('last_exit')}"
         if workers and all(w["state"] == "serving" for w in workers):
-            return [str(w["profile"]) for w in workers]
+            return [str(w["profile"]) for w in workers], ""
         return None
 
     try:
-        found = daemon.await_status(profiles, timeout, f"{model} was not served by every worker")
+        served, given_up = daemon.await_status(profiles, timeout, f"{model} was not served by every worker")
     except ScratchFailed as exc:
         raise CheckFailed(exc.reason, exc.log_path) from None
-    if isinstance(found, str):
-        raise CheckFailed(found, daemon.log_path)
-    return found
+    if given_up:
+        raise CheckFailed(given_up, daemon.log_path)
+    return served
 
 
 def check(
