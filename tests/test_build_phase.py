@@ -51,7 +51,7 @@ def test_build_fills_the_cache_then_a_start_loads_it_and_kills_a_slow_build_at_i
     done = _build(config, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "slow [" in done.stdout and "jit: building" in done.stdout, done.stdout
-    assert "aoti (package 1 of 1): passed: compiled and cached package aoti-" in done.stdout, done.stdout
+    assert "aoti (package 1 of 1): passed\n    compiled and cached package aoti-" in done.stdout, done.stdout
     assert "bad aoti: aoti failed to build: torch.export failed" in done.stderr, done.stderr
     built = json.loads((tmp_path / "built.json").read_text())["profiles"]
     outcomes = {(row["model"], row["profile"]): row["outcome"] for row in built}

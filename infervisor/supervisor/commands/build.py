@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,7 +119,10 @@ class _Watch:
                 ProfileOutcome(self.build.model, progress.profile, phase.value, progress.detail, round(took, 1))
             )
             detail = " ".join(progress.detail.split())  # an exception's lines, on one line of the log
-            self.line(f"{where}: {phase.value}" + (f": {detail}" if detail else ""))
+            self.line(f"{where}: {phase.value}")
+            # A check's report runs to hundreds of characters: wrapped under its line, not one wall of text.
+            for chunk in textwrap.wrap(detail, 100, break_on_hyphens=False):
+                self.say(f"    {chunk}")
             return
         if phase is not StartPhase.WAITING and self.about != where:
             self.phase_at = now  # a profile's time runs from its first phase to its outcome

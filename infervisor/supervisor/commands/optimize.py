@@ -51,6 +51,8 @@ def sweep(
             most = max(group, key=lambda layout: layout.workers)
             cpus = placement(config, model.name, most, topology, allowed)
             launch = launch_of(model, cores, cache_dir, args.calibration, args.validation)
+            _say(f"measuring {profile} at {cores} core(s) per worker: build, check against eager, then "
+                 f"{args.seconds:g} s of timing per layout ({', '.join(str(g) for g in group)})")  # fmt: skip
             try:
                 measured, found, siblings = measure_cores(launch, profile, group, cpus, options)
             except ChildFailed as exc:
