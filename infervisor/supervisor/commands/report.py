@@ -41,7 +41,8 @@ def run_report(args: argparse.Namespace) -> int:
                 "config": str(config_path),
                 "config_from": choice.source,
                 "config_sha256": sha256_of(config_path),
-                "constraints": args.constraints,
+                # Absolute, so the doctor's Repeat line runs from any folder.
+                "constraints": str(Path(args.constraints).resolve()) if args.constraints else None,
                 "constraints_sha256": sha256_of(Path(args.constraints)) if args.constraints else None,
             },
         )
