@@ -136,7 +136,10 @@ def _notes_lines(workers: list[dict[str, Any]]) -> list[str]:
         return []
     if len({tuple(_DURATION.sub("#", n) for n in notes) for _, notes in each}) == 1:
         first_slot, shared = each[0]
-        who = "every worker" if len(each) == len(workers) else "slots " + ", ".join(str(s) for s, _ in each)
+        if len(workers) > 1 and len(each) == len(workers):
+            who = "every worker"
+        else:
+            who = ("slot " if len(each) == 1 else "slots ") + ", ".join(str(s) for s, _ in each)
         times = f" (times of slot {first_slot})" if len(each) > 1 else ""
         return [f"  {who}{times}:", *(line for note in shared for line in _wrapped(note))]
     lines = []
