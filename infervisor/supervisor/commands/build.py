@@ -182,7 +182,9 @@ def build_model(config: Config, model: ModelConfig, say: Callable[[str], None]) 
     packaged = [p for p in model.profiles if PROFILES[p].packaged]
     others = model.workers - 1
     # The daemon's workers differ only in their cores: one, pinned as its first would be, builds what all load.
-    load = f"; the daemon's other {others} worker{'s' if others != 1 else ''} load what it builds" if others else ""
+    load = {0: "", 1: "; the daemon's other worker loads what it builds"}.get(
+        others, f"; the daemon's other {others} workers load what it builds"
+    )
     say(
         f"{model.name}: chain {', '.join(model.profiles)} "
         f"({len(packaged)} to package: {', '.join(packaged) or 'none'}), "
