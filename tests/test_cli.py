@@ -316,7 +316,8 @@ def test_demo_waits_for_every_worker_and_removes_its_runtime_dir(tmp_path: Path)
     table = done.stdout.split("every worker serves after ")[1].split("echo: one request")[0].split("\n", 1)[1]
     rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "1"] and all(row[2] == "serving" for row in rows), table
-    assert "echo: 20 ok, 0 errors" in done.stdout
+    (load,) = [line for line in done.stdout.splitlines() if line.startswith("echo: ") and " req/s, p50 " in line]
+    assert "(20 ok, 0 errors, 2 clients" in load, load
     runtime = _runtime_dir(done.stdout)
     assert not runtime.exists()
     log = runtime.with_name(f"{runtime.name}.log")

@@ -11,11 +11,8 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,13 +21,15 @@ from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
-from infervisor.supervisor.core.control import DaemonNotReady, await_status, control_request
+from infervisor.protocol.errors import InferenceError
+from infervisor.supervisor.core.control import ControlError, control_request
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import ConfigError, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from infervisor.supervisor.toolkit.inputs import random_inputs
 from infervisor.supervisor.toolkit.models import Measured, UnknownModel, resolve
+from infervisor.supervisor.toolkit.scratch import ScratchDaemon, ScratchFailed, scratch_config, scratch_daemon
 
 
 def in_process(
@@ -55,9 +54,7 @@ def in_process(
     return lines[0]["inputs"], lines[1:]
 
 
-def _serving(
-    process: subprocess.Popen[bytes], runtime_dir: Path, old_pid: int | None, timeout: float
-) -> dict[str, Any]:
+def _serving(daemon: ScratchDaemon, old_pid: int | None, timeout: float) -> dict[str, Any]:
     """The one worker once it serves (a different process than old_pid)."""
 
     def new_worker(status: dict[str, Any]) -> dict[str, Any] | None:
@@ -65,16 +62,28 @@ def _serving(
         ready = [w for w in workers if w["state"] == "serving" and w["pid"] != old_pid]
         return dict(ready[0]) if ready else None
 
-    return await_status(process, runtime_dir, new_worker, timeout, "no serving worker")
+    return daemon.await_status(new_worker, timeout, "no serving worker")
+
+
+def _timed(endpoint: str, model: str, arrays: dict[str, Any], seconds: float) -> list[float]:
+    """Batch-1 round trips (ms) for `seconds`, at least five, after three untimed ones."""
+    latencies: list[float] = []
+    with Client(endpoint) as client:
+        for _ in range(3):
+            client.infer(model, arrays, timeout=60)
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop or len(latencies) < 5:
+            started = time.perf_counter()
+            client.infer(model, arrays, timeout=60)
+            latencies.append((time.perf_counter() - started) * 1000.0)
+    return latencies
 
 
 def through_daemon(
     target: Measured, profile: str, threads: int, args: argparse.Namespace, cache_dir: Path
 ) -> dict[str, Any]:
     """Cold start (first and restarted worker) and batch-1 round trip of one profile served by the daemon."""
-    tmp = Path(tempfile.mkdtemp(prefix="infervisor-bench-"))
     model = target.name
-    inputs = target.entry["inputs"]
     model_entry = {
         **target.entry, "workers": 1, "cores_per_worker": threads, "threads": None, "use_smt": False,
         "profiles": [profile], "pick": "first",
@@ -82,45 +91,17 @@ def through_daemon(
         # The bench reports accuracy itself; the daemon must serve the profile even where it would refuse it.
         "tolerance": {"min_cosine": -1.0},
     }  # fmt: skip
-    config = {
-        "log_level": "warning",
-        "oversubscribe": True,
-        "cache_dir": str(cache_dir),
-        "models": {model: model_entry},
-    }
-    (tmp / "config.json").write_text(json.dumps(config))
-    runtime_dir = tmp / "run"
-    with (tmp / "daemon.log").open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "infervisor", "serve", "--config", str(tmp / "config.json"),
-             "--runtime-dir", str(runtime_dir)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        first = _serving(process, runtime_dir, None, args.timeout)
-        control_request(runtime_dir, {"cmd": "restart"})
-        again = _serving(process, runtime_dir, first["pid"], args.timeout)
+    config = scratch_config({"oversubscribe": True, "models": {model: model_entry}}, cache_dir)
+    with scratch_daemon(config, target.source_dir or cache_dir, "bench") as daemon:
+        first = _serving(daemon, None, args.timeout)
+        control_request(daemon.runtime_dir, {"cmd": "restart"})
+        again = _serving(daemon, first["pid"], args.timeout)
         if again["profile"] != profile:  # a build that failed in the daemon would otherwise be labelled `profile`
-            raise RuntimeError(f"the daemon served {again['profile']} instead of {profile}: {again['profile_skipped']}")
-        arrays = random_inputs(inputs, 1)
-        latencies: list[float] = []
-        with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
-            for _ in range(3):
-                client.infer(model, arrays, timeout=60)
-            stop = time.monotonic() + args.seconds
-            while time.monotonic() < stop or len(latencies) < 5:
-                started = time.perf_counter()
-                client.infer(model, arrays, timeout=60)
-                latencies.append((time.perf_counter() - started) * 1000.0)
-        served = _serving(process, runtime_dir, first["pid"], args.timeout)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+            raise daemon.failure(f"the daemon served {again['profile']} instead of {profile}: "
+                                 f"{again['profile_skipped']}")  # fmt: skip
+        endpoint = f"ipc://{daemon.runtime_dir / CLIENT_SOCKET_NAME}"
+        latencies = _timed(endpoint, model, random_inputs(target.entry["inputs"], 1), args.seconds)
+        served = _serving(daemon, first["pid"], args.timeout)
     return {
         "ready_s": round(first["ready_ms"] / 1000.0, 2),
         "restart_ready_s": round(again["ready_ms"] / 1000.0, 2),
@@ -207,7 +188,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 if args.daemon:
                     try:
                         row.update(through_daemon(target, row["profile"], threads, args, cache_dir))
-                    except (RuntimeError, DaemonNotReady) as exc:  # a profile the daemon could not serve is a note
+                    except (ScratchFailed, ControlError, InferenceError) as exc:  # a profile not served is a note
                         row["daemon_error"] = str(exc)[:300]
                         print(f"{target.name} {row['profile']}: daemon: {exc}", file=sys.stderr, flush=True)
                 rows.append(row)

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,8 +85,10 @@ def plan_for(config: Config, model: ModelConfig) -> Assignment:
 class _Watch:
     """Prints one model worker's PROGRESS as it comes, and keeps each profile's outcome."""
 
-    def __init__(self, build: ModelBuild, say: Callable[[str], None]) -> None:
+    def __init__(self, build: ModelBuild, say: Callable[[str], None], packages: list[str]) -> None:
         self.build = build
+        #: The chain's packaged profiles, in order: progress counts these, not the profile's place in the chain.
+        self.packages = packages
         self.say = say
         self.started = time.monotonic()
         self.phase = StartPhase.LOADING
@@ -97,20 +100,29 @@ class _Watch:
     def line(self, text: str) -> None:
         self.say(f"{self.build.model} [{time.monotonic() - self.started:6.1f} s] {text}")
 
+    def where(self, profile: str) -> str:
+        """`int8_static (package 1 of 2)`; a profile the cache holds nothing of, by its name."""
+        if profile in self.packages:
+            return f"{profile} (package {self.packages.index(profile) + 1} of {len(self.packages)})"
+        return profile
+
     def on(self, progress: wm.Progress) -> None:
         try:
             phase = StartPhase(progress.phase)
         except ValueError:
             return
         now = time.monotonic()
-        where = f"{progress.profile} ({progress.index} of {progress.count})" if progress.index else progress.profile
+        where = self.where(progress.profile) if progress.profile else ""
         if phase in OUTCOME_PHASES:
             took = now - self.phase_at if self.about == where else 0.0
             self.build.outcomes.append(
                 ProfileOutcome(self.build.model, progress.profile, phase.value, progress.detail, round(took, 1))
             )
             detail = " ".join(progress.detail.split())  # an exception's lines, on one line of the log
-            self.line(f"{where}: {phase.value}" + (f": {detail}" if detail else ""))
+            self.line(f"{where}: {phase.value}")
+            # A check's report runs to hundreds of characters: wrapped under its line, not one wall of text.
+            for chunk in textwrap.wrap(detail, 100, break_on_hyphens=False):
+                self.say(f"    {chunk}")
             return
         if phase is not StartPhase.WAITING and self.about != where:
             self.phase_at = now  # a profile's time runs from its first phase to its outcome
@@ -122,7 +134,8 @@ class _Watch:
         if now >= self.still_at:
             self.still_at = now + _STILL_EVERY_S
             doing = "compiling" if self.phase in COMPILE_PHASES else self.phase.value
-            self.line(f"still {doing}{' ' + self.about if self.about else ''}")
+            on_it = f", {now - self.phase_at:.0f} s on it so far" if self.about else ""
+            self.line(f"still {doing}{' ' + self.about if self.about else ''}{on_it}")
 
 
 def _run_worker(
@@ -167,11 +180,18 @@ def build_model(config: Config, model: ModelConfig, say: Callable[[str], None]) 
         build.error = f"cannot pin a worker as the daemon would: {exc}"
         return build
     packaged = [p for p in model.profiles if PROFILES[p].packaged]
-    say(
-        f"{model.name}: chain {', '.join(model.profiles)} (packaged: {', '.join(packaged) or 'none'}), "
-        f"pick {model.pick}; one worker on cpus {list(assignment.cpus)}, {assignment.threads} torch threads"
+    others = model.workers - 1
+    # The daemon's workers differ only in their cores: one, pinned as its first would be, builds what all load.
+    load = {0: "", 1: "; the daemon's other worker loads what it builds"}.get(
+        others, f"; the daemon's other {others} workers load what it builds"
     )
-    watch = _Watch(build, say)
+    say(
+        f"{model.name}: chain {', '.join(model.profiles)} "
+        f"({len(packaged)} to package: {', '.join(packaged) or 'none'}), "
+        f"pick {model.pick}; built by one worker pinned as the daemon's first (cpus {list(assignment.cpus)}, "
+        f"{assignment.threads} torch thread{'s' if assignment.threads != 1 else ''}){load}"
+    )
+    watch = _Watch(build, say, packaged)
     exits: list[ExitRecord] = []
     # The workers' JSON logs would drown the progress lines: kept in a file, named when something fails.
     with tempfile.NamedTemporaryFile(prefix=f"infervisor-build-{model.name}-", suffix=".log", delete=False) as log:
@@ -223,7 +243,9 @@ def run_build(args: argparse.Namespace, say: Callable[[str], None] = _say) -> in
     if unknown:
         print(f"infervisor build: no model {', '.join(unknown)} in {choice.path}", file=sys.stderr)
         return EXIT_USAGE
-    say(f"config: {choice.describe()}; cache: {resolve_cache_dir(config.cache_dir)}")
+    cache = resolve_cache_dir(config.cache_dir)
+    # A caller that already named the config (the demo) gets the cache only: one `config:` line on the screen.
+    say(f"cache: {cache}" if getattr(args, "config_named", False) else f"config: {choice.describe()}; cache: {cache}")
     builds = [build_model(config, config.models[name], say) for name in names]
     for build in builds:
         say(_summary(build))

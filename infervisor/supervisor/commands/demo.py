@@ -19,7 +19,7 @@ from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.commands.build import run_build
-from infervisor.supervisor.commands.infer import summarize
+from infervisor.supervisor.commands.infer import output_text, summarize, timing_text
 from infervisor.supervisor.commands.status import describe_start, format_status
 from infervisor.supervisor.core.control import ControlError, control_request
 from infervisor.supervisor.observe.stats import percentile
@@ -153,6 +153,15 @@ def _load(
             latencies.append((time.perf_counter() - started) * 1000.0)
 
 
+def load_line(name: str, latencies: list[float], errors: list[str], clients: int, elapsed: float) -> str:
+    """The figures a reader looks for first (req/s, p50, p99), then how they were made."""
+    return (
+        f"{name}: {len(latencies) / elapsed:.1f} req/s, p50 {percentile(latencies, 50)} ms, p99 "
+        f"{percentile(latencies, 99)} ms  ({len(latencies)} ok, {len(errors)} errors, {clients} clients, "
+        f"{elapsed:.2f} s)"
+    )
+
+
 def _exercise(runtime_dir: Path, status: dict[str, Any], args: argparse.Namespace, stop: threading.Event) -> int:
     """One request and a concurrent load per serving model; 0 when every model served without an error."""
     endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
@@ -166,9 +175,11 @@ def _exercise(runtime_dir: Path, status: dict[str, Any], args: argparse.Namespac
         with Client(endpoint) as client:
             first = time.perf_counter()
             outputs, timing = client.infer_with_timing(name, inputs, timeout=60)
-            print(f"{name}: one request in {(time.perf_counter() - first) * 1000:.2f} ms (server {timing})")
+            print(
+                f"{name}: one request in {(time.perf_counter() - first) * 1000:.2f} ms (server: {timing_text(timing)})"
+            )
         for out_name, array in outputs.items():
-            print(f"  {out_name}: {summarize(out_name, array)}")
+            print(f"  {output_text(summarize(out_name, array))}")
         results: tuple[list[float], list[str]] = ([], [])
         per_client = max(1, args.requests // args.clients)
         # Daemon threads with a stop flag: a Ctrl-C in the main thread must not wait for the load to finish.
@@ -185,12 +196,9 @@ def _exercise(runtime_dir: Path, status: dict[str, Any], args: argparse.Namespac
         latencies, errors = results
         if errors:
             outcome = 1
-        print(
-            f"{name}: {len(latencies)} ok, {len(errors)} errors, {args.clients} clients, {elapsed:.2f} s: "
-            f"{len(latencies) / elapsed:.1f} req/s, p50 {percentile(latencies, 50)} ms, "
-            f"p99 {percentile(latencies, 99)} ms\n"
-        )
-    print(format_status(control_request(runtime_dir, {"cmd": "status"})))
+        print(load_line(name, latencies, errors, args.clients, elapsed) + "\n")
+    # The table again for the figures the load left (requests, p50/p99 per worker); its notes were shown above.
+    print(format_status(control_request(runtime_dir, {"cmd": "status"}), notes=False))
     return outcome
 
 
@@ -241,7 +249,7 @@ def run_demo(args: argparse.Namespace) -> int:
             # The cache filled first: the compile shows its progress here, and the daemon then starts in seconds.
             print(f"building the compiled packages first: infervisor build --config {choice.path}")
             built_at = time.monotonic()
-            built = run_build(argparse.Namespace(config=str(choice.path), models=None, json=None))
+            built = run_build(argparse.Namespace(config=str(choice.path), models=None, json=None, config_named=True))
             print(f"build {'done' if built == 0 else f'ended with {built} (the daemon skips what failed)'} in "
                   f"{time.monotonic() - built_at:.1f} s\n")  # fmt: skip
         print(f"starting: infervisor serve --config {choice.path} --runtime-dir {runtime_dir}  (log: {log_path})")

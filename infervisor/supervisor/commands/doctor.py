@@ -1,4 +1,4 @@
-"""`infervisor doctor`: the ten-point checklist on this box, pass / warn / fail with a one-line fix each."""
+"""`infervisor doctor`: the 14-point checklist on this box, pass / warn / fail with a one-line fix each."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from infervisor.supervisor.settings.config import ConfigError, load_config
-from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.settings.config_path import ConfigPathError
 from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from infervisor.supervisor.toolkit.doctor import Check, Machine, Status, run_checks
+from infervisor.supervisor.toolkit.provenance import delivery_config
 
 _MARK = {Status.PASS: "pass", Status.WARN: "WARN", Status.FAIL: "FAIL"}
 
@@ -29,10 +30,11 @@ def format_checks(checks: list[Check]) -> str:
 def run_doctor(args: argparse.Namespace) -> int:
     """Check, print, exit 1 when anything failed (2 when the inputs themselves are wrong)."""
     try:
-        choice = resolve_config_path(args.config)
+        optimize = json.loads(Path(args.optimize).read_text()) if args.optimize else None
+        choice = delivery_config(args.config, optimize)
         config = load_config(choice.path)
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-    except (ConfigPathError, ConfigError, ConstraintsError) as exc:
+    except (ConfigPathError, ConfigError, ConstraintsError, OSError, ValueError) as exc:
         print(f"infervisor doctor: {exc}")
         return 2
     checks = run_checks(config, constraints, Machine(sysfs=Path(args.sysfs_root), proc=Path(args.proc_root)))

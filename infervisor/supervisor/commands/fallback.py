@@ -18,8 +18,9 @@ def describe(answer: dict[str, Any], reset: bool) -> str:
         return f"infervisor fallback: the daemon refused: {answer.get('error', 'no reason given')}"
     chain = ", ".join(answer["profiles"])
     what = "back to its configured chain" if reset else f"down from {answer['from']}"
+    workers = "its worker is" if answer["queued"] == 1 else f"its {answer['queued']} workers are"
     return (
-        f"{answer['model']}: {what}; its {answer['queued']} workers are rebuilt with profiles [{chain}], one at a "
+        f"{answer['model']}: {what}; {workers} rebuilt with profiles [{chain}], one at a "
         "time, each retired only once its successor serves; `infervisor status` shows the fallback"
     )
 

@@ -49,7 +49,7 @@ def run_harden(args: argparse.Namespace) -> int:
         document = {
             "model": args.model,
             "duration_s": args.duration,
-            "command": command_line(),
+            "command": command_line({"--runtime-dir": str(runtime_dir.resolve())}),
             "measured_on": measured_on(),
             # What the checks ran against, from the daemon's own status: the report compares it with optimize's choice.
             "served": served(model),

@@ -113,6 +113,27 @@ def summarize(name: str, array: np.ndarray[Any, Any]) -> dict[str, Any]:
     return summary
 
 
+def timing_text(timing: dict[str, Any]) -> str:
+    """The server's stage times, `model 1.20 ms, total 1.31 ms, queue 0.04 ms, ...`: what a reader compares.
+
+    Its clock readings (`accepted_clock_ms`, a point in time, not a duration) are for --json and probe only.
+    """
+    durations = {k.removesuffix("_ms"): v for k, v in timing.items() if k.endswith("_ms") and "_clock" not in k}
+    first = [k for k in ("model", "total") if k in durations]
+    order = first + [k for k in durations if k not in first]
+    return ", ".join(f"{k} {float(durations[k]):.2f} ms" for k in order) or "no stage times"
+
+
+def output_text(summary: dict[str, Any]) -> str:
+    """One output as a line: `logits: float32 [1, 1000], min -3.1 max 9.8 mean 0.01, top-5 classes 281 (9.8), ...`."""
+    line = f"{summary['name']}: {summary['dtype']} {summary['shape']}"
+    if "min" in summary:
+        line += f", min {summary['min']:.4g} max {summary['max']:.4g} mean {summary['mean']:.4g}"
+    if "top5" in summary:
+        line += ", top-5 classes of row 0 " + ", ".join(f"{i} ({score:.4g})" for i, score in summary["top5"])
+    return line
+
+
 def run_infer(args: argparse.Namespace) -> int:
     """Send one request and print what came back and how long it took (errors on stderr, exit 1 or 2)."""
     runtime_dir = resolve_runtime_dir(args.runtime_dir, None)
@@ -153,9 +174,7 @@ def run_infer(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.model}: {latency_ms:.2f} ms round trip (server: {timing})")
+    print(f"{args.model}: {latency_ms:.2f} ms round trip (server: {timing_text(timing)})")
     for out in report["outputs"]:
-        extra = f" min {out['min']:.4g} max {out['max']:.4g} mean {out['mean']:.4g}" if "min" in out else ""
-        top = f" top5 {out['top5']}" if "top5" in out else ""
-        print(f"  {out['name']}: {out['dtype']}{out['shape']}{extra}{top}")
+        print(f"  {output_text(out)}")
     return 0

@@ -51,6 +51,8 @@ def sweep(
             most = max(group, key=lambda layout: layout.workers)
             cpus = placement(config, model.name, most, topology, allowed)
             launch = launch_of(model, cores, cache_dir, args.calibration, args.validation)
+            _say(f"measuring {profile} at {cores} core(s) per worker: build, check against eager, then "
+                 f"{args.seconds:g} s of timing per layout ({', '.join(str(g) for g in group)})")  # fmt: skip
             try:
                 measured, found, siblings = measure_cores(launch, profile, group, cpus, options)
             except ChildFailed as exc:
@@ -108,7 +110,14 @@ def format_report(
     return "\n".join(lines)
 
 
+#: optimize's exit codes: the SLA holds (checked as asked); a measured figure breaks it; bad input; the check the
+#: verdict rests on could not run (nothing measured through a daemon, so no verdict either way).
+EXIT_MET, EXIT_NOT_MET, EXIT_BAD_INPUT, EXIT_UNPROVEN = 0, 1, 2, 3
+
+
 def _verdict_lines(verdict: Verdict) -> list[str]:
+    if verdict.unproven is not None:
+        return [f"VERDICT: unproven: {verdict.unproven}", *(f"  measured in process: {r}" for r in verdict.reasons)]
     if verdict.met:
         return [f"VERDICT: the SLA can be met on this box, by {verdict.profile} on {verdict.layout} workers x cores."]
     return ["VERDICT: the SLA cannot be met on this box.", *(f"  {reason}" for reason in verdict.reasons)]
@@ -259,31 +268,48 @@ def _check_choice(
     chosen: Point,
     sla: Sla,
     verdict: Verdict,
-) -> tuple[DaemonCheck | None, Verdict]:
-    """The rewritten config served by a temporary daemon under load (unless --no-check), and the verdict after it."""
+) -> tuple[DaemonCheck | None, Verdict, CheckFailed | None]:
+    """The rewritten config served by a scratch daemon under load (unless --no-check), the verdict after it, and
+    why the check could not run (None when it ran or was not asked for)."""
     if not args.check:
         print(f"not checked through a daemon (--no-check): the P99 above is in process, {chosen.p99_ms:.2f} ms")
-        return None, verdict
+        return None, verdict, None
     raw = json.loads(new_text)
-    # The temporary daemon runs elsewhere: every model's files by absolute path.
-    written = parse_config(new_text, config_path.parent.resolve())
+    source_dir = config_path.parent.resolve()
+    # The scratch daemon's config lives elsewhere: model files and data sets by absolute path, python modules
+    # from the user's config folder (serve --source-dir), exactly as `serve` finds them.
+    written = parse_config(new_text, source_dir)
     raw["models"] = {name: entry_of(m, raw["models"][name]) for name, m in written.models.items()}
     qps = _check_qps(args, sla)
-    _say(f"checking {chosen.profile} on {chosen.layout} through a daemon at {qps or 'half its saturated'} QPS")
+    _say(f"checking {chosen.profile} on {chosen.layout} through a daemon at {qps or 'half its saturated'} QPS "
+         f"for {args.check_seconds:g} s")  # fmt: skip
     try:
-        result = check(raw, args.model, cache_dir, qps, args.check_clients, args.check_seconds, args.timeout)
+        result = check(raw, args.model, source_dir, cache_dir, (qps, args.check_clients, args.check_seconds),
+                       args.timeout)  # fmt: skip
     except CheckFailed as exc:
-        return None, Verdict(False, None, [*verdict.reasons, f"the daemon check failed: {exc}"])
+        print(f"the daemon check could not run: {exc}")
+        if not verdict.met:  # the in-process figures already break the SLA: that much was measured
+            return None, verdict, exc
+        return None, dataclasses.replace(verdict, met=False, unproven=f"the daemon check could not run: {exc}"), exc
     print("\n".join(_check_lines(result, chosen, args.model)))
-    return result, judge_check(verdict, result, sla)
+    return result, judge_check(verdict, result, sla), None
 
 
-def _write_config(args: argparse.Namespace, choice: ConfigChoice, new_text: str, diff: str) -> tuple[str | None, str]:
-    """Write the new chain and layout into config.json unless it holds them, it is a dry run or the shipped file.
+def _write_config(
+    args: argparse.Namespace, choice: ConfigChoice, new_text: str, diff: str, verdict: Verdict
+) -> tuple[str | None, str]:
+    """Write the new chain and layout into config.json unless it holds them, it is a dry run, the shipped file, or
+    the daemon check asked for did not pass (a choice nothing served is not put in front of clients).
 
     Returns where it was written (None: nowhere) and, when not, why.
     """
     config_path = choice.path
+    if args.check and not verdict.met:
+        why = verdict.unproven or "the SLA was not met through the daemon check"
+        not_written = f"{config_path} was left unchanged: {why}"
+        print(f"not written: {not_written}; the change it would have made:")
+        print(diff or "(none: it already holds this chain and layout)")
+        return None, not_written
     if not diff:
         not_written = f"{config_path} already holds this chain and layout"
         print(not_written)
@@ -305,12 +331,13 @@ def _write_config(args: argparse.Namespace, choice: ConfigChoice, new_text: str,
 
 
 def run_optimize(args: argparse.Namespace) -> int:
-    """Measure, choose, check, write (or show); exit 0 when the SLA holds, 1 when it cannot, 2 on bad input."""
+    """Measure, choose, check, write (or show); exit 0 when the SLA holds, 1 when a measured figure breaks it, 2 on
+    bad input, 3 when the daemon check could not run (unproven)."""
     try:
         choice, config, model, constraints, candidates = _load(args)
     except _Refused as exc:
         print(f"infervisor optimize: {exc}")
-        return 2
+        return EXIT_BAD_INPUT
     budget, sla = _budget_and_sla(model, constraints)
     cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(config.cache_dir)
     _say(f"layouts: {', '.join(map(str, candidates))} (workers x cores per worker)")
@@ -331,10 +358,10 @@ def run_optimize(args: argparse.Namespace) -> int:
     new_text, diff = rewrite(choice.path.read_text(), args.model, _changes(args, model, chain, chosen, budget))
     picked = _auto_pick(config, model, chain, chosen, budget, args, cache_dir)
     print("\n".join(_auto_pick_lines(picked, points, chosen)))
-    result, verdict = _check_choice(args, new_text, choice.path, cache_dir, chosen, sla, verdict)
+    result, verdict, failed = _check_choice(args, new_text, choice.path, cache_dir, chosen, sla, verdict)
     print("\n".join(_verdict_lines(verdict)))
     print(f"\nchain for {args.model}: {' -> '.join(chain)}; layout {chosen.layout} (workers x cores per worker)")
-    written_to, not_written = _write_config(args, choice, new_text, diff)
+    written_to, not_written = _write_config(args, choice, new_text, diff, verdict)
     if args.json:
         report = {
             "model": args.model,
@@ -343,17 +370,25 @@ def run_optimize(args: argparse.Namespace) -> int:
             "chain": chain,
             "layout": {"workers": chosen.layout.workers, "cores_per_worker": chosen.layout.cores_per_worker},
             "check": vars(result) if result is not None else None,
+            # Whether a check was asked for, and why it could not run: the report must not say --no-check otherwise.
+            "checked": bool(args.check),
+            "check_error": failed.reason if failed is not None else None,
+            "check_log": str(failed.log_path) if failed is not None and failed.log_path else None,
             "auto_pick": picked,
-            "verdict": vars(verdict),
+            "verdict": {**vars(verdict), "outcome": verdict.outcome},
+            # The config optimize read: report and doctor sign it when nothing was written.
+            "config": str(choice.path.resolve()),
             # Whether config.json now holds the chain: the report must not claim a dry run wrote it.
             "written_to": written_to,
             "not_written": not_written or None,
-            "command": command_line(),
+            "command": command_line({"--config": str(choice.path.resolve())}),
             "measured_on": measured_on(),
             "seconds": args.seconds,
         }
         Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if verdict.met else 1
+    if verdict.unproven is not None:
+        return EXIT_UNPROVEN
+    return EXIT_MET if verdict.met else EXIT_NOT_MET
 
 
 def _at_choice(row: dict[str, Any], points: list[Point], chosen: Point) -> dict[str, Any]:

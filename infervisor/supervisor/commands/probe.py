@@ -119,7 +119,8 @@ def run_probe(args: argparse.Namespace) -> int:
     report = {
         "model": args.model, "qps": args.qps, "clients": args.clients, "batch": args.batch,
         "duration_s": args.duration, "samples": len(samples), "errors": errors,
-        "command": command_line(), "measured_on": measured_on(), "served": served(model),
+        "command": command_line({"--runtime-dir": str(runtime_dir.resolve())}),
+        "measured_on": measured_on(), "served": served(model),
         "stages": table, "verdict": where_time_goes(table), "counters": counters,
         "operators": operators["operators"] if operators else None,
         "profiled_pid": started.get("pid"), "profiled_requests": operators["requests"] if operators else 0,

@@ -54,6 +54,11 @@ def _positive_float(text: str) -> float:
 def _serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help=CONFIG_HELP)
     parser.add_argument("--runtime-dir", help=RUNTIME_DIR_HELP)
+    parser.add_argument(
+        "--source-dir",
+        help="the folder a model's relative files and python modules are found in (default: the config's folder); "
+        "optimize and bench serve a scratch copy of your config with your config's folder here",
+    )
     parser.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
 
 
@@ -149,7 +154,10 @@ def _bench_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _doctor_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=CONFIG_HELP)
+    parser.add_argument("--config", help=CONFIG_HELP + "; without it, the config of --optimize's JSON when given")
+    parser.add_argument(
+        "--optimize", help="JSON of infervisor optimize --json: check the config it wrote (else the one it read)"
+    )
     parser.add_argument("--constraints", help="constraints.json of the delivery (see configs/constraints.example.json)")
     parser.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     parser.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
@@ -208,7 +216,11 @@ def _harden_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _report_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help=CONFIG_HELP + "; for the doctor's checks")
+    parser.add_argument(
+        "--config",
+        help=CONFIG_HELP + "; the config the report signs and the doctor checks (default: the one --optimize's JSON "
+        "wrote, else the one it read)",
+    )
     parser.add_argument("--constraints", help="constraints.json of the delivery")
     parser.add_argument("--optimize", help="JSON written by infervisor optimize --json")
     parser.add_argument("--probe", help="JSON written by infervisor probe --json")
@@ -269,7 +281,7 @@ CLI_COMMANDS: Mapping[str, CliCommand] = {
         ),
         CliCommand(
             "doctor",
-            "the ten-point performance checklist on this box: pass / warn / fail",
+            "the 14-point performance checklist on this box (seed 1's, grown): pass / warn / fail",
             _doctor_options,
             f"{_HERE}.doctor:run_doctor",
         ),

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from infervisor.supervisor.settings.config import ConfigError, load_config
-from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.settings.config_path import ConfigPathError
 from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from infervisor.supervisor.toolkit.doctor import run_checks
-from infervisor.supervisor.toolkit.provenance import measured_on, sha256_of
+from infervisor.supervisor.toolkit.provenance import delivery_config, measured_on, sha256_of
 from infervisor.supervisor.toolkit.report import Evidence, Outcome, charts, render, verdict
 
 _OUTCOME_LINE = {Outcome.MET: "SLA met", Outcome.NOT_MET: "SLA NOT met", Outcome.UNPROVEN: "SLA unproven"}
@@ -26,19 +26,23 @@ def run_report(args: argparse.Namespace) -> int:
     (evidence missing), 2 on unreadable inputs."""
     try:
         constraints = load_constraints(Path(args.constraints)) if args.constraints else None
-        config_path = resolve_config_path(args.config).path
+        optimize = _json(args.optimize)
+        choice = delivery_config(args.config, optimize)
+        config_path = choice.path
         config = load_config(config_path)
         evidence = Evidence(
             constraints=constraints,
             doctor=run_checks(config, constraints),
-            optimize=_json(args.optimize),
+            optimize=optimize,
             probe=_json(args.probe),
             harden=_json(args.harden),
             here=measured_on(),
             inputs={
                 "config": str(config_path),
+                "config_from": choice.source,
                 "config_sha256": sha256_of(config_path),
-                "constraints": args.constraints,
+                # Absolute, so the doctor's Repeat line runs from any folder.
+                "constraints": str(Path(args.constraints).resolve()) if args.constraints else None,
                 "constraints_sha256": sha256_of(Path(args.constraints)) if args.constraints else None,
             },
         )
@@ -51,7 +55,7 @@ def run_report(args: argparse.Namespace) -> int:
     for chart in drawn or []:
         out.with_name(f"{out.stem}-{chart.name}.png").write_bytes(chart.png)
     found = verdict(evidence)
-    lines = [f"{out}: {_OUTCOME_LINE[found.outcome]}"]
+    lines = [f"config: {choice.describe()}", f"{out}: {_OUTCOME_LINE[found.outcome]}"]
     lines += [f"  failed: {r}" for r in found.failed] + [f"  missing: {r}" for r in found.missing]
     lines += [f"  not proven: {r}" for r in found.not_proven]
     print("\n".join(lines))

@@ -37,7 +37,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config_path = choice.path
     log.info("config_chosen", config=str(config_path), source=choice.source)
     try:
-        config = load_config(config_path)
+        source_dir = Path(args.source_dir) if args.source_dir else None
+        config = load_config(config_path, source_dir)
         configure_logging(config.log_level)
         where = resolve_runtime_dir(args.runtime_dir, config.runtime_dir)
         runtime_dir = prepare_runtime_dir(where, config.socket_group)
@@ -46,7 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
         restrict_runtime_dir(runtime_dir, config.socket_group)
         from infervisor.supervisor.core.arbiter import Arbiter
 
-        arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root))
+        arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root), source_dir=source_dir)
     except ConfigError as exc:
         log.error("config_invalid", config=str(config_path), problems=exc.problems)
         return EXIT_CONFIG

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -49,8 +51,8 @@ def describe_fallback(name: str, fallback: dict[str, Any]) -> str:
     return line + (f"; {fallback['note']}" if fallback.get("note") else "")
 
 
-def format_status(status: dict[str, Any]) -> str:
-    """Human table of a status document."""
+def format_status(status: dict[str, Any], notes: bool = True) -> str:
+    """Human table of a status document (`notes`: with why each worker serves its profile, under the table)."""
     config = status["config"]
     lines = [
         f"infervisor pid {status['pid']}  state {status['state']}  up {status['uptime_s']:.0f} s  "
@@ -104,13 +106,46 @@ def format_status(status: dict[str, Any]) -> str:
             )
             if w.get("starting"):
                 lines.append(f"  {'':>4} starting: {describe_start(w['starting'])}")
-            # Why this profile serves: what building it did, and why the others of the chain do not.
-            for label, notes in (("built", w.get("profile_build")), ("skipped", w.get("profile_skipped"))):
-                if notes:
-                    lines.append(f"  {'':>4} {label}: " + "; ".join(notes))
-            if w.get("accuracy_warning"):
-                lines.append(f"  {'':>4} WARNING: {w['accuracy_warning']}")
+        if notes:
+            lines += _notes_lines(model["workers"])
     return "\n".join(lines)
+
+
+def _worker_notes(worker: dict[str, Any]) -> list[str]:
+    """Why this worker's profile serves: what building it did, why the others of the chain do not, a warning."""
+    found = [f"{label}: {note}" for label, key in (("built", "profile_build"), ("skipped", "profile_skipped"))
+             for note in worker.get(key) or []]  # fmt: skip
+    if worker.get("accuracy_warning"):
+        found.append(f"WARNING: {worker['accuracy_warning']}")
+    return found
+
+
+#: A duration inside a note ("built ... in 695 ms"): workers whose notes differ only by these say the same thing.
+_DURATION = re.compile(r"\b\d+(?:\.\d+)? (?:ms|s)\b")
+
+
+def _wrapped(note: str) -> list[str]:
+    return textwrap.wrap(note, 116, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False)
+
+
+def _notes_lines(workers: list[dict[str, Any]]) -> list[str]:
+    """The workers' notes under the table, wrapped: once for all when they agree but for durations (the usual case:
+    every worker built the same chain), else under each slot."""
+    each = [(w["slot"], notes) for w in workers if (notes := _worker_notes(w))]
+    if not each:
+        return []
+    if len({tuple(_DURATION.sub("#", n) for n in notes) for _, notes in each}) == 1:
+        first_slot, shared = each[0]
+        if len(workers) > 1 and len(each) == len(workers):
+            who = "every worker"
+        else:
+            who = ("slot " if len(each) == 1 else "slots ") + ", ".join(str(s) for s, _ in each)
+        times = f" (times of slot {first_slot})" if len(each) > 1 else ""
+        return [f"  {who}{times}:", *(line for note in shared for line in _wrapped(note))]
+    lines = []
+    for slot, notes in each:
+        lines += [f"  slot {slot}:", *(line for note in notes for line in _wrapped(note))]
+    return lines
 
 
 #: `status --check` exit statuses, for readiness and liveness probes.

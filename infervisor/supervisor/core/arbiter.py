@@ -46,8 +46,9 @@ class Arbiter:
         runtime_dir: Path,
         sysfs_root: Path = Path("/sys"),
         launcher: Launcher = launch_worker,
+        source_dir: Path | None = None,
     ) -> None:
-        parts = assemble(config, config_path, runtime_dir, sysfs_root, launcher)
+        parts = assemble(config, config_path, runtime_dir, sysfs_root, launcher, source_dir)
         self.parts: Parts = parts
         # What control commands reach (core/control_commands.py: ControlHost), and what the loop drives most.
         self.pool, self.reloader, self.fallback = parts.pool, parts.reloader, parts.fallback

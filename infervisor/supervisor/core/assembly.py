@@ -87,7 +87,14 @@ def core_planner(sysfs_root: Path, affinity: SupervisorAffinity) -> Callable[[Co
     return plan
 
 
-def assemble(config: Config, config_path: Path, runtime_dir: Path, sysfs_root: Path, launcher: Launcher) -> Parts:
+def assemble(
+    config: Config,
+    config_path: Path,
+    runtime_dir: Path,
+    sysfs_root: Path,
+    launcher: Launcher,
+    source_dir: Path | None = None,
+) -> Parts:
     """Build the daemon's parts for `config` and wire them; nothing runs until the arbiter's loop starts."""
     started_at = time.time()
     serving = ServingConfig(config)
@@ -110,7 +117,16 @@ def assemble(config: Config, config_path: Path, runtime_dir: Path, sysfs_root: P
     readiness = Readiness(notifier, started_at)
     watcher = FileWatcher(loop.wake)
     reloader = ConfigReloader(
-        config_path, serving, pool, plan, watcher, notifier, started_at, fallback.fallbacks, readiness.current_line
+        config_path,
+        serving,
+        pool,
+        plan,
+        watcher,
+        notifier,
+        started_at,
+        fallback.fallbacks,
+        readiness.current_line,
+        source_dir,
     )
     return Parts(
         runtime_dir=runtime_dir,

@@ -51,8 +51,11 @@ class ConfigReloader:
         started_at: float,
         fallbacks: Fallbacks,
         status_line: Callable[[], str],
+        source_dir: Path | None = None,
     ) -> None:
         self.config_path = config_path
+        #: Where the config's relative files and python modules are found (None: the config's own folder).
+        self.source_dir = source_dir
         self.serving = serving
         self.pool = pool
         self.plan = plan
@@ -109,7 +112,7 @@ class ConfigReloader:
         self.notifier.reloading()
         current = self.serving.current
         try:
-            read = load_config(self.config_path)
+            read = load_config(self.config_path, self.source_dir)
             new = self.fallbacks.overlay(read)
             diff = diff_configs(current, new)
             if diff.needs_daemon_restart:

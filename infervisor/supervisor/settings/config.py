@@ -560,12 +560,13 @@ def parse_config(text: str, base: Path) -> Config:
     return Config(**values, digest=hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
-def load_config(path: Path) -> Config:
-    """Read and validate a config file."""
+def load_config(path: Path, source_dir: Path | None = None) -> Config:
+    """Read and validate a config file; relative model files and python modules are found in `source_dir`, by
+    default the file's own folder (a scratch copy of a user's config names the user's folder)."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError([f"(file): {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"]) from exc
-    return parse_config(text, path.parent.resolve())
+    return parse_config(text, (source_dir or path.parent).resolve())

@@ -1,4 +1,4 @@
-"""`infervisor doctor`: seed 1's ten-point "why is it slow" checklist, checked on this box against a config.
+"""`infervisor doctor`: seed 1's "why is it slow" checklist, grown to 14 checks, checked on this box against a config.
 
 Each check reads the machine (sysfs, procfs, cgroup files, a torch probe in a child process) and
 answers pass / warn / fail with the fix in one line. The sysfs and proc roots are parameters so

@@ -39,6 +39,8 @@ class Measured:
     model: ModelConfig | None
     #: A config.json model entry with absolute paths, ready for a temporary daemon's config.
     entry: dict[str, Any]
+    #: The folder its config's python modules are found in (None: a built-in, nothing to find).
+    source_dir: Path | None = None
 
     def launch(self, threads: int, cache_dir: Path) -> LaunchSpec | None:
         """The launch spec of a configured model for a measuring child (a built-in needs none: --model)."""
@@ -82,7 +84,7 @@ def resolve(name: str, config: Config | None, config_path: Path | None, prefer_c
     if in_config and config is not None and config_path is not None and (prefer_config or name not in BUILTIN_MODELS):
         model = config.models[name]
         raw = json.loads(config_path.read_text())["models"][name]
-        return Measured(name, model, entry_of(model, raw))
+        return Measured(name, model, entry_of(model, raw), config_path.parent.resolve())
     if name in BUILTIN_MODELS:
         return Measured(name, None, {"source": {"builtin": name}, "inputs": BUILTIN_INPUTS[name]})
     configured = sorted(config.models) if config is not None else []

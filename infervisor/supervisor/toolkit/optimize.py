@@ -28,6 +28,16 @@ class Verdict:
     reasons: list[str]
     #: "WxC" of the layout that meets it (None when none does).
     layout: str | None = None
+    #: Why nothing measured can say yes or no: the daemon check the SLA rests on could not run (None: it ran,
+    #: or was not asked for).
+    unproven: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """ "met", "not met" or "unproven: WHY": the one-word answer optimize prints and the JSON records."""
+        if self.unproven is not None:
+            return f"unproven: {self.unproven}"
+        return "met" if self.met else "not met"
 
 
 def within_budget(row: dict[str, Any], budget: Accuracy) -> str | None:

@@ -4,6 +4,7 @@ matched to what runs, and a figure from another box or another chain is said to 
 from __future__ import annotations
 
 import hashlib
+import os
 import shlex
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from infervisor.common.cpuinfo import parse_cpuinfo
+from infervisor.supervisor.settings.config_path import ConfigChoice, resolve_config_path
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
@@ -61,9 +63,20 @@ def measured_on() -> dict[str, Any]:
     }
 
 
-def command_line() -> str:
-    """The command that was run, as a shell line a reader can paste to repeat it."""
-    return shlex.join(["infervisor", *sys.argv[1:]])
+#: Environment a toolkit command's result depends on: the config it finds by default, where modules are imported.
+_NEEDED_ENVIRONMENT = ("INFERVISOR_CONFIG", "PYTHONPATH")
+
+
+def command_line(resolved: dict[str, str] | None = None) -> str:
+    """The command that was run, as a shell line that repeats it from anywhere: the folder it ran in (relative
+    paths), the environment it read, and each `resolved` option (a --config or --runtime-dir found by default)
+    spelled out when the command line did not give it."""
+    argv = sys.argv[1:]
+    for option, value in (resolved or {}).items():
+        if not any(arg == option or arg.startswith(f"{option}=") for arg in argv):
+            argv += [option, value]
+    environment = [f"{name}={shlex.quote(os.environ[name])}" for name in _NEEDED_ENVIRONMENT if os.environ.get(name)]
+    return " ".join(["cd", shlex.quote(os.getcwd()), "&&", *environment, shlex.join(["infervisor", *argv])])
 
 
 def sha256_of(path: Path) -> str:
@@ -82,3 +95,15 @@ def served(model: dict[str, Any]) -> dict[str, Any]:
         "profiles": [w["profile"] for w in members],
         "checked_on": sorted({str(w.get("checked_on")) for w in members if w.get("checked_on")}),
     }
+
+
+def delivery_config(explicit: str | None, optimize: dict[str, Any] | None) -> ConfigChoice:
+    """The config a delivery's report and doctor are about: --config; else the file optimize wrote its choice
+    into; else the config optimize read; else the usual chain (resolve_config_path)."""
+    if explicit or optimize is None:
+        return resolve_config_path(explicit)
+    if optimize.get("written_to"):
+        return ConfigChoice(Path(optimize["written_to"]), "optimize's JSON: the config it wrote")
+    if optimize.get("config"):
+        return ConfigChoice(Path(optimize["config"]), "optimize's JSON: the config it read (it wrote none)")
+    return resolve_config_path(None)

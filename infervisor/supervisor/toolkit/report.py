@@ -117,8 +117,10 @@ def _measured_cpus(evidence: Evidence) -> dict[str, str]:
 def _failed(evidence: Evidence) -> list[str]:
     """Measured figures that break the SLA, each with its numbers."""
     failed = [f"doctor: {c.name} failed: {c.detail}" for c in evidence.doctor if c.status is Status.FAIL]
-    if evidence.optimize is not None and not evidence.optimize["verdict"]["met"]:
-        reasons = evidence.optimize["verdict"]["reasons"] or ["the SLA cannot be met"]
+    # An unproven optimize (its daemon check could not run) measured nothing that breaks the SLA: it is missing.
+    optimize_verdict = (evidence.optimize or {}).get("verdict") or {}
+    if evidence.optimize is not None and not optimize_verdict["met"] and not optimize_verdict.get("unproven"):
+        reasons = optimize_verdict["reasons"] or ["the SLA cannot be met"]
         failed += [f"optimize: {r}" for r in reasons]
     harden = harden_document(evidence)
     for result in (harden or {}).get("results", []):
@@ -141,8 +143,7 @@ def _missing(evidence: Evidence) -> list[str]:
     if evidence.optimize is None:
         missing.append("optimize was not run: no profile was measured against the SLA")
     elif evidence.optimize.get("check") is None:
-        missing.append("optimize ran with --no-check: the chosen chain's P99 was measured in process only, never "
-                       "through the daemon")  # fmt: skip
+        missing.append(_unchecked(evidence.optimize))
     harden = harden_document(evidence)
     if harden is None:
         missing.append("harden was not run: stability (polluted input, memory pressure, chaos, soak) is unproven")
@@ -163,6 +164,20 @@ def _missing(evidence: Evidence) -> list[str]:
             missing.append(f"the figures come from {', '.join(others)}; the constraints name {target}: "
                            "figures from another CPU model do not carry over, measure on the target box")  # fmt: skip
     return missing
+
+
+def _unchecked(optimize: dict[str, Any]) -> str:
+    """Why optimize's choice was never measured through a daemon, as its JSON records it."""
+    if optimize.get("check_error"):
+        kept = f" (its log: {optimize['check_log']})" if optimize.get("check_log") else ""
+        return (f"optimize's daemon check could not run: {optimize['check_error']}{kept}; the chosen chain's P99 was "
+                "measured in process only")  # fmt: skip
+    if optimize.get("checked") is False:
+        return "optimize ran with --no-check: the chosen chain's P99 was measured in process only, never through " \
+            "the daemon"  # fmt: skip
+    if optimize.get("chain") is None:
+        return "optimize chose no chain, so nothing was checked through a daemon"
+    return "optimize's JSON records no daemon check (an older optimize): the chosen chain's P99 is in-process only"
 
 
 def _not_proven(evidence: Evidence) -> list[str]:
@@ -361,7 +376,11 @@ def _identity_html(evidence: Evidence) -> str:
         ["CPU model (this box)", here.get("cpu_model", "-")],
         ["infervisor", f"{here.get('infervisor') or '-'}, commit {here.get('commit') or 'not available'}"],
         ["torch", here.get("torch") or "not installed"],
-        ["config", f"{inputs.get('config', '-')} sha256 {inputs.get('config_sha256', '-')}"],
+        [
+            "config",
+            f"{inputs.get('config', '-')} sha256 {inputs.get('config_sha256', '-')}"
+            + (f" (from {inputs['config_from']})" if inputs.get("config_from") else ""),
+        ],
         ["constraints", f"{inputs.get('constraints') or 'none'} sha256 {inputs.get('constraints_sha256') or '-'}"],
     ]
     harden = harden_document(evidence)
@@ -436,10 +455,13 @@ def _optimize_html(evidence: Evidence) -> list[str]:
                      f"clients for {check['seconds']:g} s, {check['samples']} requests: P50 {check['p50_ms']:.2f} ms, "
                      f"P99 {check['p99_ms']:.2f} ms, {check['errors']} errors{saturated}. This P99 is the one the "
                      "promise rests on.</p>")  # fmt: skip
-        parts.append(_command(f"infervisor probe --model {optimize['model']} --qps {check['qps']:g} "
-                              f"--clients {check['clients']} --duration {check['seconds']:g}"))  # fmt: skip
+        # Not a Repeat: the check's daemon is gone; this is its load, for the daemon that serves the written config.
+        same = (f"infervisor probe --model {optimize['model']} --qps {check['qps']:g} --clients {check['clients']} "
+                f"--duration {check['seconds']:g} --runtime-dir YOUR_DAEMONS_RUNTIME_DIR")  # fmt: skip
+        parts.append(f"<p class=repeat>The check's load against the daemon serving the written config: "
+                     f"<code>{html.escape(same)}</code></p>")  # fmt: skip
     else:
-        parts.append("<p>Not checked through a daemon (--no-check): every P99 above is in process.</p>")
+        parts.append(f"<p>Not checked through a daemon: {html.escape(_unchecked(optimize))}.</p>")
     parts.append(_command(optimize.get("command") or f"infervisor optimize --model {optimize['model']}"))
     return parts
 
