@@ -11,12 +11,17 @@ from typing import Any
 
 import pytest
 
+from infervisor.common.cpuinfo import read_caps
+from infervisor.common.profiles import cpu_refusal
 from infervisor.supervisor.settings.config import Config, parse_config
 from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints, parse_constraints
 from infervisor.supervisor.toolkit.doctor import Machine, Status, run_checks
 from infervisor.supervisor.toolkit.probe import STAGES, Sample, parse_perf_stat, stage_table, where_time_goes
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 from tests.test_planner import make_sysfs
+
+#: A profile that changes numerics and this box runs: bf16 where the CPU has it natively, else dynamic int8.
+LOSSY = next(name for name in ("bf16", "int8_dynamic") if cpu_refusal(name, read_caps()) is None)
 
 EXAMPLE = ROOT / "configs" / "constraints.example.json"
 XEON = "processor\t: 0\nmodel name\t: Test Xeon\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512_vnni\n\n"
@@ -193,7 +198,7 @@ def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tm
     config = _tiny_config(tmp_path)
     before = config.read_text()
     report = tmp_path / "report.json"
-    done = _optimize("--model", "tiny", "--config", str(config), "--profiles", "eager,jit,bf16", "--layouts", "1x1",
+    done = _optimize("--model", "tiny", "--config", str(config), "--profiles", f"eager,jit,{LOSSY}", "--layouts", "1x1",
                      "--no-check", "--seconds", "0.3", "--dry-run", "--json", str(report))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "VERDICT: the SLA can be met on this box" in done.stdout
@@ -201,26 +206,26 @@ def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tm
     written = json.loads(report.read_text())
     assert written["written_to"] is None and written["not_written"].startswith("--dry-run: the diff was shown")
     rows = {r["profile"]: r for r in written["rows"]}
-    assert set(rows) == {"eager", "jit", "bf16"}
+    assert set(rows) == {"eager", "jit", LOSSY}
     assert all(r["rss_mb"] > 50 and r["cold_start_s"] > 0 and r["p99_ms"] >= r["p50_ms"] for r in rows.values())
     assert rows["eager"]["cosine"] == 1.0 and '+      "profiles": [' in done.stdout
-    # bf16 changes numerics and tiny has no validation set: the report says what its cosine was judged on.
-    assert "WARNING: bf16 change numerics and were judged on synthetic inputs only" in done.stdout
+    # The lossy profile changes numerics and tiny has no validation set: the report says what its cosine was judged on.
+    assert f"WARNING: {LOSSY} change numerics and were judged on synthetic inputs only" in done.stdout
 
 
 def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path: Path) -> None:
-    """An impossible P99: verdict "cannot be met", exit 1; bf16 is outside a 0.999999 budget; the chain is written."""
+    """An impossible P99: verdict "cannot be met", exit 1; a lossy profile is outside a 0.999999 budget; the chain is written."""
     config = _tiny_config(tmp_path)
     constraints = tmp_path / "constraints.json"
     raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
     constraints.write_text(json.dumps(raw))
     done = _optimize("--model", "tiny", "--config", str(config), "--constraints", str(constraints),
-                     "--profiles", "eager,jit,bf16", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
+                     "--profiles", f"eager,jit,{LOSSY}", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "VERDICT: the SLA cannot be met on this box." in done.stdout and "P99" in done.stdout
-    assert any(line.startswith("bf16") and " OUT " in line for line in done.stdout.splitlines()), done.stdout
+    assert any(line.startswith(LOSSY) and " OUT " in line for line in done.stdout.splitlines()), done.stdout
     written = parse_config(config.read_text(), tmp_path).models["tiny"]
-    assert written.profiles[-1] == "eager" and "bf16" not in written.profiles
+    assert written.profiles[-1] == "eager" and LOSSY not in written.profiles
     assert written.tolerance["min_cosine"] == 0.999999
 
 
