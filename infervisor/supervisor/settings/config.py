@@ -16,6 +16,7 @@ from typing import Any
 from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
 from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import PROFILE_NAMES
+from infervisor.common.strict_modes import UnsafePath, read_small_file
 from infervisor.protocol.constants import DEFAULT_MAX_FRAME_BYTES, MAX_NAME_LEN
 from infervisor.protocol.launch import PICK_MODES, ModelSource
 from infervisor.protocol.tensors import TensorSpec
@@ -33,6 +34,7 @@ from infervisor.supervisor.settings.config_keys import (
     Text,
     read_object,
 )
+from infervisor.supervisor.settings.curve_keys import curve_problems
 from infervisor.supervisor.settings.fields import FieldReader
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
@@ -388,7 +390,11 @@ def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
             r.fail(f"{path}.{key}", f"{file} is not an existing {'directory' if want_dir else 'file'}")
             continue
         paths.append(str(file))
-    return CurveConfig(*paths) if len(paths) == 2 else None
+    if len(paths) != 2:
+        return None
+    for problem in curve_problems(Path(paths[0]), Path(paths[1])):
+        r.fail(path, problem)
+    return CurveConfig(*paths)
 
 
 def _read_socket_group(ctx: ReadContext, raw: Any, path: str) -> SocketGroup | None:
@@ -563,9 +569,11 @@ def parse_config(text: str, base: Path) -> Config:
 def load_config(path: Path) -> Config:
     """Read and validate a config file."""
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from exc
+        # Never blocks (a FIFO is refused by its fstat, a huge file by its size) and never reads a file another
+        # user could have written: the loop that calls this on a reload serves requests meanwhile.
+        text = read_small_file(path, "config").decode()
+    except UnsafePath as exc:
+        raise ConfigError([f"(file): {exc}"]) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError([f"(file): {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"]) from exc
     return parse_config(text, path.parent.resolve())
