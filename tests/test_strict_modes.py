@@ -293,3 +293,41 @@ def test_a_key_another_user_can_write_is_refused(tmp_path: Path) -> None:
     (clients / "app.key").chmod(0o666)
     output = refused_at_start(config, tmp_path / "run")
     assert "app.key is writable by group and others" in output, output
+
+
+# ------------------------------------------------------------------------------------ attack 1: code from the cache
+
+
+def test_a_package_planted_in_a_writable_cache_is_never_loaded(tmp_path: Path, attacker: Attacker) -> None:
+    """A cache_dir others may write, where another user replaced the aoti package and its .sha256 with a matching
+    pair: the worker refuses the whole cache with the reason in status, serves eager, and never reads the package
+    (it is neither loaded nor moved aside)."""
+    # One fixed shape: one package to compile, the cheapest aoti build there is.
+    fixed = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
+    chain = {"tiny": model_entry({"builtin": "tiny"}, fixed, workers=1, outputs=["y"], profiles=["aoti", "eager"])}
+    # Under a folder the other user may pass through (tmp_path is root's 0700), as /var/cache is.
+    tmp_path = attacker.shared.parent / f"box-{secrets.token_hex(3)}"
+    tmp_path.mkdir(mode=0o755)
+    first = Daemon(tmp_path, {"models": chain})
+    try:
+        assert first.wait_ready(600)["models"]["tiny"]["workers"][0]["profile"] == "aoti"
+    finally:
+        first.stop()
+    cache = tmp_path / "cache"
+    (package,) = cache.glob("aoti-*.pt2")
+    cache.chmod(0o777)  # a cache shared too widely: the issue's setup
+    planted = b"PK\x03\x04 not a package, but the attacker's own code would be here"
+    package.unlink()
+    attacker.write(package, planted, 0o644)
+    digest = subprocess.run(["sha256sum", str(package)], capture_output=True, text=True, check=True).stdout
+    package.with_suffix(".sha256").unlink()
+    attacker.write(package.with_suffix(".sha256"), digest.replace(str(package), package.name).encode(), 0o644)
+    (tmp_path / "again").mkdir()
+    again = Daemon(tmp_path / "again", {"cache_dir": str(cache), "models": chain})
+    try:
+        (worker,) = again.wait_ready(300)["models"]["tiny"]["workers"]
+        assert worker["profile"] == "eager", worker
+        assert "refused" in worker["profile_skipped"][0] and "writable" in worker["profile_skipped"][0], worker
+        assert package.read_bytes() == planted and not list(cache.glob("*.corrupt"))
+    finally:
+        again.stop()

@@ -127,10 +127,14 @@ def check_tree(root: Path, what: str = "folder") -> None:
     if not strict_modes_on():
         return
     root = Path(os.path.abspath(root))
-    while not os.path.lexists(root):
-        if root.parent == root:
-            return
-        root = root.parent
+    if not os.path.lexists(root):
+        existing = root.parent
+        while not os.path.lexists(existing) and existing.parent != existing:
+            existing = existing.parent
+        problem = folders_problem(existing)  # where it will be made: nothing of it to walk yet
+        if problem is not None:
+            raise UnsafePath(f"{what} refused: {problem}")
+        return
     problem = folders_problem(root)
     if problem is not None:
         raise UnsafePath(f"{what} refused: {problem}")
