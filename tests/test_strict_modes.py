@@ -72,7 +72,8 @@ def serve_once(config_path: Path, runtime_dir: Path, env: dict[str, str] | None 
     """`infervisor serve` on a config that may not start (its output piped)."""
     command = [sys.executable, "-m", "infervisor", "serve", "--config", str(config_path),
                "--runtime-dir", str(runtime_dir)]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    environment = {**os.environ, **(env or {})}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment)
 
 
 def refused_at_start(config_path: Path, runtime_dir: Path, env: dict[str, str] | None = None) -> str:
@@ -169,7 +170,8 @@ def test_a_module_imported_from_a_world_writable_folder_is_refused_in_the_worker
     app.mkdir()
     helper = f"helper_{secrets.token_hex(3)}"
     proof = tmp_path / "ran"
-    (app / "safe_model.py").write_text(f"import torch\n\ndef make():\n    import {helper}\n    return torch.nn.Linear(16, 4)\n")
+    code = f"import torch\n\ndef make():\n    import {helper}\n    return torch.nn.Linear(16, 4)\n"
+    (app / "safe_model.py").write_text(code)
     attacker.write(attacker.shared / f"{helper}.py", f"open({str(proof)!r}, 'w').write('ran')\n".encode())
     model = model_entry({"python": "safe_model:make"}, TINY_INPUTS, workers=1)
     python_path = os.pathsep.join([os.environ["PYTHONPATH"], str(attacker.shared)])

@@ -32,6 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import structlog
 import torch
 
+from infervisor.common.cpuinfo import cpu_flags_digest
 from infervisor.common.strict_modes import UnsafePath, check_file, check_tree
 from infervisor.common.text import clip
 from infervisor.protocol.launch import ModelSource
@@ -148,16 +149,6 @@ def write_durably(path: Path, text: str) -> None:
 CACHE_FORMAT = 2
 
 
-def _cpu_flags_digest() -> str:
-    """The full flag list of this CPU: inductor compiles for the exact machine (-march=native), not a tier."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = next((line.partition(":")[2] for line in text.splitlines() if line.startswith("flags")), "")
-    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
-
-
 def _torchao_version() -> str | None:
     try:
         return importlib.metadata.version("torchao")
@@ -180,7 +171,7 @@ def artifact_key(model: str, profile: str, specs: tuple[TensorSpec, ...], option
         "torch": torch.__version__,
         "torchao": _torchao_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_flags": _cpu_flags_digest(),
+        "cpu_flags": cpu_flags_digest(),
     }
 
 
