@@ -5,7 +5,9 @@ the daemon's uid or root and writable by neither group nor others. One exception
 the one that holds the file only: a sticky folder (`/tmp`, mode 1777) owned by root or us, because there
 nobody may rename or remove an entry they do not own, so the next folder down (owned by us or root, and
 checked in turn) cannot be swapped. The folder that holds the file gets no such exception: in it another
-user could add a name (a package that shadows a module, a package named like a cache key).
+user could add a name (a package that shadows a module, a package named like a cache key). A file or
+folder on a read-only mount passes whatever its mode bits say: nobody can write it (a Kubernetes
+ConfigMap volume shows 0777 folders, mounted read-only).
 
 `INFERVISOR_STRICT_MODES=off` turns the checks off, for development on a shared checkout only; the
 supervisor passes its environment to the workers, so both sides then agree.
@@ -39,12 +41,21 @@ def _trusted_uids() -> tuple[int, int]:
     return (os.geteuid(), 0)
 
 
+def _read_only_mount(path: Path) -> bool:
+    """Whether `path` is on a read-only mount: its mode bits then let nobody write (a Kubernetes ConfigMap or
+    Secret volume shows 0777 folders, mounted read-only)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def _owner_problem(path: Path, info: os.stat_result, what: str) -> str | None:
     """Why `info` (of `path`) is not ours to trust, or None."""
     if info.st_uid not in _trusted_uids():
         return f"{what} {path} is owned by uid {info.st_uid}, not by the daemon's uid {os.geteuid()} or root"
     mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022:
+    if mode & 0o022 and not _read_only_mount(path):
         who = "group and others" if mode & 0o022 == 0o022 else "its group" if mode & 0o020 else "others"
         return f"{what} {path} is writable by {who} (mode {mode:04o})"
     return None
@@ -61,7 +72,7 @@ def _folder_problem(folder: Path, holder: bool) -> str | None:
     if info.st_uid not in _trusted_uids():
         return f"folder {folder} is owned by uid {info.st_uid}, not by the daemon's uid {os.geteuid()} or root"
     mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022 and (holder or not mode & stat.S_ISVTX):
+    if mode & 0o022 and (holder or not mode & stat.S_ISVTX) and not _read_only_mount(folder):
         return _owner_problem(folder, info, "folder")
     return None
 

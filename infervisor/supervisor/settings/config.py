@@ -461,11 +461,12 @@ TOP_KEYS: tuple[Key, ...] = (
         "user ([more](#socket_group))."),
     Key("cache_dir", Text(), Applied.ROLLING,
         "where compiled packages (`aoti`, `int8_*`), fastest-pick decisions and torch.compile's cache are kept "
-        "across restarts ([default](#cache_dir))."),
+        "across restarts ([default](#cache_dir)); it must pass the [strict modes](#strict-modes)."),
     Key("log_level", Choice("info", LOG_LEVELS), Applied.LIVE,
         "the least severe log event written."),
     Key("curve",
-        Custom(_read_curve, '`{"server_secret_key": FILE, "authorized_clients": DIR}` (both must exist) or null'),
+        Custom(_read_curve, '`{"server_secret_key": FILE, "authorized_clients": DIR}` (both must exist, with '
+               'their keys, and pass the strict modes) or null'),
         Applied.DAEMON_RESTART,
         "zmq certificates (`zmq.auth.create_certificates`) making the tcp endpoint a CURVE server that admits only "
         "the public keys found in `authorized_clients`. The ipc endpoint is not affected (it is guarded by file "

@@ -63,4 +63,3 @@ def _meta_path_spec(name: str) -> ModuleSpec | None:
         if spec is not None:
             return spec
     return None
-

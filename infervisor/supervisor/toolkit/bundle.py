@@ -309,4 +309,3 @@ def _install(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
-

@@ -234,6 +234,11 @@ class ArtifactCache:
         """
         if self._refused is None:
             try:
+                # Made first, then checked: a folder another user made at this path meanwhile is then refused.
+                self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError:
+                pass  # a read-only place: checked as it is, and each build says why it cannot write
+            try:
                 check_tree(self.root, f"cache_dir {self.root}")
                 self._refused = ""
             except UnsafePath as exc:
