@@ -333,3 +333,16 @@ def test_a_package_planted_in_a_writable_cache_is_never_loaded(tmp_path: Path, a
         assert package.read_bytes() == planted and not list(cache.glob("*.corrupt"))
     finally:
         again.stop()
+
+
+def test_a_reload_with_a_bad_key_changes_nothing_and_says_why(tmp_path: Path) -> None:
+    """The reload path reads the config like the start: a client key that lost its public-key line is a refused
+    config (the reloader keeps the running one) naming the file."""
+    from infervisor.supervisor.settings.config import ConfigError, load_config
+
+    config, _, clients = _curve_config(tmp_path)
+    load_config(config)
+    (clients / "app.key").write_text("metadata\ncurve\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(config)
+    assert refused.value.problems == [f"curve: {clients / 'app.key'} has no public-key line"]
