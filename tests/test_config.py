@@ -11,6 +11,7 @@ from typing import Any, Final, get_type_hints
 
 import numpy as np
 import pytest
+import zmq.auth
 
 from infervisor.protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
 from infervisor.protocol.launch import ModelSource
@@ -768,8 +769,10 @@ def _another(key: Key, folder: Path) -> object:
     if isinstance(value, Text):
         return "/elsewhere"
     np.savez(folder / "samples.npz", x=np.zeros((4, 16), np.float32))
-    (folder / "server.key_secret").write_text("")
+    # Real key files: an empty one is refused when the config is read (no public-key line).
     (folder / "clients").mkdir(exist_ok=True)
+    zmq.auth.create_certificates(folder, "server")
+    zmq.auth.create_certificates(folder / "clients", "client")
     custom: dict[str, object] = {
         "source": {"builtin": "tiny"},
         "inputs": [{**TINY_INPUT, "allow_non_finite": True}],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,3 +50,14 @@ def read_caps(path: Path = Path("/proc/cpuinfo")) -> CpuCaps:
         return parse_cpuinfo(path.read_text())
     except OSError:
         return CpuCaps(frozenset(), "unknown")
+
+
+def cpu_flags_digest(path: Path = Path("/proc/cpuinfo")) -> str:
+    """The full flag list of this CPU as a short digest: part of every compiled package's cache key (inductor
+    compiles for the exact machine, -march=native), and of the capability key a cache bundle is checked against."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.partition(":")[2] for line in text.splitlines() if line.startswith("flags")), "")
+    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
+from infervisor.common.strict_modes import UnsafePath, check_tree
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.launch import LaunchSpec
 from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
@@ -31,6 +35,7 @@ def main(argv: list[str]) -> int:
         return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
+    keep_inductor_out_of_unsafe_cache(launch.cache_dir)
     from infervisor.common.json_logs import adopt_library_handlers
     from infervisor.worker.logs import configure_logging
 
@@ -40,6 +45,18 @@ def main(argv: list[str]) -> int:
 
     adopt_library_handlers()  # torch's import installed console handlers of its own
     return serve(launch)
+
+
+def keep_inductor_out_of_unsafe_cache(cache_dir: str | None) -> None:
+    """Before torch is imported: when the cache fails the strict modes, torch.compile's own cache (a compiled
+    library there would be loaded as is) goes to a private temp folder instead of the one under cache_dir."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache_dir or not inductor or not Path(inductor).is_relative_to(cache_dir):
+        return
+    try:
+        check_tree(Path(cache_dir), "cache_dir")
+    except UnsafePath:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="infervisor-inductor-")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ import torch
 from infervisor.protocol.launch import ModelSource
 from infervisor.protocol.tensors import DimRange, TensorSpec
 from infervisor.worker.models import BUILTIN_OUTPUTS, build_builtin
+from infervisor.worker.trusted_import import build_from_factory
 
 
 class ModelLoadError(Exception):
@@ -31,11 +30,8 @@ def load_model(source: ModelSource, specs: Sequence[TensorSpec] | None = None) -
         if source.kind == "python":
             # An eager model defined in code: a callable that returns the module, found on PYTHONPATH, in
             # site-packages, then in the config's directory (last, so it can shadow no installed package).
-            module_name, _, attribute = str(source.name).partition(":")
-            if source.search_dir is not None and source.search_dir not in sys.path:
-                sys.path.append(source.search_dir)
-            factory = getattr(importlib.import_module(module_name), attribute)
-            return factory().eval()
+            # The config's directory is on the path only while the module is imported and its factory runs.
+            return build_from_factory(str(source.name), source.search_dir).eval()
         path = Path(str(source.path))
         if not path.is_file():
             raise ModelLoadError(f"model file {path} does not exist")

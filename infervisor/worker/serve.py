@@ -370,7 +370,8 @@ def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
         for name in launch.profiles
         if name != REFERENCE_PROFILE
     }
-    root = context.cache.root if context.cache is not None else None
+    # Crash markers are read back as reasons: never from a cache others could have written them in.
+    root = context.cache.root if context.cache is not None and context.cache.trusted() else None
     return AttemptLog(root, stems, launch.recent_exits, launch.compile_timeout_s)
 
 

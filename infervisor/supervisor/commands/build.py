@@ -29,6 +29,7 @@ from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import COMPILE_PHASES, OUTCOME_PHASES, StartPhase
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
+from infervisor.supervisor.commands.bundle import run_export, run_import
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from infervisor.supervisor.host.topology import TopologyError, read_topology
@@ -238,6 +239,8 @@ def run_build(args: argparse.Namespace, say: Callable[[str], None] = _say) -> in
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_USAGE
+    if getattr(args, "import_bundle", None):
+        return run_import(Path(args.import_bundle), resolve_cache_dir(config.cache_dir), say)
     names = [n.strip() for n in args.models.split(",") if n.strip()] if args.models else list(config.models)
     unknown = sorted(set(names) - set(config.models))
     if unknown:
@@ -259,4 +262,6 @@ def run_build(args: argparse.Namespace, say: Callable[[str], None] = _say) -> in
         for line in failures:
             print(f"  {line}", file=sys.stderr)
         return EXIT_FAILED
+    if getattr(args, "export", None):
+        return run_export(resolve_cache_dir(config.cache_dir), Path(args.export), say)
     return EXIT_OK

@@ -120,6 +120,11 @@ def _build_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help=CONFIG_HELP)
     parser.add_argument("--models", help="only these models of the config, comma-separated (default: all)")
     parser.add_argument("--json", help="also write each profile's outcome here")
+    parser.add_argument("--export", metavar="FILE", help="after building, write the cache's packages to FILE")
+    parser.add_argument(
+        "--import", dest="import_bundle", metavar="FILE",
+        help="build nothing: verify the bundle FILE and install what matches this box into the config's cache_dir",
+    )  # fmt: skip
 
 
 def _demo_options(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
 from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import PROFILE_NAMES
+from infervisor.common.strict_modes import UnsafePath, read_small_file
 from infervisor.protocol.constants import DEFAULT_MAX_FRAME_BYTES, MAX_NAME_LEN
 from infervisor.protocol.launch import PICK_MODES, ModelSource
 from infervisor.protocol.tensors import TensorSpec
@@ -33,6 +34,7 @@ from infervisor.supervisor.settings.config_keys import (
     Text,
     read_object,
 )
+from infervisor.supervisor.settings.curve_keys import curve_problems
 from infervisor.supervisor.settings.fields import FieldReader
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
@@ -388,7 +390,11 @@ def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
             r.fail(f"{path}.{key}", f"{file} is not an existing {'directory' if want_dir else 'file'}")
             continue
         paths.append(str(file))
-    return CurveConfig(*paths) if len(paths) == 2 else None
+    if len(paths) != 2:
+        return None
+    for problem in curve_problems(Path(paths[0]), Path(paths[1])):
+        r.fail(path, problem)
+    return CurveConfig(*paths)
 
 
 def _read_socket_group(ctx: ReadContext, raw: Any, path: str) -> SocketGroup | None:
@@ -455,11 +461,12 @@ TOP_KEYS: tuple[Key, ...] = (
         "user ([more](#socket_group))."),
     Key("cache_dir", Text(), Applied.ROLLING,
         "where compiled packages (`aoti`, `int8_*`), fastest-pick decisions and torch.compile's cache are kept "
-        "across restarts ([default](#cache_dir))."),
+        "across restarts ([default](#cache_dir)); it must pass the [strict modes](#strict-modes)."),
     Key("log_level", Choice("info", LOG_LEVELS), Applied.LIVE,
         "the least severe log event written."),
     Key("curve",
-        Custom(_read_curve, '`{"server_secret_key": FILE, "authorized_clients": DIR}` (both must exist) or null'),
+        Custom(_read_curve, '`{"server_secret_key": FILE, "authorized_clients": DIR}` (both must exist, with '
+               'their keys, and pass the strict modes) or null'),
         Applied.DAEMON_RESTART,
         "zmq certificates (`zmq.auth.create_certificates`) making the tcp endpoint a CURVE server that admits only "
         "the public keys found in `authorized_clients`. The ipc endpoint is not affected (it is guarded by file "
@@ -564,9 +571,11 @@ def load_config(path: Path, source_dir: Path | None = None) -> Config:
     """Read and validate a config file; relative model files and python modules are found in `source_dir`, by
     default the file's own folder (a scratch copy of a user's config names the user's folder)."""
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from exc
+        # Never blocks (a FIFO is refused by its fstat, a huge file by its size) and never reads a file another
+        # user could have written: the loop that calls this on a reload serves requests meanwhile.
+        text = read_small_file(path, "config").decode()
+    except UnsafePath as exc:
+        raise ConfigError([f"(file): {exc}"]) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError([f"(file): {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"]) from exc
     return parse_config(text, (source_dir or path.parent).resolve())

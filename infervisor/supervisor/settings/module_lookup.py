@@ -12,6 +12,8 @@ import sys
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 
+from infervisor.common.strict_modes import spec_problem
+
 
 def worker_import_path(config_dir: Path) -> list[str]:
     """A worker's import path: PYTHONPATH, the interpreter's own (site-packages), then the config's directory.
@@ -41,6 +43,9 @@ def module_missing(dotted: str, config_dir: Path) -> str | None:
         if spec is None:
             where = f"package {found!r}" if found else "PYTHONPATH, site-packages or the config's directory"
             return f"no module {name!r} in {where}"
+        unsafe = spec_problem(spec)
+        if unsafe is not None:
+            return unsafe
         found = name
         locations = spec.submodule_search_locations
         path = list(locations) if locations is not None else None

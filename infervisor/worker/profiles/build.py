@@ -38,6 +38,7 @@ from infervisor.worker.profiles.builders import (
 from infervisor.worker.profiles.cache import (
     CachedBuildFailure,
     NoSpaceLeft,
+    UntrustedCache,
     artifact_key,
     no_space_left,
 )
@@ -266,7 +267,7 @@ def build_profile(name: str, context: BuildContext) -> Built:
         cause, _, remembered = str(exc).partition(": ")
         if isinstance(exc, CachedBuildFailure) and cause == NoGain.__name__:
             raise ProfileError(remembered) from exc  # said as the first time, not as a build that failed
-        if isinstance(exc, ExportError | NoSpaceLeft):
+        if isinstance(exc, ExportError | NoSpaceLeft | UntrustedCache):
             detail = str(exc)
         elif no_space_left(exc):
             detail = clip(f"no space left on device ({type(exc).__name__}: {exc})")

@@ -32,6 +32,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import structlog
 import torch
 
+from infervisor.common.cpuinfo import cpu_flags_digest
+from infervisor.common.strict_modes import UnsafePath, check_file, check_tree
 from infervisor.common.text import clip
 from infervisor.protocol.launch import ModelSource
 from infervisor.protocol.tensors import TensorSpec
@@ -51,6 +53,10 @@ T = TypeVar("T")
 
 class CachedBuildFailure(Exception):
     """This key's build failed recently; the message is that failure's."""
+
+
+class UntrustedCache(Exception):
+    """The cache folder, or something in it, is owned or writable by another user: nothing is loaded from it."""
 
 
 class NoSpaceLeft(Exception):
@@ -143,16 +149,6 @@ def write_durably(path: Path, text: str) -> None:
 CACHE_FORMAT = 2
 
 
-def _cpu_flags_digest() -> str:
-    """The full flag list of this CPU: inductor compiles for the exact machine (-march=native), not a tier."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = next((line.partition(":")[2] for line in text.splitlines() if line.startswith("flags")), "")
-    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
-
-
 def _torchao_version() -> str | None:
     try:
         return importlib.metadata.version("torchao")
@@ -175,7 +171,7 @@ def artifact_key(model: str, profile: str, specs: tuple[TensorSpec, ...], option
         "torch": torch.__version__,
         "torchao": _torchao_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_flags": _cpu_flags_digest(),
+        "cpu_flags": cpu_flags_digest(),
     }
 
 
@@ -227,6 +223,46 @@ class ArtifactCache:
         #: Builds this process ran (cache misses, failed ones too): a worker that ran one restarts itself
         #: from the cache so the compiler's memory does not stay for its life (infervisor/worker/reexec.py).
         self.builds = 0
+        #: Why the cache is refused (strict modes), once checked: "" when it is safe, None before the check.
+        self._refused: str | None = None
+
+    def trust(self) -> None:
+        """UntrustedCache unless the cache folder, the folders above it and every file and folder in it are owned
+        by us (or root) and writable by nobody else: a package planted there would run as the daemon's user.
+
+        The whole tree is walked once per process; since no one else may write in it, nothing can be added later.
+        """
+        if self._refused is None:
+            try:
+                # Made first, then checked: a folder another user made at this path meanwhile is then refused.
+                self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError:
+                pass  # a read-only place: checked as it is, and each build says why it cannot write
+            try:
+                check_tree(self.root, f"cache_dir {self.root}")
+                self._refused = ""
+            except UnsafePath as exc:
+                self._refused = str(exc)
+                log.error("cache_refused", cache_dir=str(self.root), reason=self._refused)
+        if self._refused:
+            raise UntrustedCache(self._refused)
+
+    def trusted(self) -> bool:
+        """Whether the cache passes the strict modes (see `trust`)."""
+        try:
+            self.trust()
+        except UntrustedCache:
+            return False
+        return True
+
+    def read_trusted(self, path: Path) -> str:
+        """The text of a file in the cache, once the cache and the file itself pass the strict modes."""
+        self.trust()
+        try:
+            check_file(path, "cached file")
+        except UnsafePath as exc:
+            raise UntrustedCache(str(exc)) from exc
+        return path.read_text()
 
     def path_for(self, profile: str, key: dict[str, Any]) -> Path:
         """Where the artifact of this key lives."""
@@ -297,6 +333,7 @@ class ArtifactCache:
                 self._remember_failure(path, f"{type(exc).__name__}: {exc}")
 
     def _ensure(self, path: Path, key: dict[str, Any], build: Callable[[Path], None]) -> _Ensured:
+        self.trust()
         with self.locked(path):
             rejected: str | None = None
             if path.exists():
@@ -306,7 +343,7 @@ class ArtifactCache:
                 self._move_aside(path, rejected)
             failed = path.with_suffix(".failed")
             if failed.exists() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
-                raise CachedBuildFailure(f"{clip(failed.read_text())} (remembered in {failed.name})")
+                raise CachedBuildFailure(f"{clip(self.read_trusted(failed))} (remembered in {failed.name})")
             self._sweep(path.stem)
             self.builds += 1
             handle, temporary = tempfile.mkstemp(dir=self.root, prefix=path.stem, suffix=".tmp.pt2")
@@ -338,9 +375,18 @@ class ArtifactCache:
         os.replace(temporary, path)
         _fsync_directory(path.parent)
 
-    @staticmethod
-    def _check(path: Path) -> str | None:
-        """Why the package at `path` is not what was built, or None when its sha256 is the one stored."""
+    def _check(self, path: Path) -> str | None:
+        """Why the package at `path` is not what was built, or None when its sha256 is the one stored.
+
+        The package and its digest must pass the strict modes first (UntrustedCache): a digest beside a package
+        catches bit rot, not a writer, so who may have written them is checked before what they say.
+        """
+        for each in (path, path.with_suffix(DIGEST_SUFFIX)):
+            if each.exists():
+                try:
+                    check_file(each, "cached file")
+                except UnsafePath as exc:
+                    raise UntrustedCache(str(exc)) from exc
         try:
             stored = path.with_suffix(DIGEST_SUFFIX).read_text().split()[0]
         except (OSError, IndexError):

@@ -32,6 +32,7 @@ from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.attempts import AttemptLog
 from infervisor.worker.profiles.build import build_profile
 from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
+from infervisor.worker.profiles.cache import UntrustedCache
 from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
@@ -432,13 +433,13 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
     path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
-    if path is None or not path.exists():
+    if path is None or context.cache is None or not path.exists():
         return None
     try:
-        decision = json.loads(path.read_text())
+        decision = json.loads(context.cache.read_trusted(path))
         name, summary = str(decision["profile"]), str(decision["summary"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, UntrustedCache):
+        return None  # an unsafe cache is said by each packaged profile's failure; a new pick is timed
     outcome = trial.attempt(name)
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
