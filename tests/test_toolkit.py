@@ -214,13 +214,13 @@ def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tm
 
 
 def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path: Path) -> None:
-    """An impossible P99: verdict "cannot be met", exit 1; a lossy profile is outside a 0.999999 budget; the chain is written."""
+    """An impossible P99: "cannot be met", exit 1; a lossy profile is outside a 0.999999 budget; the chain is written."""
     config = _tiny_config(tmp_path)
     constraints = tmp_path / "constraints.json"
     raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
     constraints.write_text(json.dumps(raw))
-    done = _optimize("--model", "tiny", "--config", str(config), "--constraints", str(constraints),
-                     "--profiles", f"eager,jit,{LOSSY}", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
+    done = _optimize("--model", "tiny", "--config", str(config), "--constraints", str(constraints), "--profiles",
+                     f"eager,jit,{LOSSY}", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "VERDICT: the SLA cannot be met on this box." in done.stdout and "P99" in done.stdout
     assert any(line.startswith(LOSSY) and " OUT " in line for line in done.stdout.splitlines()), done.stdout
