@@ -214,7 +214,7 @@ def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tm
 
 
 def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path: Path) -> None:
-    """An impossible P99: "cannot be met", exit 1; a lossy profile is outside a 0.999999 budget; the chain is written."""
+    """An impossible P99: "cannot be met", exit 1; a lossy profile falls outside a 0.999999 budget; chain written."""
     config = _tiny_config(tmp_path)
     constraints = tmp_path / "constraints.json"
     raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
