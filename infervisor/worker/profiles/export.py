@@ -201,12 +201,13 @@ def quantize(
     calibration: Sequence[Inputs],
     dynamic: bool,
     specs: Sequence[TensorSpec] = (),
+    module: Any = None,
 ) -> torch.fx.GraphModule:
     """PT2E int8 with X86InductorQuantizer: static (activations calibrated) or dynamic (Linear layers only).
 
     Dynamic quantization is configured for aten.linear alone (nn.Linear and F.linear): the quantizer's global
     dynamic config also takes convolutions, which changed a conv-only network's outputs for no speed. NoGain
-    when the graph has no Linear to quantize.
+    when the graph has no Linear to quantize, naming the Linear layers `module` (the exported one) has if any.
     """
     try:
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
@@ -236,9 +237,35 @@ def quantize(
             )
         raise ExportError(f"PT2E quantization failed: {message}") from exc
     if not any("quantize" in str(node.target) for node in converted.graph.nodes if node.op == "call_function"):
-        what = "no Linear layer (int8_dynamic quantizes only those)" if dynamic else "no layer the quantizer takes"
-        raise NoGain(f"no gain: the model has {what}, so nothing was quantized")
+        raise NoGain(_no_gain_reason(dynamic, module))
     return converted
+
+
+def export_quantized(
+    module: Any, example: Inputs, specs: Sequence[TensorSpec], calibration: Sequence[Inputs], dynamic: bool
+) -> torch.fx.GraphModule:
+    """The module exported and PT2E-quantized, its parametrized weights (weight_norm) baked in first: the quantizer
+    takes layers by type, and a ParametrizedLinear is not an nn.Linear (parametrized.py)."""
+    from infervisor.worker.profiles.parametrized import baked
+
+    plain = baked(module)
+    return quantize(export(plain, example, specs), calibration, dynamic, specs, plain)
+
+
+def _no_gain_reason(dynamic: bool, module: Any) -> str:
+    """Why nothing was quantized, with the Linear layers the module does have (the quantizer took none of them)."""
+    from infervisor.worker.profiles.parametrized import linear_layers
+
+    linears = linear_layers(module)
+    if not linears:
+        what = "no Linear layer (int8_dynamic quantizes only those)" if dynamic else "no layer the quantizer takes"
+        return f"no gain: the model has {what}, so nothing was quantized"
+    more = f" and {len(linears) - 5} more" if len(linears) > 5 else ""
+    shown = ", ".join(repr(name) for name in linears[:5]) + more
+    return (
+        f"no gain: the quantizer took none of the model's nn.Linear layers ({shown}): their weights are not plain "
+        "parameters in the exported graph or their inputs are not float tensors, so nothing was quantized"
+    )
 
 
 def compile_package(

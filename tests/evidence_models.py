@@ -1,0 +1,35 @@
+"""Models for the tests of the gate's evidence, its advice and int8 on parametrized layers (`tests.evidence_models:NAME`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+
+def weight_normed(old_style: bool = False) -> nn.Module:
+    """Two Linear layers, each under weight_norm (torch.nn.utils.parametrizations, or the deprecated hook form)."""
+    torch.manual_seed(0)
+    wrap = nn.utils.weight_norm if old_style else nn.utils.parametrizations.weight_norm
+    return nn.Sequential(wrap(nn.Linear(16, 32)), nn.ReLU(), wrap(nn.Linear(32, 4))).eval()
+
+
+class PaddedAudio(nn.Module):
+    """Raw audio with an open length: a reflect pad of 432 samples on each side (an STFT front end), then a strided
+    conv and a mean over time; torch refuses any length up to 432 with its raw padding error."""
+
+    PAD = 432
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 64, stride=32)
+
+    def forward(self, samples: torch.Tensor) -> torch.Tensor:
+        padded = functional.pad(samples.unsqueeze(1), (self.PAD, self.PAD), mode="reflect")
+        return self.conv(padded).mean(-1)
+
+
+def padded_audio() -> nn.Module:
+    """The factory the config names (seeded weights)."""
+    torch.manual_seed(0)
+    return PaddedAudio().eval()
