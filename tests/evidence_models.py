@@ -1,4 +1,4 @@
-"""Models for the tests of the gate's evidence, its advice and int8 on parametrized layers (`tests.evidence_models:NAME`)."""
+"""Test models for the gate's evidence, its advice and int8 on parametrized layers (`tests.evidence_models:X`)."""
 
 from __future__ import annotations
 

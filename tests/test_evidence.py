@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import pytest
 import torch
 
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.export import export_quantized
+from tests.conftest import Daemon, model_entry, wait_for
 from tests.evidence_models import weight_normed
 
 LINEAR_SPEC = (TensorSpec("x", "float32", (None, 16)),)
@@ -28,3 +32,50 @@ def test_int8_dynamic_quantizes_linear_layers_under_weight_norm(old_style: bool)
     assert torch.equal(again, want), "the eager module changed"
     cosine = torch.nn.functional.cosine_similarity(got, want).min()
     assert float(cosine) > 0.99, cosine
+
+
+AUDIO_OPEN = [{"name": "samples", "dtype": "float32", "shape": [None, None]}]
+AUDIO_FROM_100 = [{"name": "samples", "dtype": "float32", "shape": [None, [100, None]]}]
+AUDIO_ADVISED = [{"name": "samples", "dtype": "float32", "shape": [None, [433, None]]}]
+
+
+def _load_error(daemon: Daemon, model: str) -> str:
+    """The load error status shows for `model`'s worker."""
+
+    def failed() -> str | None:
+        status = daemon.try_status()
+        workers = status["models"][model]["workers"] if status else []
+        errors = [str(w.get("load_error") or w.get("last_exit") or "") for w in workers]
+        return next((e for e in errors if "LoadError" in e or "declare" in e or "Error" in e), None)
+
+    return wait_for(failed, 120, f"{model} refused at load")  # type: ignore[no-any-return]
+
+
+def test_an_audio_model_refusing_short_inputs_gets_a_checked_minimum_not_a_raw_padding_error(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """Through real workers: a reflect pad of 432 samples declared open (or from 100) fails at load with the minimum
+    to declare, 433 (sizes in the hundreds, beyond the old list), and the advised shape loads and serves."""
+    config = {
+        "oversubscribe": True,
+        "max_restarts": 1,
+        "models": {
+            "open": model_entry({"python": "tests.evidence_models:padded_audio"}, AUDIO_OPEN),
+            "from100": model_entry({"python": "tests.evidence_models:padded_audio"}, AUDIO_FROM_100),
+            "advised": model_entry({"python": "tests.evidence_models:padded_audio"}, AUDIO_ADVISED),
+        },
+    }
+    daemon = start_daemon(config)
+    for model, declared in (("open", 1), ("from100", 100)):
+        error = _load_error(daemon, model)
+        assert "Padding size should be less than" in error, error
+        assert f"from their declared minimum, {declared}, which this model refuses; it runs from 433" in error, error
+        assert "\"shape\": [null, [433, null]]" in error, error
+
+    def serving() -> bool:
+        return any(w["state"] == "serving" for w in daemon.status()["models"]["advised"]["workers"])
+
+    wait_for(serving, 120, "the advised shape serving")
+    with daemon.client() as client:
+        out = client.infer("advised", {"samples": np.zeros((1, 433), np.float32)})["output"]
+    assert out.shape == (1, 4)
