@@ -33,3 +33,22 @@ def padded_audio() -> nn.Module:
     """The factory the config names (seeded weights)."""
     torch.manual_seed(0)
     return PaddedAudio().eval()
+
+
+class EveryTwelfth(nn.Module):
+    """Doubles lengths that are multiples of 12: traced at 12, export holds at 12 alone; traced at 13, for 13..23."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 12 == 0:
+            x = x * 2
+        return self.head(x.sum(-1, keepdim=True))
+
+
+def every_twelfth() -> nn.Module:
+    """The factory the config names (seeded weights)."""
+    torch.manual_seed(0)
+    return EveryTwelfth().eval()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from infervisor.protocol.tensors import TensorSpec
-from infervisor.worker.profiles.export import export_quantized
+from infervisor.worker.profiles.export import export, export_quantized
 from tests.conftest import Daemon, model_entry, wait_for
-from tests.evidence_models import weight_normed
+from tests.evidence_models import every_twelfth, weight_normed
 
 LINEAR_SPEC = (TensorSpec("x", "float32", (None, 16)),)
 
@@ -70,7 +70,7 @@ def test_an_audio_model_refusing_short_inputs_gets_a_checked_minimum_not_a_raw_p
         error = _load_error(daemon, model)
         assert "Padding size should be less than" in error, error
         assert f"from their declared minimum, {declared}, which this model refuses; it runs from 433" in error, error
-        assert "\"shape\": [null, [433, null]]" in error, error
+        assert '"shape": [null, [433, null]]' in error, error
 
     def serving() -> bool:
         return any(w["state"] == "serving" for w in daemon.status()["models"]["advised"]["workers"])
@@ -79,3 +79,31 @@ def test_an_audio_model_refusing_short_inputs_gets_a_checked_minimum_not_a_raw_p
     with daemon.client() as client:
         out = client.infer("advised", {"samples": np.zeros((1, 433), np.float32)})["output"]
     assert out.shape == (1, 4)
+
+
+TWELFTH_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, [12, None]]}]
+
+
+def test_a_declare_hint_is_a_range_a_re_export_covers(start_daemon: Callable[..., Daemon]) -> None:
+    """Through a real worker: the first program covers [12, 12] only, whose re-export is refused; the skip reason
+    names [13, 23], which the worker exported again and found covered, and which does export over that range."""
+    config = {
+        "oversubscribe": True,
+        "models": {
+            "twelfth": model_entry({"python": "tests.evidence_models:every_twelfth"}, TWELFTH_INPUTS,
+                                   profiles=["aoti", "eager"]),
+        },
+    }  # fmt: skip
+    daemon = start_daemon(config)
+
+    def skipped() -> str | None:
+        status = daemon.try_status()
+        workers = status["models"]["twelfth"]["workers"] if status else []
+        reasons = [r for w in workers if w["state"] == "serving" for r in w.get("profile_skipped") or []]
+        return reasons[0] if reasons else None
+
+    reason = wait_for(skipped, 400, "aoti skipped with its reason")
+    assert "it covers [12, 12] of the declared [12, null]" in reason, reason
+    assert "declare the range [13, 23] for that dim (exported again with it, the program covers it" in reason, reason
+    advised = TensorSpec("x", "float32", (None, None), bounds=(None, (13, 23)))
+    export(every_twelfth(), (torch.randn(2, 13),), (advised,))  # the advice holds: no ExportError
