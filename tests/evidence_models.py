@@ -52,3 +52,35 @@ def every_twelfth() -> nn.Module:
     """The factory the config names (seeded weights)."""
     torch.manual_seed(0)
     return EveryTwelfth().eval()
+
+
+#: How far the traced (`jit`) graph of OffWhenTraced moves an output row whose first input value is 1 or more: 5%.
+OFF_BY = 0.05
+OFF_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 8]}]
+
+
+class OffWhenTraced(nn.Module):
+    """16 tanh features; the traced graph (the `jit` profile) scales each by 1 +- OFF_BY * clamp(x[:, 0], 0, 1), signs
+    fixed per feature: exact on rows whose first value is at most 0, 5% off (cosine about 0.9988) where it is 1 or more,
+    as a compiled profile right on its validation set and wrong on traffic it did not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.features = nn.Linear(8, 16)
+        with torch.no_grad():
+            for parameter in self.features.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+        signs = torch.randint(0, 2, (16,), generator=generator).float() * 2 - 1
+        self.register_buffer("signs", signs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.features(x))
+        if torch.jit.is_tracing():
+            y = y * (1 + OFF_BY * x[:, :1].clamp(0, 1) * self.signs)
+        return y
+
+
+def off_when_traced() -> nn.Module:
+    """The factory the config names."""
+    return OffWhenTraced().eval()

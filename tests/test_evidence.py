@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.protocol.tensors import TensorSpec
+from infervisor.worker.profiles.builders import BuildContext, calibration_set
 from infervisor.worker.profiles.export import export, export_quantized
 from tests.conftest import Daemon, model_entry, wait_for
-from tests.evidence_models import every_twelfth, weight_normed
+from tests.evidence_models import OFF_INPUTS, every_twelfth, off_when_traced, weight_normed
 
 LINEAR_SPEC = (TensorSpec("x", "float32", (None, 16)),)
 
@@ -107,3 +110,62 @@ def test_a_declare_hint_is_a_range_a_re_export_covers(start_daemon: Callable[...
     assert "declare the range [13, 23] for that dim (exported again with it, the program covers it" in reason, reason
     advised = TensorSpec("x", "float32", (None, None), bounds=(None, (13, 23)))
     export(every_twelfth(), (torch.randn(2, 13),), (advised,))  # the advice holds: no ExportError
+
+
+def _off_samples(first_values: list[float], seed: int) -> np.ndarray:
+    """Rows of N(0, 1) whose first value is set: OffWhenTraced's traced graph is off on them by that much."""
+    samples = np.random.default_rng(seed).standard_normal((len(first_values), 8)).astype(np.float32)
+    samples[:, 0] = first_values
+    return samples
+
+
+def test_a_pass_thinner_than_the_samples_spread_warns_in_status_with_its_margin(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Through a real worker: jit passes a min_cosine set just below its worst validation row; status gives the
+    verdict's sample count and margin, and warns that the margin is thinner than the rows' spread."""
+    validation = _off_samples([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], seed=1)
+    path = tmp_path / "validation.npz"
+    np.savez(path, x=validation)
+    module = off_when_traced()
+    x = torch.from_numpy(validation)
+    with torch.no_grad():
+        cosines = torch.nn.functional.cosine_similarity(module(x), torch.jit.trace(module, (x[:1],))(x))
+    worst, spread = float(cosines.min()), float(cosines.max() - cosines.min())
+    min_cosine = worst - spread / 20
+    config = {
+        "oversubscribe": True,
+        "models": {
+            "thin": model_entry({"python": "tests.evidence_models:off_when_traced"}, OFF_INPUTS, profiles=["jit"],
+                                validation=str(path), tolerance={"min_cosine": min_cosine}),
+        },
+    }  # fmt: skip
+    daemon = start_daemon(config)
+    status = daemon.wait_ready(240)
+    (worker,) = status["models"]["thin"]["workers"]
+    assert worker["profile"] == "jit" and worker["checked_on"] == "validation set", worker
+    verdict = next(note for note in worker["profile_build"] if note.startswith("built and checked"))
+    assert "of cosine (min_cosine" in verdict and "on 8 samples (rows' cosines spread" in verdict, verdict
+    warning = worker["accuracy_warning"]
+    assert warning is not None and " on 8 samples: add validation data or tighten the tolerance" in warning, worker
+    assert warning.startswith("passed by "), warning
+    assert float(warning.removeprefix("passed by ").split()[0]) < spread, (warning, spread)
+
+
+def test_a_calibration_set_that_is_the_validation_set_is_named_as_such(tmp_path: Path) -> None:
+    """int8 calibrated on the file that also validates it gets an accuracy warning note saying so."""
+    path = tmp_path / "samples.npz"
+    np.savez(path, x=_off_samples([0.0, 0.0], seed=2))
+    copy = tmp_path / "copy.npz"
+    copy.write_bytes(path.read_bytes())
+    example = (torch.zeros(1, 8),)
+    specs = (TensorSpec("x", "float32", (None, 8)),)
+    for validation in (path, copy):
+        notes: list[str] = []
+        calibration_set(BuildContext(None, example, specs, "", calibration=path, validation=validation), notes)
+        assert notes and notes[0].startswith(ACCURACY_WARNING_NOTE + "calibration and validation are the same"), notes
+    notes = []
+    other = tmp_path / "other.npz"
+    np.savez(other, x=_off_samples([0.0, 0.0], seed=3))
+    calibration_set(BuildContext(None, example, specs, "", calibration=path, validation=other), notes)
+    assert notes == [], notes
