@@ -169,3 +169,33 @@ def test_a_calibration_set_that_is_the_validation_set_is_named_as_such(tmp_path:
     np.savez(other, x=_off_samples([0.0, 0.0], seed=3))
     calibration_set(BuildContext(None, example, specs, "", calibration=path, validation=other), notes)
     assert notes == [], notes
+
+
+WEIGHT_NORMED_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 16]}]
+
+
+def test_a_worker_serves_int8_dynamic_on_a_weight_normed_linear_model(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Through a real worker: a model whose only Linear layers are under weight_norm serves int8_dynamic, not eager
+    with "no Linear layer". The tolerance is loose: on a CPU without VNNI the compiled int8 kernels of this tiny
+    model move one row to cosine 0.86, which the default gate refuses (the gate's business, not this test's)."""
+    config = {
+        "oversubscribe": True,
+        "cache_dir": str(tmp_path / "cache"),
+        "models": {
+            "normed": model_entry({"python": "tests.evidence_models:weight_normed"}, WEIGHT_NORMED_INPUTS,
+                                  profiles=["int8_dynamic", "eager"],
+                                  tolerance={"min_cosine": 0.5, "max_rel_error": 1.0}),
+        },
+    }  # fmt: skip
+    daemon = start_daemon(config)
+    status = daemon.wait_ready(600)
+    (worker,) = status["models"]["normed"]["workers"]
+    assert worker["profile"] == "int8_dynamic" and not worker["profile_skipped"], worker
+    x = np.random.default_rng(4).standard_normal((3, 16)).astype(np.float32)
+    with daemon.client() as client:
+        got = client.infer("normed", {"x": x})["output"]
+    with torch.no_grad():
+        want = weight_normed()(torch.from_numpy(x)).numpy()
+    assert got.shape == want.shape and not np.array_equal(got, want), "int8 rounds: an exact answer is not int8's"
