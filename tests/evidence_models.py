@@ -84,3 +84,12 @@ class OffWhenTraced(nn.Module):
 def off_when_traced() -> nn.Module:
     """The factory the config names."""
     return OffWhenTraced().eval()
+
+
+class LongerThan74(nn.Module):
+    """Doubles inputs longer than 74: traced at 12, export bounds the length to [12, 74] in its range constraints."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 74:
+            x = x * 2
+        return x.sum(-1, keepdim=True)

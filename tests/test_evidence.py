@@ -12,9 +12,9 @@ import torch
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.builders import BuildContext, calibration_set
-from infervisor.worker.profiles.export import export, export_quantized
+from infervisor.worker.profiles.export import ExportError, export, export_quantized
 from tests.conftest import Daemon, model_entry, wait_for
-from tests.evidence_models import OFF_INPUTS, every_twelfth, off_when_traced, weight_normed
+from tests.evidence_models import OFF_INPUTS, LongerThan74, every_twelfth, off_when_traced, weight_normed
 
 LINEAR_SPEC = (TensorSpec("x", "float32", (None, 16)),)
 
@@ -199,3 +199,12 @@ def test_a_worker_serves_int8_dynamic_on_a_weight_normed_linear_model(
     with torch.no_grad():
         want = weight_normed()(torch.from_numpy(x)).numpy()
     assert got.shape == want.shape and not np.array_equal(got, want), "int8 rounds: an exact answer is not int8's"
+
+
+def test_a_range_constraint_hint_is_exported_again_before_it_is_printed() -> None:
+    """A program whose range constraints stop at 74 names the shape to declare, and says a re-export covered it."""
+    spec = TensorSpec("x", "float32", (None, None), bounds=(None, (12, None)))
+    with pytest.raises(ExportError) as refused:
+        export(LongerThan74(), (torch.randn(2, 12),), (spec,))
+    message = str(refused.value)
+    assert 'declare "shape": [null, [12, 74]] (exported again with that shape: covered)' in message, message
