@@ -28,3 +28,6 @@ FEW_VALUES_PER_ROW = 8
 #: fraction of the largest magnitude eager gives on it (a probability 5% off fails; bf16 autocast, 0.1-0.3% on a
 #: small score head, passes).
 DEFAULT_MAX_REL_ERROR = 0.02
+#: A profile's build note that starts with this is a warning about the evidence it was judged on (a margin thinner
+#: than the rows' spread, scales fitted on the samples that judge them): status shows it as the accuracy warning.
+ACCURACY_WARNING_NOTE = "accuracy warning: "

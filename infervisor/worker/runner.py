@@ -14,7 +14,7 @@ from infervisor.protocol.arrays import check_finite
 from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_RANK, MAX_TENSORS, ErrorCode
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.tensors import TensorDesc, TensorSpec
-from infervisor.worker.synthetic import TORCH_DTYPES, draw, probe_steps, probed_inputs, synthetic_inputs
+from infervisor.worker.synthetic import TORCH_DTYPES, probe_steps, probed_inputs, synthetic_inputs
 
 # Frames are received into zmq-owned memory exposed read-only; the model only reads them, so
 # torch's warning about non-writable buffers is noise on every request.
@@ -162,44 +162,6 @@ def wire_array(name: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
             )
         tensor = tensor.to(wider)
     return tensor.contiguous().numpy()
-
-
-#: Sizes tried for open dims when the model refuses a size of 1, to say what minimum to declare.
-_HINT_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 224, 256)
-
-
-def open_dim_hint(runner: ModelRunner) -> str | None:
-    """What to declare when the model cannot run its open dims (null) at size 1, as warm-up draws them: the smallest
-    of _HINT_SIZES it runs at, as a config shape; None when it has no open dim or runs at none of them."""
-    open_dims = [(s, [i for i, d in enumerate(s.shape) if d is None and i > 0 and s.dim_range(i)[0] == 1])
-                 for s in runner.specs]  # fmt: skip
-    if not any(dims for _, dims in open_dims):
-        return None
-    for size in _HINT_SIZES:
-        generator = torch.Generator().manual_seed(0)
-        inputs: dict[str, torch.Tensor] = {}
-        for spec, dims in open_dims:
-            shape = [size if i in dims else n for i, n in enumerate(spec.example_shape(1))]
-            inputs[spec.name] = draw(spec, shape, generator)
-        try:
-            runner.forward(inputs)
-        except Exception:  # noqa: BLE001, S112 - any failure at this size: try a larger one
-            continue
-        shapes = []
-        for spec, dims in open_dims:
-            parts = [f"[{size}, null]" if i in dims else _dim_text(d) for i, d in enumerate(spec.config_shape())]
-            shapes.append(f'{spec.name!r}: "shape": [{", ".join(parts)}]')
-        return (
-            f"open dims (null) are warmed up and checked at size 1, which this model refuses; it runs at {size}: "
-            f"declare a minimum, e.g. {'; '.join(shapes)}"
-        )
-    return None
-
-
-def _dim_text(dim: int | None | list[int | None]) -> str:
-    if isinstance(dim, list):
-        return f"[{dim[0]}, {'null' if dim[1] is None else dim[1]}]"
-    return "null" if dim is None else str(dim)
 
 
 def timed_ms(start: float) -> float:

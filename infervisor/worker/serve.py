@@ -29,6 +29,7 @@ from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link, LinkClosed
 from infervisor.worker import batching, reexec
 from infervisor.worker.loader import ModelLoadError, default_output_names, load_model
 from infervisor.worker.memory import release_unused_memory
+from infervisor.worker.open_dims import hinted
 from infervisor.worker.process_tree import become_subreaper, end_descendants
 from infervisor.worker.profiles.attempts import AttemptLog
 from infervisor.worker.profiles.build import package_options
@@ -40,7 +41,7 @@ from infervisor.worker.profiles.select import Selection, check_profiles, select_
 from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.progress import LinkProgress
 from infervisor.worker.request_path import Prepared, prepare
-from infervisor.worker.runner import ModelRunner, open_dim_hint, timed_ms
+from infervisor.worker.runner import ModelRunner, timed_ms
 from infervisor.worker.shared_inputs import SharedInputs
 from infervisor.worker.state_check import refuse_stateful
 
@@ -425,10 +426,15 @@ def _start_and_serve(launch: LaunchSpec, link: Link, progress: LinkProgress) -> 
         log.error("model_load_failed", error=str(exc))
         return _load_failed(link, progress, str(exc))
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs failed to load
-        error = f"{type(exc).__name__}: {exc}"
+        error = hinted(f"{type(exc).__name__}: {exc}", lambda: _eager_runner(launch))
         log.error("model_warmup_failed", error=error)
         return _load_failed(link, progress, error)
     return WorkerLoop(launch, runner, link).run(_ready(launch, selection, load_ms, warmup_ms))
+
+
+def _eager_runner(launch: LaunchSpec) -> ModelRunner:
+    """The model loaded again as eager: a load failure's hint runs it (the serving module may be a package)."""
+    return ModelRunner(load_model(launch.source, launch.inputs), launch.inputs, None)
 
 
 def _load_failed(link: Link, progress: LinkProgress, error: str) -> int:
@@ -458,8 +464,10 @@ def _load_and_select(
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model that cannot run its declared inputs cannot load
-        hint = open_dim_hint(ModelRunner(module, launch.inputs, None))
-        raise ModelLoadError(f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else "")) from exc
+        eager = runner.module
+        raise ModelLoadError(
+            hinted(f"{type(exc).__name__}: {exc}", lambda: ModelRunner(eager, launch.inputs, None))
+        ) from exc
     del module  # the runner and the context hold it while they need it
     context = build_context(launch, runner, progress)
     attempts = attempt_log(launch, context)

@@ -7,6 +7,7 @@ from typing import Any
 
 import psutil
 
+from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.profiles import PROFILES
 from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
@@ -74,16 +75,19 @@ def accuracy_data(slot: SlotSample) -> dict[str, str | None]:
     numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
     if slot.profile is None:
         return {"checked_on": None, "accuracy_warning": None}
+    # The worker's own warnings on its evidence: a pass thinner than the samples' spread, scales fitted on the
+    # samples that judged them (ACCURACY_WARNING_NOTE notes of the serving profile's build).
+    prefix = ACCURACY_WARNING_NOTE
+    warnings = [note.removeprefix(prefix) for note in slot.profile_build if note.startswith(prefix)]
     if slot.validated:
-        return {"checked_on": "validation set", "accuracy_warning": None}
+        return {"checked_on": "validation set", "accuracy_warning": "; ".join(warnings) or None}
     declared = PROFILES.get(slot.profile)
-    warning = None
     if declared is not None and declared.changes_numerics:
-        warning = (
+        warnings.insert(0,
             f"{slot.profile} changes numerics and was judged on synthetic inputs only (no validation set): configure "
             "`validation`, an .npz of real inputs"
-        )
-    return {"checked_on": "synthetic inputs", "accuracy_warning": warning}
+        )  # fmt: skip
+    return {"checked_on": "synthetic inputs", "accuracy_warning": "; ".join(warnings) or None}
 
 
 def models_status(snapshot: Snapshot) -> dict[str, Any]:

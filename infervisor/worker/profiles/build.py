@@ -53,8 +53,8 @@ from infervisor.worker.profiles.export import (
     buckets_for,
     compile_package,
     export,
+    export_quantized,
     load_package,
-    quantize,
 )
 from infervisor.worker.profiles.flags import apply_global_flags
 
@@ -119,8 +119,8 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
             return export(context.module, example, specs)
         if not quantized:  # only when some package is not cached yet
             dynamic = quantization is _Quantization.DYNAMIC
-            whole = export(context.module, context.example, context.specs)
-            quantized.append(quantize(whole, calibration or [context.example], dynamic, context.specs))
+            examples = calibration or [context.example]
+            quantized.append(export_quantized(context.module, context.example, context.specs, examples, dynamic))
         return quantized[0]
 
     def package(example: Inputs, specs: tuple[TensorSpec, ...], shapes: str) -> tuple[Any, Path]:

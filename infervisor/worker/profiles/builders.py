@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.profiles import PROFILES
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.cache import ArtifactCache, file_digest
@@ -77,4 +78,19 @@ def calibration_set(context: BuildContext, notes: list[str]) -> tuple[list[Input
     if context.calibration is None:
         notes.append("calibrated on seeded random inputs (no calibration set configured)")
         return random_calibration(context.example, context.specs), random_calibration_id(context.specs)
-    return load_calibration(context.calibration, context.specs), file_digest(context.calibration)
+    digest = file_digest(context.calibration)
+    if context.validation is not None and _same_file(context.calibration, context.validation, digest):
+        notes.append(
+            f"{ACCURACY_WARNING_NOTE}calibration and validation are the same file ({context.validation}): the int8 "
+            "scales were fitted on the very samples they are judged on, so the gate's pass says nothing about other "
+            "inputs; configure a validation file the calibration did not see"
+        )
+    return load_calibration(context.calibration, context.specs), digest
+
+
+def _same_file(calibration: Path, validation: Path, digest: str) -> bool:
+    """Whether the two sets are one file (the same path, or the same bytes under two names)."""
+    try:
+        return calibration.samefile(validation) or file_digest(validation) == digest
+    except OSError:
+        return False

@@ -66,7 +66,18 @@ def dynamic_shapes(specs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:
 
 
 def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.export.ExportedProgram:
-    """torch.export of the module with the spec's dynamic dims; ExportError when it covers less than declared."""
+    """torch.export of the module with the spec's dynamic dims; ExportError when it covers less than declared, naming
+    only a range to declare that a re-export was seen to cover (advice.py)."""
+    try:
+        return export_covering(module, example, specs)
+    except (Uncovered, Narrower) as exc:
+        from infervisor.worker.profiles.advice import checked_advice
+
+        raise ExportError(f"{exc} ({checked_advice(module, example, tuple(specs), exc)})") from exc
+
+
+def export_covering(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.export.ExportedProgram:
+    """torch.export of the module with the spec's dynamic dims; Uncovered when a guard breaks at a declared size."""
     try:
         with torch.no_grad():
             program = torch.export.export(
@@ -76,6 +87,25 @@ def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.e
         raise ExportError(clip(f"torch.export failed: {guard_words(f'{type(exc).__name__}: {exc}', specs)}")) from exc
     check_coverage(program, specs)
     return program
+
+
+class Narrower(ExportError):
+    """The program's range constraints are narrower than the config declares: each input's dims as it takes them."""
+
+    def __init__(self, message: str, dims: list[tuple[str, list[tuple[int, int | None] | None]]]) -> None:
+        super().__init__(message)
+        self.dims = dims
+
+
+class Uncovered(ExportError):
+    """A guard of the exported program breaks at a declared size: where, and what part of the range it covers."""
+
+    def __init__(self, message: str, position: int, index: int, covered: tuple[int, int] | None) -> None:
+        super().__init__(message)
+        self.position = position
+        self.index = index
+        #: The sizes from the range's start that the program covers (None: not even the start).
+        self.covered = covered
 
 
 #: How many sizes of one dim check_coverage tries when it looks for the part of a range a program covers.
@@ -159,7 +189,7 @@ def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[Tensor
     try:
         check_program_dims(dims, specs)
     except ModelLoadError as exc:
-        raise ExportError(f"torch.export covers less than the config declares: {exc}") from exc
+        raise Narrower(f"torch.export covers less than the config declares: {exc}", dims) from exc
     codes = [str(code) for code in getattr(program, "_guards_code", None) or []]
     guards: list[tuple[Any, str]] = []
     for code in codes:
@@ -187,12 +217,13 @@ def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[Tensor
                 continue
             size, why = first
             covered = f"[{start}, {size - 1}]" if size > start else "no size"
-            raise ExportError(
+            raise Uncovered(
                 f"torch.export's program for inputs[{position}] {spec.name!r} dim {index} holds only where {why}, "
                 f"which a size of {size} breaks: it covers {covered} of the declared "
-                f"[{low}, {'null' if high is None else high}]; "
-                + (f"declare the range {covered}" if size > start else "declare a fixed size")
-                + " for that dim, or take this profile out of the chain"
+                f"[{low}, {'null' if high is None else high}]",
+                position,
+                index,
+                (start, size - 1) if size > start else None,
             )
 
 
@@ -201,12 +232,13 @@ def quantize(
     calibration: Sequence[Inputs],
     dynamic: bool,
     specs: Sequence[TensorSpec] = (),
+    module: Any = None,
 ) -> torch.fx.GraphModule:
     """PT2E int8 with X86InductorQuantizer: static (activations calibrated) or dynamic (Linear layers only).
 
     Dynamic quantization is configured for aten.linear alone (nn.Linear and F.linear): the quantizer's global
     dynamic config also takes convolutions, which changed a conv-only network's outputs for no speed. NoGain
-    when the graph has no Linear to quantize.
+    when the graph has no Linear to quantize, naming the Linear layers `module` (the exported one) has if any.
     """
     try:
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
@@ -236,9 +268,35 @@ def quantize(
             )
         raise ExportError(f"PT2E quantization failed: {message}") from exc
     if not any("quantize" in str(node.target) for node in converted.graph.nodes if node.op == "call_function"):
-        what = "no Linear layer (int8_dynamic quantizes only those)" if dynamic else "no layer the quantizer takes"
-        raise NoGain(f"no gain: the model has {what}, so nothing was quantized")
+        raise NoGain(_no_gain_reason(dynamic, module))
     return converted
+
+
+def export_quantized(
+    module: Any, example: Inputs, specs: Sequence[TensorSpec], calibration: Sequence[Inputs], dynamic: bool
+) -> torch.fx.GraphModule:
+    """The module exported and PT2E-quantized, its parametrized weights (weight_norm) baked in first: the quantizer
+    takes layers by type, and a ParametrizedLinear is not an nn.Linear (parametrized.py)."""
+    from infervisor.worker.profiles.parametrized import baked
+
+    plain = baked(module)
+    return quantize(export(plain, example, specs), calibration, dynamic, specs, plain)
+
+
+def _no_gain_reason(dynamic: bool, module: Any) -> str:
+    """Why nothing was quantized, with the Linear layers the module does have (the quantizer took none of them)."""
+    from infervisor.worker.profiles.parametrized import linear_layers
+
+    linears = linear_layers(module)
+    if not linears:
+        what = "no Linear layer (int8_dynamic quantizes only those)" if dynamic else "no layer the quantizer takes"
+        return f"no gain: the model has {what}, so nothing was quantized"
+    more = f" and {len(linears) - 5} more" if len(linears) > 5 else ""
+    shown = ", ".join(repr(name) for name in linears[:5]) + more
+    return (
+        f"no gain: the quantizer took none of the model's nn.Linear layers ({shown}): their weights are not plain "
+        "parameters in the exported graph or their inputs are not float tensors, so nothing was quantized"
+    )
 
 
 def compile_package(

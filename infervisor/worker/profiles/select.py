@@ -24,6 +24,7 @@ import numpy as np
 import structlog
 import torch
 
+from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.cpuinfo import CpuCaps
 from infervisor.common.profiles import REFERENCE_PROFILE, cpu_refusal
 from infervisor.common.text import clip
@@ -34,6 +35,7 @@ from infervisor.worker.profiles.build import build_profile
 from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
 from infervisor.worker.profiles.cache import UntrustedCache
 from infervisor.worker.profiles.calibration import Inputs
+from infervisor.worker.profiles.evidence import sample_count
 from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
 from infervisor.worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
@@ -301,7 +303,7 @@ class _Trial:
                     (compare(reference, self.outputs(case, reference), self.output_names), case.where)
                     for case, reference in zip(self.golden.cases, self.reference, strict=True)
                 ]
-                result = worst_of(agreements, self.golden.checked)
+                result = worst_of(agreements, self.golden.checked, sample_count(self.golden.cases))
                 failure = result.failure(self.tolerance)
         except ProfileError as exc:
             failure, outcome = str(exc), StartPhase.FAILED
@@ -312,7 +314,10 @@ class _Trial:
             self.progress.phase(outcome, name, failure)
             self.reset()
             return failure
-        summary = result.summary(self.tolerance.min_cosine)
+        summary = result.summary(self.tolerance.min_cosine, self.tolerance)
+        warning = result.evidence(self.tolerance).warning()  # a pass by less than the samples spread: status says so
+        if warning is not None:
+            built.notes.append(f"{ACCURACY_WARNING_NOTE}{warning}")
         candidate = _Candidate(name, built, result.cosine, (time.perf_counter() - started) * 1000.0, summary=summary)
         self.progress.phase(StartPhase.PASSED, name, "; ".join([*built.notes, _built_in(candidate)]))
         return candidate

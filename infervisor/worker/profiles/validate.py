@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW, cosine_text
+from infervisor.worker.profiles.evidence import Evidence, spread
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class RelativeError:
     #: Values per row of that output, and the row with the largest difference.
     values: int = 0
     row: int = 0
+    #: Every row's relative error on that output (the spread between samples is taken over these).
+    per_row: tuple[float, ...] = ()
 
     def text(self) -> str:
         """`relative error 0.05 on output 'score' (1 value per row)`."""
@@ -58,6 +61,8 @@ class Agreement:
     #: Rows the cosine was taken over (1: the output was compared as one vector).
     rows: int = 1
     relative: RelativeError = RelativeError()
+    #: Every row's cosine (the spread between samples is taken over these).
+    cosines: tuple[float, ...] = ()
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why this misses the tolerance, or None when it meets it."""
@@ -89,6 +94,10 @@ class GoldenResult:
     checked: str
     relative: RelativeError = RelativeError()
     relative_at: str = ""
+    #: Samples the gate saw, and the spread (best minus worst) of the rows' cosines and relative errors over them.
+    samples: int = 0
+    cosine_spread: float = 0.0
+    relative_spread: float = 0.0
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why the worst row misses the tolerance (and where it is), or None when every row meets it."""
@@ -114,12 +123,27 @@ class GoldenResult:
             return f"top-1 differs from eager on {self.top1_at}, over {self.checked}"
         return None
 
-    def summary(self, min_cosine: float | None = None) -> str:
-        """The figures the gate passed on, with where the worst of each was."""
+    def summary(self, min_cosine: float | None = None, tolerance: Tolerance | None = None) -> str:
+        """The figures the gate passed on, with where the worst of each was, and (given the tolerance) its margin."""
         relative = f", {self.relative.text()} ({self.relative_at})" if self.relative.output else ""
-        return (
+        text = (
             f"worst-row cosine {cosine_text(self.cosine, min_cosine)} ({self.cosine_at}){relative}, max abs error "
             f"{self.max_abs_error:.3g} ({self.error_at}), over {self.checked}"
+        )
+        return f"{text}; {self.evidence(tolerance).text()}" if tolerance is not None else text
+
+    def evidence(self, tolerance: Tolerance) -> Evidence:
+        """The margins to the tolerance, against the spread between the samples."""
+        limit = tolerance.max_rel_error
+        judged = bool(self.relative.output) and limit is not None
+        return Evidence(
+            self.samples,
+            self.cosine - tolerance.min_cosine,
+            self.cosine_spread,
+            tolerance.min_cosine,
+            (limit - self.relative.error) if judged and limit is not None else None,
+            self.relative_spread,
+            limit,
         )
 
 
@@ -128,8 +152,9 @@ def _relative_fails(relative: RelativeError, tolerance: Tolerance) -> bool:
     return bool(relative.output) and limit is not None and not relative.error <= limit
 
 
-def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked: str) -> GoldenResult:
-    """Merge per-input agreements: the lowest row cosine, the largest error, top-1 everywhere.
+def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked: str, samples: int = 0) -> GoldenResult:
+    """Merge per-input agreements: the lowest row cosine, the largest error, top-1 everywhere, and the spread of
+    the rows' figures (`samples`: how many samples the agreements cover).
 
     Each agreement comes with what names its row `r` (e.g. `validation sample 3 alone`).
     """
@@ -149,7 +174,12 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
         if agreement.relative.output and (not relative.output or not agreement.relative.error <= relative.error):
             relative = agreement.relative
             relative_at = where(relative.row)
-    return GoldenResult(cosine, cosine_at, error, error_at, not top1_at, top1_at, checked, relative, relative_at)
+    cosines = [c for agreement, _ in results for c in agreement.cosines]
+    relatives = [e for agreement, _ in results if agreement.relative.output for e in agreement.relative.per_row]
+    return GoldenResult(
+        cosine, cosine_at, error, error_at, not top1_at, top1_at, checked, relative, relative_at,
+        samples, spread(cosines), spread(relatives),
+    )  # fmt: skip
 
 
 def compare(
@@ -190,7 +220,8 @@ def compare(
     if not len(cosines):
         return Agreement(1.0, 0.0, top1, rows=0, relative=relative)
     worst, largest = int(np.argmin(cosines)), int(np.argmax(errors))
-    return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative)
+    row_cosines = tuple(float(c) for c in cosines)
+    return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative, row_cosines)
 
 
 def _relative_error(
@@ -215,5 +246,6 @@ def _relative_error(
         error = float(difference[row]) / scale if scale > 0 else float(difference[row])
         name = names[index] if index < len(names) else f"output {index}"
         if not worst.output or not error <= worst.error:  # NaN counts as the worst
-            worst = RelativeError(error, name, values, row)
+            per_row = tuple(float(d) / scale if scale > 0 else float(d) for d in difference)
+            worst = RelativeError(error, name, values, row, per_row)
     return worst
