@@ -258,7 +258,7 @@ def build_profile(name: str, context: BuildContext) -> Built:
         raise ProfileError(f"profile {name!r} is not implemented; available: {', '.join(PROFILE_NAMES)}")
     try:
         return builder(context)
-    except ProfileError:
+    except (ProfileError, NotBuiltYet):
         raise
     except NoGain as exc:
         raise ProfileError(str(exc)) from exc
