@@ -7,7 +7,7 @@ import sys
 
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.launch import LaunchSpec
-from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
+from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, lowest_priority, pin_before_torch
 
 
 def main(argv: list[str]) -> int:
@@ -30,6 +30,8 @@ def main(argv: list[str]) -> int:
         )
         return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
+    if launch.background:
+        lowest_priority()
     limit_memory(launch.max_memory_mb)
     from infervisor.common.json_logs import adopt_library_handlers
     from infervisor.worker.logs import configure_logging

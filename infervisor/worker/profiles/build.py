@@ -38,6 +38,7 @@ from infervisor.worker.profiles.builders import (
 from infervisor.worker.profiles.cache import (
     CachedBuildFailure,
     NoSpaceLeft,
+    NotBuiltYet,
     artifact_key,
     no_space_left,
 )

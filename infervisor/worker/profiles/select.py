@@ -25,13 +25,14 @@ import structlog
 import torch
 
 from infervisor.common.cpuinfo import CpuCaps
-from infervisor.common.profiles import REFERENCE_PROFILE, cpu_refusal
+from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE, cpu_refusal
 from infervisor.common.text import clip
 from infervisor.protocol.constants import StartPhase
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.attempts import AttemptLog
 from infervisor.worker.profiles.build import build_profile
 from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
+from infervisor.worker.profiles.cache import NotBuiltYet
 from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
@@ -56,6 +57,8 @@ _MIN_BATCHED_ROWS = 3
 _TIMING_S = 5.0
 _MIN_ROUNDS = 6
 _MAX_ROUNDS = 60
+#: Why a worker that serves first skips a profile that must be traced, exported or compiled.
+NEEDS_BUILD = "needs a build: the background builder builds it"
 #: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
 _PICK_FORMAT = 2
 
@@ -264,7 +267,10 @@ class _Trial:
         validation: Sequence[Inputs] | None = None,
         attempts: AttemptLog | None = None,
         progress: Progress | None = None,
+        ready_only: bool = False,
     ) -> None:
+        #: Serve first: only what needs no build (a verified cached package, or a profile that builds nothing).
+        self.ready_only = ready_only
         self.attempts = attempts or AttemptLog(None, {}, [])
         self.progress = progress or NoProgress()
         self.runner = runner
@@ -282,6 +288,8 @@ class _Trial:
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
         refusal = cpu_refusal(name, self.caps) or self.attempts.refusal(name)
+        if refusal is None and self.ready_only and not (PROFILES[name].builds_nothing or PROFILES[name].packaged):
+            refusal = NEEDS_BUILD
         if refusal is not None:
             self.progress.phase(StartPhase.REFUSED, name, refusal)
             return refusal
@@ -302,6 +310,8 @@ class _Trial:
                 ]
                 result = worst_of(agreements, self.golden.checked)
                 failure = result.failure(self.tolerance)
+        except NotBuiltYet as exc:  # serving first: the background builder builds it
+            failure, outcome = f"{exc}: the background builder builds it", StartPhase.REFUSED
         except ProfileError as exc:
             failure, outcome = str(exc), StartPhase.FAILED
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
@@ -402,15 +412,21 @@ def select_profile(
     validation: Sequence[Inputs] | None = None,
     attempts: AttemptLog | None = None,
     progress: Progress | None = None,
+    ready_only: bool = False,
 ) -> Selection:
-    """Install the chosen profile of `chain` on the runner; eager is the last resort."""
-    trial = _Trial(runner, context, tolerance, caps, validation, attempts, progress)
+    """Install the chosen profile of `chain` on the runner; eager is the last resort.
+
+    `ready_only` (serve first): nothing is built; a fastest pick serves its remembered winner when that is
+    ready, else the first profile of the chain that is, and neither times nor remembers anything.
+    """
+    trial = _Trial(runner, context, tolerance, caps, validation, attempts, progress, ready_only)
     skipped: list[str] = []
     if pick == "fastest":
         decided = _decided(trial, context, chain, tolerance)
         if decided is not None:
             return decided
-        return _pick_fastest(trial, context, chain, tolerance)
+        if not ready_only:
+            return _pick_fastest(trial, context, chain, tolerance)
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):

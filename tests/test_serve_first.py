@@ -1,0 +1,116 @@
+"""Serve first, optimize behind: a model answers before its build ends, and moves to the pick under load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from infervisor.protocol import InferenceError
+from infervisor.supervisor.commands.status import format_status
+from tests.conftest import Daemon, model_entry, wait_for
+from tests.gated_models import GATE_ENV, GATED_INPUTS, expected
+
+GATED = {"python": "tests.gated_models:gated"}
+#: The load's bound: it stops at this many requests even if the test forgot to stop it.
+_MAX_REQUESTS = 200_000
+
+
+class SteadyClient:
+    """One client sending back to back until stopped; counts what it sent, what came back, and every error."""
+
+    def __init__(self, daemon: Daemon, inputs: dict[str, np.ndarray], want: np.ndarray) -> None:
+        self.daemon, self.inputs, self.want = daemon, inputs, want
+        self.sent = self.answered = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with self.daemon.client() as client:
+            while not self.stop.is_set() and self.sent < _MAX_REQUESTS:
+                self.sent += 1
+                try:
+                    got = client.infer("g", self.inputs, timeout=60)["y"]
+                except InferenceError as exc:
+                    self.errors.append(f"{exc.code}: {exc.message}")
+                    continue
+                self.answered += 1
+                if not np.allclose(got, self.want, rtol=1e-4, atol=1e-5):
+                    self.errors.append(f"wrong answer {got} for {self.want}")
+
+    def __enter__(self) -> SteadyClient:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(90)
+
+
+def _model(daemon: Daemon) -> dict[str, Any]:
+    model: dict[str, Any] = daemon.status()["models"]["g"]
+    return model
+
+
+def test_answers_before_the_build_ends_survives_a_killed_builder_and_switches_under_load(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """The worker serves eager while the builder waits on the gate; status says building jit 1 of 2, serving eager,
+    not failed; the builder killed -9 starts again; once the gate opens the worker moves to jit under a steady
+    client with no error and no lost request."""
+    gate = tmp_path / "gate"
+    config = {"models": {"g": model_entry(GATED, GATED_INPUTS, profiles=["jit", "eager"], outputs=["y"],
+                                       build="background")}}  # fmt: skip
+    daemon = start_daemon(config, env={GATE_ENV: str(gate)})
+    (worker,) = daemon.wait_ready(timeout=60)["models"]["g"]["workers"]
+    assert worker["profile"] == "eager", worker
+    assert any("jit: needs a build" in note for note in worker["profile_skipped"]), worker
+    x = np.random.default_rng(38).standard_normal((2, 8)).astype(np.float32)
+    with daemon.client() as client:
+        np.testing.assert_allclose(client.infer("g", {"x": x}, timeout=30)["y"], expected(x), rtol=1e-4, atol=1e-5)
+
+    def building_jit() -> dict[str, Any] | None:
+        model = _model(daemon)
+        build = model["build"] or {}
+        ok = build.get("state") == "building" and build.get("profile") == "jit" and build.get("phase") == "building"
+        return model if ok else None
+
+    model = wait_for(building_jit, 60, "the builder on jit")
+    assert (model["build"]["index"], model["build"]["count"]) == (1, 2), model["build"]
+    assert model["health"] == "serving" and model["serving"] == ["eager"], model
+    assert "optimizing: building jit (1 of 2)" in format_status(daemon.status())
+    assert "failed" not in format_status(daemon.status())
+
+    # kill -9 of the builder mid-build: another one starts and builds jit again (a first SIGKILL is not a crash).
+    first_pid = model["build"]["pid"]
+    os.kill(first_pid, signal.SIGKILL)
+    wait_for(lambda: not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == "zombie", 30, "gone")
+    restarted = wait_for(
+        lambda: (b := (building_jit() or {}).get("build")) and b["attempts"] == 2 and b["pid"] != first_pid and b,
+        60,
+        "a second builder on jit",
+    )
+    assert restarted["refused"] == {}, restarted
+
+    with SteadyClient(daemon, {"x": x}, expected(x)) as load:
+        wait_for(lambda: load.answered > 20, 60, "answers before the switch")
+        gate.touch()
+
+        def switched() -> bool:
+            workers = [w for w in _model(daemon)["workers"] if "role" not in w]
+            return bool(workers) and all(w["state"] == "serving" and w["profile"] == "jit" for w in workers)
+
+        wait_for(switched, 120, "the worker serving jit")
+        answered = load.answered
+        wait_for(lambda: load.answered > answered + 20, 60, "answers after the switch")
+    assert load.errors == [] and load.sent == load.answered > 40, (load.sent, load.answered, load.errors[:3])
+    model = _model(daemon)
+    assert model["build"]["state"] == "done" and model["build"]["picked"] == "jit", model["build"]
+    assert model["serving"] == ["jit"] and model["health"] == "serving"
