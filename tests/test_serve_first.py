@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -11,10 +13,12 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 
 from infervisor.protocol import InferenceError
 from infervisor.supervisor.commands.status import format_status
-from tests.conftest import Daemon, model_entry, wait_for
+from infervisor.worker.profiles.cache import ArtifactCache, NotBuiltYet
+from tests.conftest import Daemon, model_entry, notify_messages, wait_for
 from tests.gated_models import GATE_ENV, GATED_INPUTS, expected
 
 GATED = {"python": "tests.gated_models:gated"}
@@ -114,3 +118,52 @@ def test_answers_before_the_build_ends_survives_a_killed_builder_and_switches_un
     model = _model(daemon)
     assert model["build"]["state"] == "done" and model["build"]["picked"] == "jit", model["build"]
     assert model["serving"] == ["jit"] and model["health"] == "serving"
+
+
+def test_a_worker_serving_first_never_builds_nor_waits_and_loads_only_verified_packages(tmp_path: Path) -> None:
+    """Ready-only: a missing package, one another process is building (lock held) and one failing its digest are
+    NotBuiltYet at once with the reason, nothing is built; a whole package is loaded."""
+    cache = ArtifactCache(tmp_path)
+    key = {"k": 38}
+    path = cache.path_for("aoti", key)
+    built: list[Path] = []
+
+    def build(target: Path) -> None:
+        built.append(target)
+        target.write_bytes(b"package" + bytes(64))
+
+    cache.ready_only = True
+    with pytest.raises(NotBuiltYet, match="is not built yet"):
+        cache.fetch(path, key, build, Path.read_bytes)
+    cache.ready_only = False
+    cache.fetch(path, key, build, Path.read_bytes)
+    cache.ready_only = True
+    assert cache.fetch(path, key, build, Path.read_bytes).hit and len(built) == 1
+    with path.with_suffix(".lock").open("a") as lock:  # another process's build of the same key
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(NotBuiltYet, match="being built by another process"):
+            cache.fetch(path, key, build, Path.read_bytes)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    path.write_bytes(b"half a package")  # as a build killed mid-write would, had it not gone to a temp file first
+    with pytest.raises(NotBuiltYet, match="sha256"):
+        cache.fetch(path, key, build, Path.read_bytes)
+    assert not path.exists() and len(built) == 1 and cache.builds == 1
+
+
+def test_a_start_that_builds_before_ready_extends_systemds_start_timeout(
+    start_daemon: Callable[..., Daemon], tmp_path: Path, notify_socket: socket.socket
+) -> None:
+    """With `build: at_start` the worker builds before READY: EXTEND_TIMEOUT_USEC reaches systemd while it does, and
+    READY=1 only once the gate lets the build finish."""
+    gate = tmp_path / "gate"
+    entry = model_entry(GATED, GATED_INPUTS, profiles=["jit", "eager"], outputs=["y"], build="at_start")
+    env = {GATE_ENV: str(gate), "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
+    daemon = start_daemon({"models": {"g": entry}}, env=env)
+    seen: list[str] = []
+    notify_messages(notify_socket, lambda got: any("EXTEND_TIMEOUT_USEC=" in m for m in got), 60, seen)
+    wait_for(lambda: (s := daemon.try_status()) and s["models"]["g"]["workers"][0].get("starting"), 60, "starting")
+    assert not any("READY=1" in m for m in seen), seen
+    gate.touch()
+    notify_messages(notify_socket, lambda got: any("READY=1" in m for m in got), 120, seen)
+    (worker,) = daemon.wait_ready(timeout=30)["models"]["g"]["workers"]
+    assert worker["profile"] == "jit" and daemon.status()["models"]["g"]["build"] is None

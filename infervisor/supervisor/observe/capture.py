@@ -7,7 +7,6 @@ This module sits above the broker and the pool (it imports both); they import on
 from __future__ import annotations
 
 import time
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any

@@ -59,6 +59,8 @@ _MIN_ROUNDS = 6
 _MAX_ROUNDS = 60
 #: Why a worker that serves first skips a profile that must be traced, exported or compiled.
 NEEDS_BUILD = "needs a build: the background builder builds it"
+#: The summary of eager served first: the reference, neither built nor checked against itself.
+_REFERENCE_SUMMARY = "the reference"
 #: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
 _PICK_FORMAT = 2
 
@@ -280,10 +282,23 @@ class _Trial:
         self.eager = runner.module
         self.golden = golden_set(runner, validation, context.served_batches)
         self.cases = [case.inputs for case in self.golden.cases]
-        named = [runner.forward(case) for case in self.cases]
-        self.reference = [[a for _, a in outputs] for outputs in named]
-        #: The outputs' names, so the gate can say which one failed (every case gives the same names).
-        self.output_names = [n for n, _ in named[0]] if named else []
+        #: Eager's outputs on the golden cases, and their names (so the gate can say which one failed), computed
+        #: when the first candidate needs them: a worker serving first on eager alone runs none of them.
+        self._reference: list[list[np.ndarray[Any, Any]]] | None = None
+        self.output_names: list[str] = []
+
+    @property
+    def reference(self) -> list[list[np.ndarray[Any, Any]]]:
+        """Eager's outputs on every golden case (run on eager, whatever the runner serves when first asked)."""
+        if self._reference is None:
+            serving, self.runner.module = self.runner.module, self.eager
+            try:
+                named = [self.runner.forward(case) for case in self.cases]
+            finally:
+                self.runner.module = serving
+            self._reference = [[a for _, a in outputs] for outputs in named]
+            self.output_names = [n for n, _ in named[0]] if named else []
+        return self._reference
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
@@ -298,15 +313,23 @@ class _Trial:
         outcome = StartPhase.REJECTED
         try:
             # A native crash in here leaves the marker: the next worker skips this profile instead of crashing too.
+            if self.ready_only and name == REFERENCE_PROFILE:  # the reference itself: nothing to build or check
+                built = build_profile(name, self.context)
+                self.progress.phase(StartPhase.PASSED, name, "the reference, served first while the rest is built")
+                return _Candidate(
+                    name, built, 1.0, (time.perf_counter() - started) * 1000.0, summary=_REFERENCE_SUMMARY
+                )
+            references = self.reference
             with self.attempts.attempting(name, "building and checking"):
-                self.progress.phase(StartPhase.BUILDING, name)
+                # Serving first builds nothing: it loads a verified package or a profile that needs no build.
+                self.progress.phase(StartPhase.LOADING if self.ready_only else StartPhase.BUILDING, name)
                 built = build_profile(name, self.context)
                 self.runner.module = built.callable
-                self.outputs(self.golden.cases[0], self.reference[0])  # first runs compile or specialise a graph
+                self.outputs(self.golden.cases[0], references[0])  # first runs compile or specialise a graph
                 self.progress.phase(StartPhase.CHECKING, name)
                 agreements = [
                     (compare(reference, self.outputs(case, reference), self.output_names), case.where)
-                    for case, reference in zip(self.golden.cases, self.reference, strict=True)
+                    for case, reference in zip(self.golden.cases, references, strict=True)
                 ]
                 result = worst_of(agreements, self.golden.checked)
                 failure = result.failure(self.tolerance)
@@ -465,6 +488,8 @@ def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], toleran
 
 
 def _built_in(candidate: _Candidate) -> str:
+    if candidate.summary == _REFERENCE_SUMMARY:
+        return "the eager reference as loaded, served first while the background builder builds the chain"
     return f"built and checked against eager in {candidate.build_ms:.0f} ms: {candidate.summary}"
 
 
