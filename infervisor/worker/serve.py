@@ -476,8 +476,11 @@ def _load_and_select(
             outcomes={k: v[0].value for k, v in progress.outcomes.items()},
         )
         # What a worker of this config would serve now, so the background builder knows whether to switch.
-        link.send(wm.encode(_ready(launch, selection, timed_ms(started), 0.0, announce=False)))
-        link.flush_blocking(progress.send_timeout_s)
+        try:
+            link.send(wm.encode(_ready(launch, selection, timed_ms(started), 0.0, announce=False)))
+            link.flush_blocking(progress.send_timeout_s)
+        except LinkClosed as exc:  # nobody listens (`infervisor build` gone): the cache is filled all the same
+            log.warning("pick_not_sent", error=str(exc))
         return WorkerExitCode.OK
     builds = context.cache.builds if context.cache is not None else 0
     # A fresh fastest pick built and timed every profile of the chain; its decision is remembered, so a
