@@ -24,6 +24,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import psutil
 import structlog
 
 from infervisor.common.profiles import PROFILES
@@ -57,6 +58,13 @@ def needs_builder(model: ModelConfig) -> bool:
         return False
     chain = model.profiles
     return any(not PROFILES[p].builds_nothing for p in chain) or (model.pick == "fastest" and len(chain) > 1)
+
+
+def builder_memory_mb(config: Config, model: ModelConfig) -> int:
+    """The builder's data-segment cap: `builder_memory_mb`, else the model's `max_memory_mb`, else half the box's
+    memory (a compile that wants more fails inside the builder, a refused profile, instead of waking the OOM
+    killer among the serving workers)."""
+    return config.builder_memory_mb or model.max_memory_mb or int(psutil.virtual_memory().total // 2**20 // 2)
 
 
 @dataclass
@@ -189,7 +197,7 @@ class BackgroundBuilds:
         """Start the model's builder process (SCHED_IDLE, its own memory cap) on the cores its workers have."""
         cpus, threads = self.cores_of(model.name)
         assignment = Assignment(model.name, 0, cpus, 0, threads, True)
-        capped = dataclasses.replace(model, max_memory_mb=config.builder_memory_mb or model.max_memory_mb)
+        capped = dataclasses.replace(model, max_memory_mb=builder_memory_mb(config, model))
         try:
             build.launched = self.launcher(capped, assignment, config, build.exits, build_only=True, background=True)
         except OSError as exc:  # the box is short of pids or memory: tried again next turn

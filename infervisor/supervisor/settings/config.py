@@ -517,7 +517,8 @@ TOP_KEYS: tuple[Key, ...] = (
         "skipped ([more](#the-build-phase))."),
     Key("builder_memory_mb", Integer(None, 512, why="must be an integer >= 512 (MB) or null"), Applied.LIVE,
         "cap on the background builder's private writable memory (`RLIMIT_DATA`); past it the profile being built "
-        "is refused with the reason and the serving workers are untouched; null: the model's `max_memory_mb` "
+        "is refused with the reason and the serving workers are untouched; null: the model's `max_memory_mb`, else "
+        "half the box's memory "
         "([more](#the-background-builder))."),
     Key("shutdown_grace_s", Number(10.0, 0.0), Applied.LIVE,
         "on SIGTERM, queued and in-flight requests get this long to finish; the rest are answered `SHUTTING_DOWN`. "
