@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -167,3 +170,24 @@ def test_a_start_that_builds_before_ready_extends_systemds_start_timeout(
     notify_messages(notify_socket, lambda got: any("READY=1" in m for m in got), 120, seen)
     (worker,) = daemon.wait_ready(timeout=30)["models"]["g"]["workers"]
     assert worker["profile"] == "jit" and daemon.status()["models"]["g"]["build"] is None
+
+
+def test_the_demo_answers_first_then_shows_the_switch_without_building_before_it_starts(tmp_path: Path) -> None:
+    """`infervisor demo` on a model to optimize: no build before the daemon starts, the first load on eager, then
+    the builder's progress, the switch, and the same load on jit."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    entry = model_entry(GATED, GATED_INPUTS, profiles=["jit", "eager"], outputs=["y"], build="background")
+    (tmp_path / "demo.json").write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"g": entry}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "infervisor", "demo", "--config", "demo.json", "--requests", "10"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False,
+        env={**os.environ, GATE_ENV: str(gate)},
+    )  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    out = done.stdout
+    assert "infervisor build" not in out and "building the compiled packages" not in out, out
+    before, _, after = out.partition("switched to the builder's pick after ")
+    assert after, out
+    assert "serves eager" in before and "g: 10 ok, 0 errors" in before, before
+    assert "serves jit; optimized: picked jit" in after and "g: 10 ok, 0 errors" in after, after
