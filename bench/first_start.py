@@ -2,6 +2,7 @@
 builder's pick serves, and what the build costs serving (P99 during the build over P99 without one, same run).
 
     python bench/first_start.py [--config configs/default.json] [--rate 4] [--baseline-s 40]
+    python bench/first_start.py --first-answer-only [--runs 3]
 
 Phase 1, the baseline: the config's models with an eager-only chain (nothing to build), under the load below
 for --baseline-s. Phase 2: the config as it is, with an empty cache: the first correct answer (cosine >= 0.98
@@ -152,13 +153,52 @@ def baseline(config: dict[str, Any], name: str, inputs: dict[str, np.ndarray], a
         _stop(process)
 
 
+def first_answers(args: argparse.Namespace) -> int:
+    """The first correct answer and READY=1 of --runs starts, each with an empty cache (nothing else measured)."""
+    config = json.loads(Path(args.config).read_text())
+    name = next(iter(config["models"]))
+    spec = config["models"][name]["inputs"][0]
+    inputs = {spec["name"]: np.random.default_rng(0).uniform(0, 1, [1, *spec["shape"][1:]]).astype(np.float32)}
+    want = _eager_reference(config, name, inputs)
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="infervisor-first-answer-") as temp:
+            config.update(cache_dir=str(Path(temp) / "empty-cache"))
+            process, notify, runtime, started = _start(config, Path(temp) / "run")
+            ready: list[float] = []
+            answered = None
+            try:
+                with Client(f"ipc://{runtime}/infer.sock") as client:
+                    while answered is None and time.monotonic() - started < args.limit_s:
+                        _ready_at(notify, ready)
+                        try:
+                            got = next(iter(client.infer(name, inputs, timeout=2).values()))
+                        except InferenceError:
+                            time.sleep(0.05)
+                            continue
+                        answered = time.monotonic() if _correct(got, want) else None
+                while not ready and time.monotonic() - started < args.limit_s:
+                    _ready_at(notify, ready)
+                    time.sleep(0.05)
+            finally:
+                _stop(process)
+            load = os.getloadavg()[0]
+            first = f"{answered - started:.1f} s" if answered else "none"
+            seen = f"{ready[0] - started:.1f} s" if ready else "not seen"
+            print(f"run {run + 1}: first correct answer {first}, READY=1 {seen} (load average {load:.1f})", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.json"), help="the config to start")
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second per client (2 clients)")
     parser.add_argument("--baseline-s", type=float, default=40.0, help="seconds of load on the eager-only chain")
     parser.add_argument("--limit-s", type=float, default=3600.0, help="give up waiting for the switch after this")
+    parser.add_argument("--first-answer-only", action="store_true", help="time the first answer and READY only")
+    parser.add_argument("--runs", type=int, default=3, help="with --first-answer-only: starts, each on an empty cache")
     args = parser.parse_args()
+    if args.first_answer_only:
+        return first_answers(args)
     config = json.loads(Path(args.config).read_text())
     name = next(iter(config["models"]))
     spec = config["models"][name]["inputs"][0]
