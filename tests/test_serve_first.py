@@ -94,6 +94,13 @@ def test_answers_before_the_build_ends_survives_a_killed_builder_and_switches_un
     assert model["health"] == "serving" and model["serving"] == ["eager"], model
     assert "optimizing: building jit (1 of 2)" in format_status(daemon.status())
     assert "failed" not in format_status(daemon.status())
+    metrics = daemon.control({"cmd": "metrics"})["text"]
+    for line in (
+        'infervisor_model_build_state{model="g",state="building"} 1.0',
+        'infervisor_model_build_profile_index{model="g"} 1.0',
+        'infervisor_workers_serving_profile{model="g",profile="eager"} 1.0',
+    ):
+        assert line in metrics, line
 
     # kill -9 of the builder mid-build: another one starts and builds jit again (a first SIGKILL is not a crash).
     first_pid = model["build"]["pid"]
