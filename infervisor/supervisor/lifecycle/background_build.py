@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -211,10 +212,11 @@ class BackgroundBuilds:
                  cpus=list(cpus), threads=threads)  # fmt: skip
 
     def cores_of(self, name: str) -> tuple[tuple[int, ...], int]:
-        """The cpus of the model's workers together (the kernel gives an idle-class builder only idle time on
-        them) and the threads of one worker, which the timing must use for its pick to hold when serving."""
+        """The cpus of the model's workers and the supervisor's own (with `pin_supervisor`, the ones no worker
+        holds: a box with spare cores builds there), on which an idle-class builder only gets time serving
+        leaves; and the threads of one worker, which the timing must use for its pick to hold when serving."""
         slots = self.members(name) or []
-        cpus = sorted({cpu for slot in slots for cpu in slot.assignment.cpus})
+        cpus = sorted({cpu for slot in slots for cpu in slot.assignment.cpus} | os.sched_getaffinity(0))
         threads = slots[0].assignment.threads if slots else 1
         return tuple(cpus), threads
 
