@@ -276,10 +276,14 @@ class BackgroundBuilds:
             self.finish(build, now, ready)
             return
         how = describe_exit(code)
-        if code > 0 or not build.profile or build.attempts > len(model.profiles) + 1:
+        if code > 0 or build.attempts > len(model.profiles) + 1:
             build.state, build.ended_at = BuildState.FAILED, now
             build.error = f"the builder ended with {how} while {build.phase or 'starting'} {build.profile}".rstrip()
             log.error("builder_failed", model=build.model, error=build.error)
+            return
+        if not build.profile:  # killed before it reached a profile (a stop, a reboot): nothing to blame
+            log.warning("builder_interrupted", model=build.model, how=how)
+            build.phase = "restarting"
             return
         kills = build.kills[build.profile] = build.kills.get(build.profile, 0) + 1
         # A first SIGKILL on a profile is an interruption (kill -9, the OOM killer once): built again. Any other
