@@ -19,7 +19,14 @@ import psutil
 import pytest
 
 from infervisor.protocol import InferenceError
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import StartPhase
 from infervisor.supervisor.commands.status import format_status
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.background_build import BackgroundBuilds, BuildState
+from infervisor.supervisor.settings.config import load_config
+from infervisor.supervisor.workers.launcher import Launched
+from infervisor.supervisor.workers.slot import WorkerSlot
 from infervisor.worker.profiles.cache import ArtifactCache, NotBuiltYet
 from tests.conftest import Daemon, model_entry, notify_messages, wait_for
 from tests.gated_models import GATE_ENV, GATED_INPUTS, expected
@@ -198,3 +205,57 @@ def test_the_demo_answers_first_then_shows_the_switch_without_building_before_it
     assert after, out
     assert "serves eager" in before and "g: 10 ok, 0 errors" in before, before
     assert "serves jit; optimized: picked jit" in after and "g: 10 ok, 0 errors" in after, after
+
+
+class _Ended:
+    """A builder process that has ended with `code` (the builder reads only poll, pid, kill and wait)."""
+
+    def __init__(self, pid: int, code: int) -> None:
+        self.pid, self.code = pid, code
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def kill(self) -> None:
+        """Already ended."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.code
+
+
+def test_a_builder_killed_once_on_a_profile_builds_it_again_and_twice_refuses_it(tmp_path: Path) -> None:
+    """The builder's record of each end: a first SIGKILL on jit is passed on as an interruption (jit built again),
+    a second as a crash (the next builder refuses jit); a builder that ends 0 with the pick served switches
+    nothing, one whose pick differs asks for the rolling switch."""
+    path = tmp_path / "config.json"
+    entry = model_entry({"builtin": "tiny"}, [{"name": "x", "dtype": "float32", "shape": [None, 16]}],
+                        profiles=["jit", "eager"], build="background")  # fmt: skip
+    path.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"tiny": entry}}))
+    config = load_config(path)
+    slot = WorkerSlot(config.models["tiny"], Assignment("tiny", 0, (0,), 0, 1, False))
+    codes = [-signal.SIGKILL, -signal.SIGKILL, 0]
+    launched: list[list[dict[str, Any]]] = []
+    switched: list[str] = []
+
+    def launcher(model: Any, assignment: Assignment, config: Any, exits: Any, **_: Any) -> Launched:
+        launched.append([dict(e) for e in exits])
+        return Launched(_Ended(100 + len(launched), codes[len(launched) - 1]), None, "tiny.build")
+
+    builds = BackgroundBuilds(lambda: config, lambda name: [slot], lambda m, why: switched.append(why), launcher)
+    assert builds.serves_first(config.models["tiny"])
+    builds.tick(1.0, lambda name: ["eager"])
+    build = builds.build_of("tiny")
+    assert build is not None and build.state is BuildState.BUILDING and len(launched) == 1
+    on_jit = wm.encode(wm.Progress(StartPhase.BUILDING.value, "jit", 1, 2, 0.0, ""))[0]
+    for turn in (2.0, 3.0):
+        builds.take(build, on_jit, turn)
+        builds.tick(turn, lambda name: ["eager"])
+    assert [e["killed_by_supervisor"] for e in launched[-1]] == [True, False] and len(launched) == 3
+    builds.take(build, wm.encode(wm.Ready("b", 1, 0.0, 0.0, 1, [0], "eager", [], []))[0], 4.0)
+    builds.tick(4.0, lambda name: ["eager"])
+    assert build.state is BuildState.DONE and build.picked == "eager" and switched == []
+    assert not builds.serves_first(config.models["tiny"])
+    build.state, build.launched, codes[2] = BuildState.BUILDING, Launched(_Ended(9, 0), None, "b"), 0
+    build.picked = "jit"
+    builds.tick(5.0, lambda name: ["eager"])
+    assert switched == ["background build done: switching to jit"]
