@@ -133,7 +133,8 @@ class ModelBuild:
             elapsed = now - self.started_at if self.started_at is not None else 0.0
             left = self.estimate(now)
             tail = f", about {left:.0f} s left" if left is not None else ""
-            return f"optimizing: {self.phase or 'starting'} {where}, {elapsed:.0f} s{tail}"
+            doing = f"{self.phase} {where}" if self.phase else "starting the builder"
+            return f"optimizing: {doing}, {elapsed:.0f} s{tail}"
         if self.state is BuildState.DONE:
             refused = len([o for o, _ in self.outcomes.values() if o != StartPhase.PASSED.value])
             return f"optimized: picked {self.picked or '?'}" + (f", {refused} refused" if refused else "")
