@@ -143,6 +143,8 @@ def main() -> int:
             config["models"] = {
                 name: {**entry, "profiles": [profile], "pick": "first"} for name, entry in base["models"].items()
             }
+        # What a worker that builds at its own start holds (the background builder is a process of its own).
+        config["models"] = {name: {**entry, "build": "at_start"} for name, entry in config["models"].items()}
         try:
             for start in args.starts.split(","):
                 if start == "first" and cache.exists() and any(cache.iterdir()):

@@ -211,8 +211,12 @@ def free_loopback_port() -> int:
 
 
 def model_entry(source: dict[str, str], inputs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """A config.json model entry."""
-    return {"source": source, "inputs": inputs, "warmup_iterations": 1, **extra}
+    """A config.json model entry.
+
+    Its workers build their chain before READY (`build: at_start`), so a test that asks for a profile finds it
+    serving at READY; the tests of the background builder (test_serve_first.py) say `build="background"`.
+    """
+    return {"source": source, "inputs": inputs, "warmup_iterations": 1, "build": "at_start", **extra}
 
 
 @pytest.fixture

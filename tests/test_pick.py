@@ -32,10 +32,10 @@ def test_a_later_profile_serves_only_when_faster_than_the_noise() -> None:
     steady = [10.0, 10.2, 9.9, 10.1, 10.0, 10.3, 9.8, 10.0]
     close = decide(["a", "b"], _rounds({"a": steady, "b": [x * 0.99 for x in steady]}))
     assert (close.profile, close.fastest) == ("a", "b")
-    assert close.noise["a"] == MIN_MARGIN and "within the noise of the fastest, b" in close.reason
+    assert close.noise["b"] == MIN_MARGIN and "b did not beat a beyond the spread" in close.reason
     far = decide(["a", "b"], _rounds({"a": steady, "b": [x * 0.8 for x in steady]}))
     assert far.profile == "b" and far.ratios["a"] == pytest.approx(1.25)
-    assert "faster than a (x1.250" in far.reason
+    assert "b beat a head to head (x0.800" in far.reason
 
 
 def test_noisy_rounds_keep_the_chains_order_where_steady_ones_would_not() -> None:
@@ -45,7 +45,7 @@ def test_noisy_rounds_keep_the_chains_order_where_steady_ones_would_not() -> Non
     assert steady.profile == "b"
     scattered = [5.0, 13.0, 9.0, 6.0, 14.0, 9.0, 4.0, 12.0, 9.0]
     noisy = decide(["a", "b"], _rounds({"a": base, "b": scattered}))
-    assert noisy.ratios["a"] == pytest.approx(10.0 / 9.0) and noisy.noise["a"] > 0.11
+    assert noisy.ratios["a"] == pytest.approx(10.0 / 9.0) and noisy.noise["b"] > 0.11
     assert noisy.profile == "a"
 
 
@@ -56,6 +56,18 @@ def test_the_earliest_profile_within_the_noise_of_the_fastest_serves() -> None:
         ["a", "b", "c"], _rounds({"a": [x * 1.3 for x in base], "b": [x * 1.01 for x in base], "c": base})
     )
     assert (decision.profile, decision.fastest) == ("b", "c")
+
+
+def test_a_noisy_slower_profile_never_wins_over_a_faster_earlier_one() -> None:
+    """a steady, b three times slower but scattered (within its wide noise of the fastest), c faster than a: c serves,
+    and b, which the former rule served as "first in the chain within the noise", is never named."""
+    base = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8, 10.0, 10.1]
+    scattered = [5.0, 60.0, 30.0, 8.0, 55.0, 30.0, 6.0, 50.0]
+    decision = decide(["a", "b", "c"], _rounds({"a": [x * 1.5 for x in base], "b": scattered, "c": base}))
+    assert decision.profile == "c" and decision.fastest == "c"
+    assert "b did not beat a" in decision.reason and "c beat a head to head" in decision.reason
+    steady_first = decide(["a", "b"], _rounds({"a": base, "b": scattered}))
+    assert steady_first.profile == "a" and "first in the chain" in steady_first.reason
 
 
 def test_the_score_weighs_every_served_batch_size() -> None:

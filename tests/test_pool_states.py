@@ -70,7 +70,13 @@ class Launches:
     refuse: bool = False
 
     def __call__(
-        self, model: ModelConfig, assignment: Assignment, config: Config, recent_exits: Sequence[ExitRecord]
+        self,
+        model: ModelConfig,
+        assignment: Assignment,
+        config: Config,
+        recent_exits: Sequence[ExitRecord] = (),
+        *,
+        ready_only: bool = False,
     ) -> Launched:
         if self.refuse:
             raise OSError(11, "Resource temporarily unavailable")

@@ -61,6 +61,9 @@ class Profile:
     global_flags: frozenset[GlobalFlag] = frozenset()
     #: Computes in less than fp32 (int8, bf16): agreement with eager on synthetic inputs says little about real ones.
     changes_numerics: bool = False
+    #: Serves the loaded module with no build step (no trace, export or compile): a worker that serves first
+    #: (the background builder has not finished) may start on it.
+    builds_nothing: bool = False
 
     def refusal(self, caps: CpuCaps) -> str | None:
         """Why this profile is not worth trying on a CPU with `caps`, or None when it is."""
@@ -73,6 +76,7 @@ _DECLARED = (
         summary="the module as loaded, in eval() under inference_mode: the reference every other profile is checked on",
         risk="none: the reference",
         cpu=(),
+        builds_nothing=True,
     ),
     Profile(
         name="jit",
@@ -122,6 +126,7 @@ _DECLARED = (
         risk="reduced precision (8-bit mantissa)",
         cpu=(FAST_KERNELS, NATIVE_BF16),
         changes_numerics=True,
+        builds_nothing=True,
     ),
     # The OpenVINO profiles (infervisor/worker/profiles/openvino.py) need the `openvino` extra;
     # without it they are skipped.

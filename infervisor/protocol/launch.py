@@ -68,6 +68,11 @@ class LaunchSpec:
     compile_timeout_s: float | None = None
     #: `infervisor build`: build and check every packaged profile of the chain, report each, then exit without serving.
     build_only: bool = False
+    #: Serve first: install only what needs no build (a cached package, eager, bf16); what is not built yet is
+    #: refused and left to the background builder, which never makes this worker wait.
+    ready_only: bool = False
+    #: The background builder: lowest CPU priority (SCHED_IDLE, else nice 19) before torch is imported.
+    background: bool = False
     #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.
     served_batches: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)

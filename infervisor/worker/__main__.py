@@ -11,7 +11,7 @@ from pathlib import Path
 from infervisor.common.strict_modes import UnsafePath, check_tree
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.launch import LaunchSpec
-from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
+from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, lowest_priority, pin_before_torch
 
 
 def main(argv: list[str]) -> int:
@@ -34,6 +34,8 @@ def main(argv: list[str]) -> int:
         )
         return WorkerExitCode.SUPERVISOR_LOST
     pin_before_torch(launch.cpus)
+    if launch.background:
+        lowest_priority()
     limit_memory(launch.max_memory_mb)
     keep_inductor_out_of_unsafe_cache(launch.cache_dir)
     from infervisor.common.json_logs import adopt_library_handlers

@@ -24,6 +24,19 @@ def limit_memory(megabytes: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
+def lowest_priority() -> str:
+    """Run at the lowest CPU priority (the background builder): SCHED_IDLE, else nice 19; says which it got.
+
+    Every process it starts (the C++ compiler) inherits it, so a build only takes CPU time serving leaves idle.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    except (OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+        return "nice 19"
+
+
 class ParentGone(Exception):
     """The supervisor died before the worker asked to die with it: the worker is already an orphan."""
 

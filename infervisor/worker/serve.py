@@ -470,12 +470,23 @@ def _load_and_select(
         ) from exc
     del module  # the runner and the context hold it while they need it
     context = build_context(launch, runner, progress)
+    if context.cache is not None:
+        context.cache.ready_only = launch.ready_only
     attempts = attempt_log(launch, context)
     validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None
     tolerance = Tolerance(**launch.tolerance)
     caps = read_caps()
     selection = select_profile(
-        runner, launch.profiles, tolerance, caps, context, launch.pick, validation, attempts, progress
+        runner,
+        launch.profiles,
+        tolerance,
+        caps,
+        context,
+        launch.pick,
+        validation,
+        attempts,
+        progress,
+        ready_only=launch.ready_only,
     )
     if selection.profile != REFERENCE_PROFILE:
         # The profile serves only the input shapes where it answers as eager does (coverage.Covered). With a dim
@@ -493,6 +504,12 @@ def _load_and_select(
             profile=selection.profile,
             outcomes={k: v[0].value for k, v in progress.outcomes.items()},
         )
+        # What a worker of this config would serve now, so the background builder knows whether to switch.
+        try:
+            link.send(wm.encode(_ready(launch, selection, timed_ms(started), 0.0, announce=False)))
+            link.flush_blocking(progress.send_timeout_s)
+        except LinkClosed as exc:  # nobody listens (`infervisor build` gone): the cache is filled all the same
+            log.warning("pick_not_sent", error=str(exc))
         return WorkerExitCode.OK
     builds = context.cache.builds if context.cache is not None else 0
     # A fresh fastest pick built and timed every profile of the chain; its decision is remembered, so a
@@ -506,7 +523,9 @@ def _load_and_select(
     return runner, selection, attempts
 
 
-def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: float) -> wm.Ready:
+def _ready(
+    launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: float, announce: bool = True
+) -> wm.Ready:
     ready = wm.Ready(
         launch.worker_id,
         os.getpid(),
@@ -518,6 +537,8 @@ def _ready(launch: LaunchSpec, selection: Selection, load_ms: float, warmup_ms: 
         list(selection.skipped),
         list(selection.notes),
     )
+    if not announce:  # the background builder's pick: it serves nothing itself
+        return ready
     log.info(
         "worker_ready",
         load_ms=round(load_ms, 1),

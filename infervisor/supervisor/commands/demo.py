@@ -131,6 +131,46 @@ def _wait_serving(
     raise DemoError(f"not every worker served within {timeout:.0f} s (waiting for {waiting}); raise --start-timeout")
 
 
+def _switched(status: dict[str, Any]) -> bool:
+    """Every model's background build ended, and where it picked a profile every worker serves it."""
+    for model in status["models"].values():
+        build = model.get("build") or {}
+        if build.get("state") in ("waiting", "building"):
+            return False
+        members = [w for w in model["workers"] if "role" not in w]
+        if build.get("state") == "done" and not all(
+            w["state"] == "serving" and w.get("profile") == build.get("picked") for w in members
+        ):
+            return False
+    return True
+
+
+def _wait_switch(process: subprocess.Popen[bytes], runtime_dir: Path, timeout: float) -> dict[str, Any] | None:
+    """Print each model's background build as it goes; the status once the workers serve its pick (None: gave up)."""
+    deadline = time.monotonic() + timeout
+    shown: dict[str, tuple[str, float]] = {}
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            status = control_request(runtime_dir, {"cmd": "status"}, timeout=2.0)
+        except ControlError:
+            return None
+        if _switched(status):
+            return status
+        now = time.monotonic()
+        for name, model in status["models"].items():
+            summary = str((model.get("build") or {}).get("summary") or "")
+            # The summary's elapsed seconds change every second: a new line only on a new phase or every 15 s.
+            key = summary.split(",")[0]
+            last = shown.get(name)
+            if summary and (last is None or last[0] != key or now - last[1] >= _REPEAT_PROGRESS_S):
+                shown[name] = (key, now)
+                print(
+                    f"  {name}: serves {', '.join(model.get('serving') or []) or 'nothing yet'}; {summary}", flush=True
+                )
+        time.sleep(0.5)
+    return None
+
+
 def _load(
     endpoint: str,
     model: str,
@@ -265,6 +305,12 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"every worker serves after {time.monotonic() - started:.2f} s\n")
         print(format_status(status) + "\n")
         outcome = _exercise(runtime_dir, status, args, stop)
+        if args.switch_timeout > 0 and not _switched(status):
+            print("\nthe background builder optimizes behind the answers; waiting for the switch (Ctrl-C ends it)")
+            switched = _wait_switch(process, runtime_dir, args.switch_timeout)
+            if switched is not None:
+                print(f"switched to the builder's pick after {time.monotonic() - started:.1f} s\n")
+                outcome = _exercise(runtime_dir, switched, args, stop) or outcome
     except DemoError as exc:
         print(f"infervisor demo: {exc}", file=sys.stderr)
     except (ControlError, InferenceError) as exc:

@@ -133,12 +133,16 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=_positive_int, default=50, help="requests per model, all clients together")
     parser.add_argument("--clients", type=_positive_int, default=2, help="concurrent clients per model")
     parser.add_argument(
-        "--no-build", dest="build", action="store_false",
-        help="skip `infervisor build` before the daemon starts (its workers then compile, showing their progress)",
+        "--build", action="store_true",
+        help="run `infervisor build` before the daemon starts (by default the daemon serves first and builds behind)",
     )  # fmt: skip
     parser.add_argument(
         "--start-timeout", type=_positive_float, default=600.0,
-        help="seconds to wait for every worker to serve (a first start compiles the int8 packages)",
+        help="seconds to wait for every worker to serve (they serve from what is ready: seconds)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--switch-timeout", type=float, default=1800.0,
+        help="seconds to wait for the background builder's pick to serve, then load it again (0: do not wait)",
     )  # fmt: skip
 
 

@@ -95,6 +95,9 @@ def format_status(status: dict[str, Any], notes: bool = True) -> str:
             f"model {name}: queued {model['queued']}/{model['queue_size']}  completed {model['completed']}  "
             f"p50 {_ms(model['p50_ms'])} ms  p99 {_ms(model['p99_ms'])} ms  errors: {errors}"
         )
+        build = model.get("build") or {}
+        serving = ", ".join(model.get("serving") or []) or "nothing yet"
+        lines.append(f"  serves {serving}" + (f"; {build['summary']}" if build.get("summary") else ""))
         lines.append(header)
         for w in model["workers"]:
             cores = ",".join(str(c) for c in w["cores"])

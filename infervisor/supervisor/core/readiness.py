@@ -13,6 +13,12 @@ from infervisor.supervisor.workers.slot import SlotState
 
 log = structlog.get_logger("supervisor")
 
+#: Before READY=1, while a worker still starts (loading, or building with `build: at_start`), systemd's start
+#: timeout is pushed this far ahead every _EXTEND_EVERY_S: a slow first start is never killed by its own unit,
+#: and a loop that stalls stops extending (each worker's own start and compile limits still apply).
+_EXTEND_BY_S = 30
+_EXTEND_EVERY_S = 10.0
+
 
 class Readiness:
     """The daemon's announced state, kept in step with the roster's health each housekeeping turn."""
@@ -28,6 +34,7 @@ class Readiness:
         self.all_failed = False
         self.watchdog_every = notifier.watchdog_interval()
         self.next_watchdog = 0.0
+        self.next_extend = 0.0
 
     def current_line(self) -> str:
         """The STATUS= line systemd has now."""
@@ -43,6 +50,8 @@ class Readiness:
         """READY=1 once every model has a serving worker or has FAILED with a reason; STATUS= whenever that changes."""
         self.note_all_failed(roster.all_failed())
         reports = roster.reports()
+        if not self.announced:
+            self.extend_start(roster, time.monotonic())
         if not self.announced and ready_to_announce(reports):
             self.announced = True
             ready = sum(1 for s in roster.all_slots() if s.state is SlotState.SERVING)
@@ -58,6 +67,14 @@ class Readiness:
             self.line = line
             self.state = state
             self.notifier.status(line)
+
+    def extend_start(self, roster: Roster, now: float) -> None:
+        """EXTEND_TIMEOUT_USEC while a worker is still on its way to serving (starting, or backing off to retry)."""
+        if now < self.next_extend:
+            return
+        if any(s.state in (SlotState.STARTING, SlotState.BACKOFF) for s in roster.all_slots()):
+            self.next_extend = now + _EXTEND_EVERY_S
+            self.notifier.notify(f"EXTEND_TIMEOUT_USEC={_EXTEND_BY_S * 1_000_000}")
 
     def note_all_failed(self, all_failed: bool) -> None:
         """Log once each time every slot of every model has failed."""

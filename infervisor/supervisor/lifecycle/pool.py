@@ -20,6 +20,7 @@ import structlog
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import ErrorCode, WorkerExitCode
 from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.background_build import BackgroundBuilds
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
 from infervisor.supervisor.lifecycle.rollout_steps import RolloutSteps
 from infervisor.supervisor.lifecycle.roster import Roster
@@ -76,6 +77,8 @@ class WorkerPool:
         self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
         #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
         self.load_failures: collections.Counter[str] = collections.Counter()
+        #: Each model's background build; its workers serve first until it is done (background_build.py).
+        self.builds = BackgroundBuilds(lambda: serving.current, self.roster.members_of, self.switch_to_pick)
         broker.route_to(self.roster.members_of)
 
     # ---- the reconcile step ------------------------------------------------------------------
@@ -91,18 +94,26 @@ class WorkerPool:
         self.murder(now)
         self.heartbeat(now)
         if self.stop.stopping:
+            self.builds.stop_all("the daemon stops")
             self.stop.advance(now)
             return
         self.rollout.advance(self.steps)
         self.settle_targets()
         self.manage(now)
+        self.builds.tick(now, self.served_profiles)
 
     def spawn(self, slot: WorkerSlot) -> None:
         """Start the slot's process and listen to it; a failed fork/exec is retried later, not fatal."""
         self.links.detach(slot)
         config = self.serving.current
         try:
-            launched = self.launcher(slot.model, slot.assignment, config, self.recent_exits.get(slot.model.name, ()))
+            launched = self.launcher(
+                slot.model,
+                slot.assignment,
+                config,
+                self.recent_exits.get(slot.model.name, ()),
+                ready_only=self.builds.serves_first(slot.model),
+            )
         except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
             log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
             if slot.state is not SlotState.BACKOFF:
@@ -281,6 +292,19 @@ class WorkerPool:
                     self.serving.finish_rollout(name)
                     log.info("model_config_applied", model=name)
 
+    def switch_to_pick(self, model: str, reason: str) -> None:
+        """The model's background build is done: its workers move to the pick by rolling replacement."""
+        self.restart(model, reason, RestartReason.OPTIMIZED)
+
+    def served_profiles(self, model: str) -> list[str] | None:
+        """The profile each member of `model` serves, when every member serves and no rollout of it is under way."""
+        members = self.roster.members_of(model)
+        if not members or self.rollout.has_work_for(model):
+            return None
+        if any(slot.state is not SlotState.SERVING for slot in members):
+            return None
+        return [slot.proc.profile or "" for slot in members]
+
     # ---- what the workers said -----------------------------------------------------------------
 
     def worker_ready(self, slot: WorkerSlot, ready: wm.Ready) -> None:
@@ -415,6 +439,8 @@ class WorkerPool:
                 moved = slot.assignment.cpus != assignment.cpus or slot.assignment.threads != assignment.threads
                 # A worker already built from this config (an earlier step of the same rollout) stays.
                 stale = worker_keys_changed(diff, name) or builds_differ(slot.model, model)
+                if name in diff.rolling and stale:
+                    self.builds.restart(name, "config: how its workers are built changed")
                 # One already queued or being replaced gets the newest config anyway: a step reads it when it starts.
                 if (moved or (name in diff.rolling and stale)) and not self.rollout.involves(slot):
                     why = ", ".join(diff.rolling.get(name, [])) or "cores re-planned"

@@ -6,6 +6,7 @@ This module sits above the broker and the pool (it imports both); they import on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
             state, error = "failed", failed
         else:
             state, error = "applied", None
+        build = pool.builds.build_of(name)
         models.append(
             ModelSample(
                 name=name,
@@ -102,6 +104,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
                 fallback=fallbacks.status(name, model) if fallbacks is not None else None,
                 config_state=state,
                 config_error=error,
+                build=build.report(time.monotonic()) if build is not None else None,
                 **_queue_figures(queue),
             )
         )

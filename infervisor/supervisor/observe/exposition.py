@@ -78,6 +78,7 @@ class SnapshotCollector:
             return
         yield from _request_families(snapshot)
         yield from _worker_families(snapshot)
+        yield from _build_families(snapshot)
         yield from _daemon_families(snapshot)
 
 
@@ -230,6 +231,50 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
         if model.load_error:
             load_error.add_metric([model.name], {"error": clip(model.load_error, LOAD_ERROR_LABEL_CHARS)})
     yield from (states, rss, pss, profile, restarts, load_failures, load_error)
+
+
+#: The states of a model's background build (lifecycle/background_build.py: BuildState), each a 0/1 series.
+_BUILD_STATES = ("waiting", "building", "done", "failed")
+
+
+def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
+    """What serves now, and where each model's background build stands (docs/operations.md)."""
+    serving = GaugeMetricFamily(
+        "infervisor_workers_serving_profile", "serving workers by the profile they serve", labels=["model", "profile"]
+    )
+    state = GaugeMetricFamily(
+        "infervisor_model_build_state", "the model's background build: 1 for its state", labels=["model", "state"]
+    )
+    step = GaugeMetricFamily(
+        "infervisor_model_build_profile_index", "while building: which profile of the chain (1-based)", labels=["model"]
+    )
+    elapsed = GaugeMetricFamily(
+        "infervisor_model_build_seconds", "time the background build took so far", labels=["model"]
+    )
+    outcomes = GaugeMetricFamily(
+        "infervisor_model_build_profiles",
+        "profiles of the chain the build decided, by outcome",
+        labels=["model", "outcome"],
+    )
+    for model in snapshot.models:
+        counts: dict[str, int] = {}
+        for slot in snapshot.slots_of(model.name):
+            if slot.state is SlotState.SERVING and slot.profile:
+                counts[slot.profile] = counts.get(slot.profile, 0) + 1
+        for profile, count in sorted(counts.items()):
+            serving.add_metric([model.name, profile], count)
+        build = model.build
+        if build is None:
+            continue
+        for value in _BUILD_STATES:
+            state.add_metric([model.name, value], 1.0 if build.get("state") == value else 0.0)
+        step.add_metric([model.name], float(build.get("index") or 0))  # type: ignore[arg-type]
+        elapsed.add_metric([model.name], float(build.get("elapsed_s") or 0.0))  # type: ignore[arg-type]
+        refused = build.get("refused") or {}
+        passed = build.get("passed") or []
+        outcomes.add_metric([model.name, "passed"], float(len(passed)))  # type: ignore[arg-type]
+        outcomes.add_metric([model.name, "refused"], float(len(refused)))  # type: ignore[arg-type]
+    yield from (serving, state, step, elapsed, outcomes)
 
 
 def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:

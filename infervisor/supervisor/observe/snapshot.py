@@ -107,6 +107,8 @@ class ModelSample:
     #: Where the last applied config stands for it: "applied", "rolling" or "failed" (with the error).
     config_state: str
     config_error: str | None
+    #: Its background build (lifecycle/background_build.py: ModelBuild.report), None when it has none.
+    build: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,11 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
             "p50_ms": percentile(sample.latencies_ms, 50),
             "p99_ms": percentile(sample.latencies_ms, 99),
             "profiles": list(model.profiles),
+            # What serves now (the profile of each serving member), and the background build behind it.
+            "serving": sorted(
+                {s.profile for s in snapshot.slots_of(sample.name) if s.state.value == "serving" and s.profile}
+            ),
+            "build": sample.build,
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
             "workers": [

@@ -46,6 +46,8 @@ THERMAL_ACTIONS = ("none", "shed")
 #: drains and exits before its replacement starts (capacity N-1 for that slot; for boxes whose cores
 #: or memory cannot hold both at once).
 ROLLOUT_STRATEGIES = ("surge", "drain_first")
+#: When a model's profiles are built: by the background builder while the workers serve, or in each worker's start.
+BUILD_MODES = ("background", "at_start")
 SOURCE_KINDS = ("builtin", "torchscript", "exported", "python")
 _PYTHON_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -113,6 +115,8 @@ class ModelConfig:
     rollout: str
     profiles: tuple[str, ...]
     pick: str
+    #: "background": serve first, the builder builds behind; "at_start": each worker builds before READY.
+    build: str
     tolerance: dict[str, Any]
     channels_last: bool
     #: Absolute path of the int8_static calibration set (.npz), or None for seeded random inputs.
@@ -162,6 +166,8 @@ class Config:
     worker_start_timeout_s: float
     #: The per-profile build limit of a starting worker (infervisor/supervisor/workers/start_clock.py).
     compile_timeout_s: float
+    #: Cap on the background builder's private writable memory (RLIMIT_DATA) in MB; None: the worker's cap.
+    builder_memory_mb: int | None
     shutdown_grace_s: float
     max_frame_bytes: int
     client_budget_mb: int
@@ -305,6 +311,11 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("pick", Choice("first", PICK_MODES), Applied.ROLLING,
         "`first`: the first profile of the chain that passes serves; `fastest`: every one is built, validated and "
         "timed, and the fastest that passes serves ([more](#pick))."),
+    Key("build", Choice("background", BUILD_MODES), Applied.ROLLING,
+        "`background`: workers serve at once from what is ready (a verified cached package, else eager), and a "
+        "background builder builds, checks and times the chain, then the workers switch to its pick by rolling "
+        "replacement; `at_start`: each worker builds before it is ready, as `infervisor build` does "
+        "([more](#the-background-builder))."),
     Key("calibration", Custom(read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
         "an `.npz` that `int8_static` observes to set activation scales; null: seeded random inputs "
         "([more](#calibration-and-validation))."),
@@ -511,6 +522,11 @@ TOP_KEYS: tuple[Key, ...] = (
         "packages, or wait for a sibling's compile of them); past it the worker is killed and its successor builds "
         "that profile again, keeping the packages already done; after two overruns within an hour the profile is "
         "skipped ([more](#the-build-phase))."),
+    Key("builder_memory_mb", Integer(None, 512, why="must be an integer >= 512 (MB) or null"), Applied.LIVE,
+        "cap on the background builder's private writable memory (`RLIMIT_DATA`); past it the profile being built "
+        "is refused with the reason and the serving workers are untouched; null: the model's `max_memory_mb`, else "
+        "half the box's memory "
+        "([more](#the-background-builder))."),
     Key("shutdown_grace_s", Number(10.0, 0.0), Applied.LIVE,
         "on SIGTERM, queued and in-flight requests get this long to finish; the rest are answered `SHUTTING_DOWN`. "
         "A retiring (draining) worker is SIGKILLed if it has not exited `shutdown_grace_s` + 5 s after it began "

@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -53,8 +53,22 @@ class Launched:
 #: How one worker ended, as the next worker of its model is told (LaunchSpec.recent_exits).
 ExitRecord = dict[str, Any]
 
-#: Starts one worker of a model on an assignment under a config (replaced in tests that need no processes).
-Launcher = Callable[[ModelConfig, Assignment, Config, Sequence[ExitRecord]], Launched]
+
+class Launcher(Protocol):
+    """Starts one worker of a model on an assignment under a config (replaced in tests that need no processes).
+
+    `ready_only`: the worker serves first, from what needs no build (the background builder builds the rest).
+    """
+
+    def __call__(
+        self,
+        model: ModelConfig,
+        assignment: Assignment,
+        config: Config,
+        recent_exits: Sequence[ExitRecord] = (),
+        *,
+        ready_only: bool = False,
+    ) -> Launched: ...
 
 
 def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
@@ -82,6 +96,8 @@ def launch_spec(
     link_fd: int,
     recent_exits: Sequence[ExitRecord] = (),
     build_only: bool = False,
+    ready_only: bool = False,
+    background: bool = False,
 ) -> LaunchSpec:
     """Everything the worker needs before it imports torch, from the model's config and its cores."""
     return LaunchSpec(
@@ -111,6 +127,8 @@ def launch_spec(
         client_gid=config.socket_group.gid if config.socket_group is not None else None,
         compile_timeout_s=config.compile_timeout_s,
         build_only=build_only,
+        ready_only=ready_only,
+        background=background,
     )
 
 
@@ -121,13 +139,18 @@ def launch_worker(
     recent_exits: Sequence[ExitRecord] = (),
     build_only: bool = False,
     output: IO[bytes] | None = None,
+    *,
+    ready_only: bool = False,
+    background: bool = False,
 ) -> Launched:
     """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now.
 
     `build_only` (infervisor build): the worker fills the cache with its packaged profiles and exits.
     `output`: where its stdout and stderr go (default: the supervisor's, where the daemon logs).
+    `ready_only`: it serves first, from what needs no build. `background`: the background builder (with
+    `build_only`), at the lowest CPU priority.
     """
-    worker_id = f"{model.name}.{assignment.slot}.{next(_generations)}"
+    worker_id = f"{model.name}.{'build' if background else assignment.slot}.{next(_generations)}"
     cache_dir = resolve_cache_dir(config.cache_dir)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -135,7 +158,9 @@ def launch_worker(
             # Room for a whole image in one write: with the default 208 KB a 600 KB tensor goes over
             # in three turns of write, wake the reader, wait for room. The kernel caps it at wmem_max.
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LINK_BUFFER_BYTES)
-        spec = launch_spec(model, assignment, config, worker_id, theirs.fileno(), recent_exits, build_only)
+        spec = launch_spec(
+            model, assignment, config, worker_id, theirs.fileno(), recent_exits, build_only, ready_only, background
+        )
         process = subprocess.Popen(
             # -P: nothing from the working directory (a `common.py` there) may shadow or run in a worker.
             [sys.executable, "-P", "-m", "infervisor.worker", spec.to_json()],

@@ -84,6 +84,7 @@ class RestartReason(enum.Enum):
     CONFIG = "config"  # a reload changed how its workers are built, or re-planned its cores
     MODEL_FILE = "model_file"  # its model file changed on disk
     ROLLBACK = "rollback"  # a rollout of its model failed: rebuilt from the config it serves with
+    OPTIMIZED = "optimized"  # the background builder finished: the workers move to its pick
 
 
 #: States whose process is alive (or not yet reaped).

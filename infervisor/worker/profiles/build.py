@@ -39,6 +39,7 @@ from infervisor.worker.profiles.cache import (
     CachedBuildFailure,
     NoSpaceLeft,
     UntrustedCache,
+    NotBuiltYet,
     artifact_key,
     no_space_left,
 )
@@ -259,7 +260,7 @@ def build_profile(name: str, context: BuildContext) -> Built:
         raise ProfileError(f"profile {name!r} is not implemented; available: {', '.join(PROFILE_NAMES)}")
     try:
         return builder(context)
-    except ProfileError:
+    except (ProfileError, NotBuiltYet):
         raise
     except NoGain as exc:
         raise ProfileError(str(exc)) from exc

@@ -59,6 +59,10 @@ class UntrustedCache(Exception):
     """The cache folder, or something in it, is owned or writable by another user: nothing is loaded from it."""
 
 
+class NotBuiltYet(Exception):
+    """A worker that serves first asked for a package the cache does not hold yet (or another process is building)."""
+
+
 class NoSpaceLeft(Exception):
     """A build ran out of disk (ENOSPC somewhere in it, a C++ compiler's error text included)."""
 
@@ -223,6 +227,8 @@ class ArtifactCache:
         #: Builds this process ran (cache misses, failed ones too): a worker that ran one restarts itself
         #: from the cache so the compiler's memory does not stay for its life (infervisor/worker/reexec.py).
         self.builds = 0
+        #: Serve first (LaunchSpec.ready_only): never build and never wait for another process's build.
+        self.ready_only = False
         #: Why the cache is refused (strict modes), once checked: "" when it is safe, None before the check.
         self._refused: str | None = None
 
@@ -334,6 +340,8 @@ class ArtifactCache:
 
     def _ensure(self, path: Path, key: dict[str, Any], build: Callable[[Path], None]) -> _Ensured:
         self.trust()
+        if self.ready_only:
+            return self._ensure_built(path)
         with self.locked(path):
             rejected: str | None = None
             if path.exists():
@@ -367,6 +375,25 @@ class ArtifactCache:
             path.with_suffix(".failed").unlink(missing_ok=True)
             write_durably(path.with_suffix(".json"), json.dumps(key, indent=1, sort_keys=True))
             return _Ensured(False, rejected, _identity(path))
+
+    def _ensure_built(self, path: Path) -> _Ensured:
+        """The verified package at `path` as it is now; NotBuiltYet when it is missing, damaged or being built."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise NotBuiltYet(f"{path.name} is being built by another process") from None
+            try:
+                if not path.exists():
+                    raise NotBuiltYet(f"{path.name} is not built yet")
+                rejected = self._check(path)
+                if rejected is not None:
+                    self._move_aside(path, rejected)
+                    raise NotBuiltYet(f"{path.name} {rejected}: moved aside, to be built again")
+                return _Ensured(True, None, _identity(path))
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _install(self, temporary: Path, path: Path) -> None:
         """Sync the built file, store its digest, then rename it into place: readers see whole packages only."""

@@ -26,14 +26,14 @@ import torch
 
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.cpuinfo import CpuCaps
-from infervisor.common.profiles import REFERENCE_PROFILE, cpu_refusal
+from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE, cpu_refusal
 from infervisor.common.text import clip
 from infervisor.protocol.constants import StartPhase
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.attempts import AttemptLog
 from infervisor.worker.profiles.build import build_profile
 from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
-from infervisor.worker.profiles.cache import UntrustedCache
+from infervisor.worker.profiles.cache import NotBuiltYet, UntrustedCache
 from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.evidence import sample_count
 from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
@@ -59,6 +59,10 @@ _MIN_BATCHED_ROWS = 3
 _TIMING_S = 5.0
 _MIN_ROUNDS = 6
 _MAX_ROUNDS = 60
+#: Why a worker that serves first skips a profile that must be traced, exported or compiled.
+NEEDS_BUILD = "needs a build: the background builder builds it"
+#: The summary of eager served first: the reference, neither built nor checked against itself.
+_REFERENCE_SUMMARY = "the reference"
 #: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
 _PICK_FORMAT = 2
 
@@ -267,7 +271,10 @@ class _Trial:
         validation: Sequence[Inputs] | None = None,
         attempts: AttemptLog | None = None,
         progress: Progress | None = None,
+        ready_only: bool = False,
     ) -> None:
+        #: Serve first: only what needs no build (a verified cached package, or a profile that builds nothing).
+        self.ready_only = ready_only
         self.attempts = attempts or AttemptLog(None, {}, [])
         self.progress = progress or NoProgress()
         self.runner = runner
@@ -277,14 +284,29 @@ class _Trial:
         self.eager = runner.module
         self.golden = golden_set(runner, validation, context.served_batches)
         self.cases = [case.inputs for case in self.golden.cases]
-        named = [runner.forward(case) for case in self.cases]
-        self.reference = [[a for _, a in outputs] for outputs in named]
-        #: The outputs' names, so the gate can say which one failed (every case gives the same names).
-        self.output_names = [n for n, _ in named[0]] if named else []
+        #: Eager's outputs on the golden cases, and their names (so the gate can say which one failed), computed
+        #: when the first candidate needs them: a worker serving first on eager alone runs none of them.
+        self._reference: list[list[np.ndarray[Any, Any]]] | None = None
+        self.output_names: list[str] = []
+
+    @property
+    def reference(self) -> list[list[np.ndarray[Any, Any]]]:
+        """Eager's outputs on every golden case (run on eager, whatever the runner serves when first asked)."""
+        if self._reference is None:
+            serving, self.runner.module = self.runner.module, self.eager
+            try:
+                named = [self.runner.forward(case) for case in self.cases]
+            finally:
+                self.runner.module = serving
+            self._reference = [[a for _, a in outputs] for outputs in named]
+            self.output_names = [n for n, _ in named[0]] if named else []
+        return self._reference
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
         refusal = cpu_refusal(name, self.caps) or self.attempts.refusal(name)
+        if refusal is None and self.ready_only and not (PROFILES[name].builds_nothing or PROFILES[name].packaged):
+            refusal = NEEDS_BUILD
         if refusal is not None:
             self.progress.phase(StartPhase.REFUSED, name, refusal)
             return refusal
@@ -293,18 +315,28 @@ class _Trial:
         outcome = StartPhase.REJECTED
         try:
             # A native crash in here leaves the marker: the next worker skips this profile instead of crashing too.
+            if self.ready_only and name == REFERENCE_PROFILE:  # the reference itself: nothing to build or check
+                built = build_profile(name, self.context)
+                self.progress.phase(StartPhase.PASSED, name, "the reference, served first while the rest is built")
+                return _Candidate(
+                    name, built, 1.0, (time.perf_counter() - started) * 1000.0, summary=_REFERENCE_SUMMARY
+                )
+            references = self.reference
             with self.attempts.attempting(name, "building and checking"):
-                self.progress.phase(StartPhase.BUILDING, name)
+                # Serving first builds nothing: it loads a verified package or a profile that needs no build.
+                self.progress.phase(StartPhase.LOADING if self.ready_only else StartPhase.BUILDING, name)
                 built = build_profile(name, self.context)
                 self.runner.module = built.callable
-                self.outputs(self.golden.cases[0], self.reference[0])  # first runs compile or specialise a graph
+                self.outputs(self.golden.cases[0], references[0])  # first runs compile or specialise a graph
                 self.progress.phase(StartPhase.CHECKING, name)
                 agreements = [
                     (compare(reference, self.outputs(case, reference), self.output_names), case.where)
-                    for case, reference in zip(self.golden.cases, self.reference, strict=True)
+                    for case, reference in zip(self.golden.cases, references, strict=True)
                 ]
                 result = worst_of(agreements, self.golden.checked, sample_count(self.golden.cases))
                 failure = result.failure(self.tolerance)
+        except NotBuiltYet as exc:  # serving first: the background builder builds it
+            failure, outcome = f"{exc}: the background builder builds it", StartPhase.REFUSED
         except ProfileError as exc:
             failure, outcome = str(exc), StartPhase.FAILED
         except Exception as exc:  # noqa: BLE001 - a profile that crashes on golden inputs is skipped, not fatal
@@ -408,15 +440,21 @@ def select_profile(
     validation: Sequence[Inputs] | None = None,
     attempts: AttemptLog | None = None,
     progress: Progress | None = None,
+    ready_only: bool = False,
 ) -> Selection:
-    """Install the chosen profile of `chain` on the runner; eager is the last resort."""
-    trial = _Trial(runner, context, tolerance, caps, validation, attempts, progress)
+    """Install the chosen profile of `chain` on the runner; eager is the last resort.
+
+    `ready_only` (serve first): nothing is built; a fastest pick serves its remembered winner when that is
+    ready, else the first profile of the chain that is, and neither times nor remembers anything.
+    """
+    trial = _Trial(runner, context, tolerance, caps, validation, attempts, progress, ready_only)
     skipped: list[str] = []
     if pick == "fastest":
         decided = _decided(trial, context, chain, tolerance)
         if decided is not None:
             return decided
-        return _pick_fastest(trial, context, chain, tolerance)
+        if not ready_only:
+            return _pick_fastest(trial, context, chain, tolerance)
     for name in chain:
         outcome = trial.attempt(name)
         if isinstance(outcome, _Candidate):
@@ -455,6 +493,8 @@ def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], toleran
 
 
 def _built_in(candidate: _Candidate) -> str:
+    if candidate.summary == _REFERENCE_SUMMARY:
+        return "the eager reference as loaded, served first while the background builder builds the chain"
     return f"built and checked against eager in {candidate.build_ms:.0f} ms: {candidate.summary}"
 
 

@@ -78,8 +78,8 @@ class Decision:
     #: Each candidate's speed over the fastest's (1.0 for the fastest itself, never below 1): the geometric mean over
     #: the batch sizes of its medians in `per_sample_ms`, over the same of the fastest's.
     ratios: dict[str, float]
-    #: How far above 1 a ratio may be and still count as "as fast": the notch of the per-round ratios to the
-    #: fastest (how well the ratio is known), at least MIN_MARGIN.
+    #: The spread of each later candidate's per-round ratios to the profile chosen before it (the notch, at least
+    #: MIN_MARGIN): how much faster it had to be to win (0.0 for the first).
     noise: dict[str, float]
     reason: str
 
@@ -143,35 +143,38 @@ def noise_of(ratios: Sequence[float]) -> float:
 
 
 def decide(chain: Sequence[str], rounds: Rounds) -> Decision:
-    """Serve the earliest profile of the chain that is as fast as the fastest within the noise.
+    """Walk the chain head to head: a later profile replaces the one chosen so far only when it is faster.
 
-    So a later profile overrules an earlier one only by being faster by more than the measured noise
-    (and more than MIN_MARGIN); what serves is never slower than the fastest by more than that.
+    The rule: candidates ran in the same rounds, turn about (run_rounds), so each round gives the later
+    one's time over the earlier one's under the same load. The later one wins only when the median of
+    those per-round ratios is below 1 by more than their spread (the notch, noise_of; at least
+    MIN_MARGIN) and its median speed is faster too. So a noisy candidate never wins on a wide spread,
+    and what serves is never one the figures show slower than the chain's earlier choice.
     """
     names = [n for n in chain if n in rounds.per_sample_ms]
     scores = {n: rounds.scores(n) for n in names}
     speeds = {n: rounds.speed_ms(n) for n in names}
     # The ratios are of the printed medians, so the fastest is the one they say is fastest (the chain breaks ties).
     fastest = min(names, key=lambda n: (speeds[n], names.index(n)))
-    ratios: dict[str, float] = {}
+    ratios = {name: speeds[name] / speeds[fastest] for name in names}
     noise: dict[str, float] = {}
-    for name in names:
-        per_round = [mine / best for mine, best in zip(scores[name], scores[fastest], strict=True)]
-        ratios[name] = speeds[name] / speeds[fastest]
-        noise[name] = max(MIN_MARGIN, noise_of(per_round)) if name != fastest else 0.0
-    chosen = next(n for n in names if ratios[n] <= 1.0 + noise[n])
-    if chosen == fastest:
-        earlier = names[: names.index(chosen)]
-        reason = f"{chosen} is the fastest" + (
-            f", faster than {', '.join(f'{n} (x{ratios[n]:.3f} ± {noise[n]:.3f})' for n in earlier)} beyond the noise"
-            if earlier
-            else " and first in the chain"
-        )
-    else:
-        reason = (
-            f"{chosen} is first in the chain and within the noise of the fastest, {fastest}: "
-            f"x{ratios[chosen]:.3f} with noise ± {noise[chosen]:.3f}"
-        )
+    chosen = names[0]
+    steps: list[str] = []
+    for name in names[1:]:
+        per_round = [mine / theirs for mine, theirs in zip(scores[name], scores[chosen], strict=True)]
+        versus = statistics.median(per_round)
+        spread = max(MIN_MARGIN, noise_of(per_round))
+        noise[name] = spread
+        if versus < 1.0 - spread and speeds[name] < speeds[chosen]:
+            steps.append(f"{name} beat {chosen} head to head (x{versus:.3f}, spread ± {spread:.3f})")
+            chosen = name
+        else:
+            steps.append(f"{name} did not beat {chosen} beyond the spread (x{versus:.3f}, spread ± {spread:.3f})")
+    noise[names[0]] = 0.0
+    first = "first in the chain" if chosen == names[0] else "the last to beat the chosen one"
+    reason = f"{chosen} serves, {first}" + (f": {'; '.join(steps)}" if steps else "")
+    if chosen != fastest:
+        reason += f" ({fastest} was fastest by median, x{ratios[chosen]:.3f}, not beyond the spread)"
     return Decision(
         chosen,
         fastest,

@@ -1,0 +1,335 @@
+"""The background builder: a model's workers serve at once from what is ready, its chain is built behind them.
+
+A worker of a model with `build: background` starts serving first (LaunchSpec.ready_only): a
+verified cached package, else a profile that builds nothing (eager). Meanwhile one builder per
+model, a worker process in build mode (the one `infervisor build` runs) at the lowest CPU priority
+(SCHED_IDLE, else nice 19) with its own memory cap, builds, checks and times the chain exactly as
+a worker would, fills the cache, remembers a fastest pick and says what a worker would serve now.
+Its process then ends, so nothing of the build stays in any serving worker. If its pick is not
+what the model serves, the model's workers move to it by the rolling replacement; workers spawned
+from then on start normally (loading the pick from the cache).
+
+Builders run one at a time (a box sharing its cores with serving is not asked to compile twice at
+once), each once its model serves. A builder that dies of a signal while on a profile is started
+again and told how its predecessor ended (as `infervisor build` does): a SIGKILL (the OOM killer,
+kill -9, a reboot's stop) is retried once, a second one or any other native crash refuses that
+profile with the reason (profiles/attempts.py), and the chain goes on. Packages are installed
+whole after their digest is stored (cache.py), so a killed build leaves nothing a worker loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import psutil
+import structlog
+
+from infervisor.common.profiles import PROFILES
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import OUTCOME_PHASES, StartPhase
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.worker_link import LinkClosed
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.workers.launcher import ExitRecord, Launched, launch_worker
+from infervisor.supervisor.workers.slot import WorkerSlot, describe_exit
+
+log = structlog.get_logger("supervisor")
+
+#: SIGKILL: the OOM killer, kill -9, a stop that did not wait. Retried once per profile before it is a refusal.
+_SIGKILL = 9
+
+
+class BuildState(enum.Enum):
+    """Where a model's background build stands (status `models.<name>.build.state`)."""
+
+    WAITING = "waiting"  # for its model to serve, or for another model's builder to finish
+    BUILDING = "building"  # a builder process runs
+    DONE = "done"  # built, checked and timed: the pick serves or the switch to it is under way
+    FAILED = "failed"  # the builder could not finish; the workers serve on what was ready (never a serving failure)
+
+
+def needs_builder(model: ModelConfig) -> bool:
+    """A model whose chain has something to build or time, built in the background."""
+    if model.build != "background":
+        return False
+    chain = model.profiles
+    return any(not PROFILES[p].builds_nothing for p in chain) or (model.pick == "fastest" and len(chain) > 1)
+
+
+def builder_memory_mb(config: Config, model: ModelConfig) -> int:
+    """The builder's data-segment cap: `builder_memory_mb`, else the model's `max_memory_mb`, else half the box's
+    memory (a compile that wants more fails inside the builder, a refused profile, instead of waking the OOM
+    killer among the serving workers)."""
+    return config.builder_memory_mb or model.max_memory_mb or int(psutil.virtual_memory().total // 2**20 // 2)
+
+
+@dataclass
+class ModelBuild:
+    """One model's background build: its process, where it is, and what each profile came to."""
+
+    model: str
+    state: BuildState = BuildState.WAITING
+    started_at: float | None = None
+    ended_at: float | None = None
+    launched: Launched | None = None
+    #: The builder processes started for this build (each native crash costs one).
+    attempts: int = 0
+    exits: list[ExitRecord] = field(default_factory=list)
+    phase: str = ""
+    profile: str = ""
+    index: int = 0
+    count: int = 0
+    phase_at: float = 0.0
+    #: profile -> (outcome, why), in the order they were decided.
+    outcomes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: What a worker would serve after this build (the builder's READY), "" until it said.
+    picked: str = ""
+    error: str = ""
+    #: SIGKILLs per profile: the first is retried, the second refuses it.
+    kills: dict[str, int] = field(default_factory=dict)
+
+    def report(self, now: float) -> dict[str, object]:
+        """The status document's `build` object of the model."""
+        elapsed = (self.ended_at or now) - self.started_at if self.started_at is not None else None
+        report: dict[str, object] = {
+            "state": self.state.value,
+            "summary": self.line(now),
+            "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
+            "attempts": self.attempts,
+            "pid": self.launched.process.pid if self.launched is not None else None,
+            "picked": self.picked or None,
+            "error": self.error or None,
+            "refused": {p: why for p, (outcome, why) in self.outcomes.items() if outcome != StartPhase.PASSED.value},
+            "passed": [p for p, (outcome, _) in self.outcomes.items() if outcome == StartPhase.PASSED.value],
+        }
+        if self.state is BuildState.BUILDING:
+            report.update(
+                phase=self.phase or "starting",
+                profile=self.profile or None,
+                index=self.index or None,
+                count=self.count or None,
+                phase_elapsed_s=round(now - self.phase_at, 1) if self.phase_at else None,
+                estimate_s=self.estimate(now),
+            )
+        return report
+
+    def estimate(self, now: float) -> float | None:
+        """Seconds left, from the profiles done so far (None before the first is done, or when unknown)."""
+        done = len(self.outcomes)
+        if self.started_at is None or not self.count or done == 0 or done >= self.count:
+            return None
+        per_profile = (now - self.started_at) / done
+        return round(per_profile * (self.count - done), 0)
+
+    def line(self, now: float) -> str:
+        """One phrase for `infervisor status`: what the builder does, or what it came to."""
+        if self.state is BuildState.BUILDING:
+            where = f"{self.profile} ({self.index} of {self.count})" if self.index else (self.profile or "the model")
+            elapsed = now - self.started_at if self.started_at is not None else 0.0
+            left = self.estimate(now)
+            tail = f", about {left:.0f} s left" if left is not None else ""
+            doing = f"{self.phase} {where}" if self.phase else "starting the builder"
+            return f"optimizing: {doing}, {elapsed:.0f} s{tail}"
+        if self.state is BuildState.DONE:
+            refused = len([o for o, _ in self.outcomes.values() if o != StartPhase.PASSED.value])
+            return f"optimized: picked {self.picked or '?'}" + (f", {refused} refused" if refused else "")
+        if self.state is BuildState.FAILED:
+            return f"optimizing stopped: {self.error}"
+        return "optimizing: waiting"
+
+
+class BackgroundBuilds:
+    """Every model's background build: starting builders, reading their progress, switching when one is done."""
+
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        members: Callable[[str], Sequence[WorkerSlot] | None],
+        switch: Callable[[str, str], None],
+        launcher: Callable[..., Launched] = launch_worker,
+    ) -> None:
+        self.config = config
+        #: The model's worker slots (the builder runs on their cores, with one worker's threads).
+        self.members = members
+        #: Roll the model's workers over to what its builder picked (model, reason).
+        self.switch = switch
+        self.launcher = launcher
+        self.builds: dict[str, ModelBuild] = {}
+
+    def serves_first(self, model: ModelConfig) -> bool:
+        """Whether a worker of `model` starts on what is ready only (its build is not done)."""
+        if not needs_builder(model):
+            return False
+        build = self.builds.get(model.name)
+        return build is None or build.state is not BuildState.DONE
+
+    def build_of(self, name: str) -> ModelBuild | None:
+        """The model's build, if it has one."""
+        return self.builds.get(name)
+
+    def tick(self, now: float, ready: Callable[[str], list[str] | None]) -> None:
+        """Read the running builder, settle its end, and start the next one whose model serves.
+
+        `ready(model)`: the profiles its members serve when every member serves, else None.
+        """
+        config = self.config()
+        for name in list(self.builds):
+            if name not in config.models or not needs_builder(config.models[name]):
+                self.forget(name, "not built in the background any more")
+        for name, model in config.models.items():
+            if needs_builder(model) and name not in self.builds:
+                self.builds[name] = ModelBuild(name)
+        running = [b for b in self.builds.values() if b.launched is not None]
+        for build in running:
+            self.read(build, now)
+            self.settle(build, config.models[build.model], now, ready)
+        if any(b.launched is not None for b in self.builds.values()):
+            return
+        for build in self.builds.values():
+            if build.state in (BuildState.WAITING, BuildState.BUILDING) and ready(build.model) is not None:
+                self.start(build, config, config.models[build.model], now)
+                return
+
+    def start(self, build: ModelBuild, config: Config, model: ModelConfig, now: float) -> None:
+        """Start the model's builder process (SCHED_IDLE, its own memory cap) on the cores its workers have."""
+        cpus, threads = self.cores_of(model.name)
+        assignment = Assignment(model.name, 0, cpus, 0, threads, True)
+        capped = dataclasses.replace(model, max_memory_mb=builder_memory_mb(config, model))
+        try:
+            build.launched = self.launcher(capped, assignment, config, build.exits, build_only=True, background=True)
+        except OSError as exc:  # the box is short of pids or memory: tried again next turn
+            log.error("builder_spawn_failed", model=model.name, error=str(exc))
+            return
+        build.attempts += 1
+        if build.started_at is None:
+            build.started_at = now
+        build.state, build.phase, build.phase_at = BuildState.BUILDING, "", now
+        log.info("builder_started", model=model.name, pid=build.launched.process.pid, attempt=build.attempts,
+                 cpus=list(cpus), threads=threads)  # fmt: skip
+
+    def cores_of(self, name: str) -> tuple[tuple[int, ...], int]:
+        """The cpus of the model's workers and the supervisor's own (with `pin_supervisor`, the ones no worker
+        holds: a box with spare cores builds there), on which an idle-class builder only gets time serving
+        leaves; and the threads of one worker, which the timing must use for its pick to hold when serving."""
+        slots = self.members(name) or []
+        cpus = sorted({cpu for slot in slots for cpu in slot.assignment.cpus} | os.sched_getaffinity(0))
+        threads = slots[0].assignment.threads if slots else 1
+        return tuple(cpus), threads
+
+    def read(self, build: ModelBuild, now: float) -> None:
+        """Take in whatever the builder said since the last turn (PROGRESS, and its READY: the pick)."""
+        launched = build.launched
+        if launched is None or launched.link is None:
+            return
+        try:
+            while launched.link.wait_readable(0.0):
+                messages = launched.link.receive()
+                if not messages:
+                    break
+                for frames in messages:
+                    self.take(build, frames[0], now)
+        except (LinkClosed, ProtocolError):
+            launched.link.close()
+            launched.link = None
+
+    def take(self, build: ModelBuild, header: object, now: float) -> None:
+        try:
+            message = wm.decode(header)  # type: ignore[arg-type]
+        except ProtocolError:
+            return
+        if isinstance(message, wm.Ready):
+            build.picked = message.profile
+            return
+        if not isinstance(message, wm.Progress):
+            return
+        try:
+            phase = StartPhase(message.phase)
+        except ValueError:
+            return
+        if phase in OUTCOME_PHASES:
+            build.outcomes[message.profile] = (phase.value, " ".join(message.detail.split()))
+            return
+        if (phase.value, message.profile) != (build.phase, build.profile):
+            build.phase_at = now
+        build.phase, build.profile = phase.value, message.profile
+        build.index, build.count = message.index or build.index, message.count or build.count
+
+    def settle(
+        self, build: ModelBuild, model: ModelConfig, now: float, ready: Callable[[str], list[str] | None]
+    ) -> None:
+        """A builder that ended: switch to its pick, start another after a crash, or stop with the reason."""
+        launched = build.launched
+        if launched is None:
+            return
+        code = launched.process.poll()
+        if code is None:
+            return
+        self.read(build, now)
+        if launched.link is not None:
+            launched.link.close()
+        build.launched = None
+        if code == 0:
+            self.finish(build, now, ready)
+            return
+        how = describe_exit(code)
+        if code > 0 or build.attempts > len(model.profiles) + 1:
+            build.state, build.ended_at = BuildState.FAILED, now
+            build.error = f"the builder ended with {how} while {build.phase or 'starting'} {build.profile}".rstrip()
+            log.error("builder_failed", model=build.model, error=build.error)
+            return
+        if not build.profile:  # killed before it reached a profile (a stop, a reboot): nothing to blame
+            log.warning("builder_interrupted", model=build.model, how=how)
+            build.phase = "restarting"
+            return
+        kills = build.kills[build.profile] = build.kills.get(build.profile, 0) + 1
+        # A first SIGKILL on a profile is an interruption (kill -9, the OOM killer once): built again. Any other
+        # signal, or a second kill, is that profile's native crash: the next builder refuses it (attempts.py).
+        interrupted = -code == _SIGKILL and kills == 1
+        build.exits.append(
+            {"pid": launched.process.pid, "how": how, "signal": -code, "killed_by_supervisor": interrupted}
+        )
+        log.warning("builder_crashed", model=build.model, profile=build.profile, how=how, again=True,
+                    profile_refused=not interrupted)  # fmt: skip
+        build.phase = "restarting"
+
+    def finish(self, build: ModelBuild, now: float, ready: Callable[[str], list[str] | None]) -> None:
+        """Built: roll the workers over to the pick unless every one serves it already."""
+        build.state, build.ended_at = BuildState.DONE, now
+        served = ready(build.model) or []
+        log.info(
+            "builder_done", model=build.model, picked=build.picked, seconds=round(now - (build.started_at or now), 1)
+        )
+        if build.picked and served and all(p == build.picked for p in served):
+            return
+        self.switch(build.model, f"background build done: switching to {build.picked or 'its pick'}")
+
+    def forget(self, name: str, reason: str) -> None:
+        """Drop a model's build (removed, or its chain changed): its builder is killed and reaped."""
+        build = self.builds.pop(name, None)
+        if build is not None and build.launched is not None:
+            self.end(build, reason)
+
+    def restart(self, name: str, reason: str) -> None:
+        """Build the model again from scratch (a reload changed how its workers are built)."""
+        self.forget(name, reason)
+
+    def end(self, build: ModelBuild, reason: str) -> None:
+        launched = build.launched
+        if launched is None:
+            return
+        log.info("builder_stopped", model=build.model, pid=launched.process.pid, reason=reason)
+        launched.process.kill()
+        launched.process.wait()
+        if launched.link is not None:
+            launched.link.close()
+        build.launched = None
+
+    def stop_all(self, reason: str) -> None:
+        """The daemon stops: every builder goes (a build left half-done is never loaded; the next start builds)."""
+        for build in self.builds.values():
+            self.end(build, reason)
