@@ -73,7 +73,8 @@ class PacedLoad:
 
     def p99(self, since: float = 0.0, until: float = float("inf")) -> tuple[float, int]:
         chosen = [ms for at, ms in self.samples if since <= at < until]
-        return percentile(chosen, 99), len(chosen)
+        p99 = percentile(chosen, 99)
+        return (float("nan") if p99 is None else p99), len(chosen)  # nan: no request fell in the window
 
 
 def _eager_reference(config: dict[str, Any], name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:

@@ -38,8 +38,8 @@ from infervisor.worker.profiles.builders import (
 from infervisor.worker.profiles.cache import (
     CachedBuildFailure,
     NoSpaceLeft,
-    UntrustedCache,
     NotBuiltYet,
+    UntrustedCache,
     artifact_key,
     no_space_left,
 )
