@@ -29,6 +29,7 @@ from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 from infervisor.supervisor.routing.pipeline import Pipelines
 from infervisor.supervisor.routing.replies import ModelQueue, Replies
@@ -56,7 +57,7 @@ def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
     encoded: list[Any] = []
     for request in requests:
         queue_ms = (now - request.accepted_at) * 1000.0
-        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms)
+        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms, request.reader)
         encoded += wm.encode(message, request.frames)
     if len(requests) == 1:
         return encoded
@@ -150,6 +151,13 @@ class Broker:
             self.replies.refuse(client, refused.request_id, refused.model, refused.code, refused.message)
             return
         name, request_id = request.model, request.request_id
+        reader = None
+        if any(d.shm is not None for d in request.inputs):
+            reader = peer_reader(frames[2])
+            if reader is None:
+                why = "inputs in shared memory need the client's credentials, which this connection did not give"
+                self.replies.refuse(client, request_id, name, ErrorCode.INVALID_INPUT, why)
+                return
         tensor_frames = frames[3:]
         cost = sum(len(f) for f in tensor_frames) + sum(d.nbytes for d in request.inputs if d.shm is not None)
         queue = self.queues[name]
@@ -180,6 +188,7 @@ class Broker:
             spec=spec,
             cost=cost,
             rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
+            reader=reader,
         )
         if model.batching is not None:
             pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
