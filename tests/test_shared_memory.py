@@ -401,3 +401,18 @@ def test_the_reader_reads_only_what_the_requesting_client_could_read_itself(regi
     os.chmod(Path(SHM_DIR) / region.name, 0o640)
     in_group = [OTHER_ID, OTHER_ID, os.stat(Path(SHM_DIR) / region.name).st_gid]
     assert np.array_equal(SharedInputs().read(desc, in_group).view(np.float32), np.arange(4))
+
+
+def test_a_region_never_closed_is_unlinked_at_a_normal_exit(tmp_path: Path) -> None:
+    """A process that makes a region (and a tensor in it) and exits without close() leaves nothing in /dev/shm."""
+    script = (
+        "import numpy as np\n"
+        "from infervisor.protocol.shared_memory import SharedRegion\n"
+        "region = SharedRegion(4096)\n"
+        "region.tensor(np.float32, (4,)).array[:] = 1\n"
+        "print(region.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    name = done.stdout.strip()
+    assert name.startswith("infervisor-")
+    assert not (Path(SHM_DIR) / name).exists(), f"{name} left in {SHM_DIR}"
