@@ -160,7 +160,7 @@ def orphans(args: argparse.Namespace, folder: Path) -> None:
         "models": {"spawner": {"source": {"python": "spawner:build"},
                                "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}},
     }  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(folder)}
+    env = {**os.environ, "PYTHONPATH": f"{args.root}:{folder}"}  # the workers import the checkout attacked
     daemon = start_daemon(config, folder / "run", env=env, root=args.root)
     supervisor = psutil.Process(daemon.pid)
     deadline = time.monotonic() + 30

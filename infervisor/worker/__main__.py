@@ -7,7 +7,13 @@ import sys
 
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.launch import LaunchSpec
-from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, pin_before_torch
+from infervisor.worker.pinning import (
+    PARENT_DEATH_SIGNAL,
+    ParentGone,
+    die_with_parent,
+    limit_memory,
+    pin_before_torch,
+)
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +35,10 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return WorkerExitCode.SUPERVISOR_LOST
+    from infervisor.worker.process_tree import guard_tree
+
+    # Before torch and the model: whatever the model starts is ended if the supervisor dies.
+    guard_tree(launch.supervisor_pid, PARENT_DEATH_SIGNAL)
     pin_before_torch(launch.cpus)
     limit_memory(launch.max_memory_mb)
     from infervisor.common.json_logs import adopt_library_handlers
