@@ -81,7 +81,9 @@ class Broker:
         self.anomalies = anomalies
         for client_socket in endpoints.sockets:
             loop.register(client_socket, CLIENTS, functools.partial(self.handle_clients, client_socket))
-        self.ledger = ClientLedger(anomalies, serving.current.client_budget_mb * 2**20)
+        self.ledger = ClientLedger(
+            anomalies, serving.current.client_budget_mb * 2**20, serving.current.clients_budget_mb * 2**20
+        )
         self.accepting = True
         #: The workers each model routes to: asked of the pool, changed only by the pool.
         self.members_of: Members = lambda model: None
@@ -109,6 +111,7 @@ class Broker:
     def sync_queues(self) -> None:
         """One queue per model of the serving config, sized as configured now (and the clients' budget)."""
         self.ledger.budget_bytes = self.serving.current.client_budget_mb * 2**20
+        self.ledger.total_budget_bytes = self.serving.current.clients_budget_mb * 2**20
         for name, model in self.serving.current.models.items():
             queue = self.queues.setdefault(name, ModelQueue(model.queue_size))
             queue.capacity = model.queue_size
