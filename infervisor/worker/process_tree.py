@@ -70,7 +70,10 @@ def _queue_signal(signum: int, frame: object) -> None:
 
 def _wait_for_parent_death(supervisor_pid: int, pidfd: int | None) -> None:
     if pidfd is not None:
-        select.select([pidfd], [], [])  # readable once the process has exited; the GIL is released meanwhile
+        waiter = select.poll()  # not select(): it refuses a descriptor numbered past 1023
+        waiter.register(pidfd, select.POLLIN)
+        while not waiter.poll():  # readable once the process has exited; the GIL is released meanwhile
+            continue
         return
     while os.getppid() == supervisor_pid:
         time.sleep(_PARENT_POLL_S)
