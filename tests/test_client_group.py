@@ -497,3 +497,57 @@ def test_without_socket_group_a_left_status_socket_is_removed(tmp_path: Path) ->
         server.close()
     finally:
         context.term()
+
+
+#: Run as a client user: name a shared-memory object it did not make, then one of its own given to the group.
+NAMING_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+from infervisor.protocol.client import Client
+from infervisor.protocol.errors import InferenceError
+from infervisor.protocol.shared_memory import SharedRegion, SharedTensor
+
+run_dir, foreign = sys.argv[1], sys.argv[2]
+path = os.path.join(run_dir, "infer.sock")
+x = np.arange(16, dtype=np.float32).reshape(1, 16)
+out = {}
+
+def ask(client, inputs):
+    try:
+        return {"y": client.infer("tiny", inputs, timeout=30)["y"].tolist()}
+    except InferenceError as exc:
+        return {"code": str(exc.code), "message": exc.message}
+
+with Client("ipc://" + path) as client:
+    out["foreign"] = ask(client, {"x": SharedTensor(foreign, 0, np.zeros((1, 16), np.float32))})
+    with SharedRegion(4096, group=os.stat(path).st_gid) as region:
+        tensor = region.tensor(np.float32, (1, 16))
+        tensor.array[:] = x
+        out["own"] = ask(client, {"x": tensor})
+print(json.dumps(out))
+"""
+
+
+@needs_root
+def test_a_root_daemon_reads_for_a_client_only_the_objects_that_client_could_read(accounts: Accounts) -> None:
+    """A root daemon: a group member naming root's 0600 object is refused; its own object given to the group is read."""
+    config = {"socket_group": accounts.clients.name, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    folder = accounts.base / "root-daemon"
+    folder.mkdir(mode=0o755)  # the member reaches the runtime dir (0750, group clients) through it
+    served = Daemon(folder, config)
+    secret = SharedRegion(4096)  # root's, 0600: values the member must not see through the model
+    try:
+        secret.tensor(np.float32, (1, 16)).array[:] = np.arange(100, 116, dtype=np.float32)
+        served.wait_ready(timeout=180)
+        done = _as(accounts.member, accounts, "-c", NAMING_SCRIPT, str(served.runtime_dir), secret.name)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout)
+        assert out["foreign"]["code"] == "INVALID_INPUT", out["foreign"]
+        assert f"is not readable by the client that named it (uid {accounts.member.uid}" in out["foreign"]["message"]
+        assert "owner uid 0" in out["foreign"]["message"] and "mode 0600" in out["foreign"]["message"]
+        with served.client() as client:
+            expected = client.infer("tiny", {"x": np.arange(16, dtype=np.float32).reshape(1, 16)})["y"].tolist()
+        assert out["own"] == {"y": expected}
+    finally:
+        secret.close()
+        served.stop()

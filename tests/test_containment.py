@@ -414,3 +414,34 @@ while True:
         socket.send_multipart([b"", msgpack.packb({"cmd": "ping"})])
     socket.close()
 """
+
+
+def test_many_connections_are_held_to_the_budget_of_all_clients_together(start_daemon: Callable[..., Daemon]) -> None:
+    """Sixteen connections naming 64 MB each: each within its own budget, past clients_budget_mb most refused."""
+    config = {"clients_budget_mb": 32, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    daemon = start_daemon(config)
+    daemon.wait_ready()
+    name = f"infervisor-test-sparse-all-{os.getpid()}"
+    path = Path("/dev/shm") / name
+    with path.open("wb") as region:
+        region.truncate(2**26)  # 64 MB that occupy no memory until read
+    sockets = []
+    try:
+        desc = (TensorDesc("x", "float32", (2**26 // 64, 16), ShmRef(name, 0)),)
+        for request_id in range(16):
+            socket = zmq.Context.instance().socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(daemon.endpoint)
+            sockets.append(socket)
+            socket.send_multipart([b"", encode_infer(InferRequest(request_id, "tiny", desc))])
+        codes = []
+        for socket in sockets:
+            assert socket.poll(60_000), "every request is answered"
+            reply = msgpack.unpackb(socket.recv_multipart()[1])
+            codes.append(reply["type"] if reply["type"] == "result" else reply["code"])
+        assert codes.count("OVERLOADED") >= 8, codes
+        assert codes.count("result") >= 1, codes
+    finally:
+        for socket in sockets:
+            socket.close()
+        path.unlink()

@@ -46,6 +46,15 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _dead(pid: int) -> bool:
+    """No process `pid`, or a zombie, as the kernel says now (/proc, no cached psutil state)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _serving_pid(daemon: Daemon, model: str) -> int | None:
     workers = daemon.status()["models"][model]["workers"]
     return next((w["pid"] for w in workers if w["state"] == "serving" and not w.get("role")), None)
@@ -210,3 +219,25 @@ def test_a_skip_reason_holding_a_semicolon_is_one_item_of_status(start_daemon: C
     assert worker["profile"] == "eager"
     (skipped,) = worker["profile_skipped"]
     assert skipped.startswith("jit") and "cannot be traced; serve it with eager, or script it first" in skipped
+
+
+def test_what_a_forward_starts_dies_within_seconds_of_a_kill_9_of_the_supervisor(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """kill -9 of the supervisor: the worker, its setsid child and its daemonised grandchild are all gone within 5 s."""
+    daemon = start_daemon({"models": {"m": model_entry(SPAWNER, TREE_INPUTS)}}, env=ENV)
+    worker = daemon.wait_ready()["models"]["m"]["workers"][0]["pid"]
+    with daemon.client() as client:
+        spawned = [int(p) for p in client.infer("m", command(SPAWN), timeout=60)["output"][0]]
+    assert not any(_gone(p) for p in [worker, *spawned])
+    daemon.process.kill()
+    daemon.process.wait(10)
+    tree = [worker, *spawned]
+    try:
+        wait_for(lambda: all(_dead(p) for p in tree), 5, f"the worker and what its model started ({tree}) gone")
+    finally:
+        for pid in tree:  # never leave sleepers behind a failed run
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,12 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+import zmq
 
+from infervisor.protocol.client_messages import InferRequest, encode_infer
+from infervisor.protocol.tensors import TensorDesc
 from infervisor.worker.models import build_builtin
-from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 #: A first start's worker may hold this much more than a cached start's (builds leave 2-3x without the restart).
 FIRST_START_BOUND = 1.25
@@ -85,3 +90,40 @@ def test_a_worker_imports_no_sympy_before_it_needs_one() -> None:
     code = "import sys, infervisor.worker.serve; print('sympy' in sys.modules)"
     done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_mismatched_large_frames_from_many_connections_leave_no_memory_behind(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """64 connections x 2 x 16 MB frames not matching their header: all refused, supervisor RSS back under 300 MB."""
+    daemon = start_daemon({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}})
+    daemon.wait_ready()
+    supervisor = psutil.Process(daemon.process.pid)
+    frame = os.urandom(16 * 2**20)
+    header = encode_infer(InferRequest(1, "tiny", (TensorDesc("x", "float32", (1, 16)),)))
+    context: zmq.Context[Any] = zmq.Context()
+    sockets = []
+    try:
+        for _ in range(64):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.endpoint)
+            sockets.append(sock)
+        for sock in sockets:
+            for _ in range(2):
+                sock.send_multipart([b"", header, frame], copy=False)
+        replies = []
+        deadline = time.monotonic() + 120
+        for sock in sockets:
+            for _ in range(2):
+                assert sock.poll(max(0, int((deadline - time.monotonic()) * 1000))), "a refusal never came"
+                replies.append(sock.recv_multipart()[-1])
+        assert all(b"INVALID_INPUT" in reply for reply in replies)
+        # The connections stay open, as an attacker's would: their small blocks must not pin the freed large ones.
+        wait_for(lambda: supervisor.memory_info().rss <= 300 * 2**20, 10, "the supervisor's RSS back under 300 MB")
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+    with daemon.client() as client:
+        assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)})["y"].shape == (1, 16)

@@ -190,3 +190,25 @@ def test_changed_model_file_restarts_its_model_rolling(start_daemon: Callable[..
         assert client.infer("slow", rounds(1), timeout=30)["output"].shape == (1, 1)
     assert any(e["event"] == "restart_requested" and "model file" in e["reason"] for e in daemon.log_events())
     assert np.isfinite(daemon.status()["models"]["slow"]["workers"][0]["ready_ms"])
+
+
+def test_a_model_file_broken_on_disk_shows_in_the_models_error_and_health(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A TorchScript file that no longer loads: models.M.error and a degraded health while the old worker serves on."""
+    path = write_slow_model(tmp_path)
+    good = path.read_bytes()
+    daemon = start_daemon({"models": {"slow": model_entry({"torchscript": str(path)}, SLOW_INPUTS)}})
+    pid = daemon.wait_ready()["models"]["slow"]["workers"][0]["pid"]
+    path.write_bytes(b"not a TorchScript archive")
+    status = wait_for(lambda: (s := daemon.status())["models"]["slow"]["error"] and s, 120, "the load error shown")
+    model = status["models"]["slow"]
+    assert "replacement failed" in model["error"], model["error"]
+    assert model["health"] == "degraded" and "cannot be replaced" in model["reason"], model
+    assert status["state"] == "degraded"
+    assert _pool(daemon, "slow")[0]["pid"] == pid
+    with daemon.client() as client:
+        assert client.infer("slow", rounds(1), timeout=30)["output"].shape == (1, 1)
+    path.write_bytes(good)  # fixed on disk: the next replacement serves, and the model is whole again
+    wait_for(lambda: daemon.status()["models"]["slow"]["health"] == "serving", 120, "the model whole again")
+    assert daemon.status()["models"]["slow"]["error"] is None

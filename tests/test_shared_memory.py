@@ -30,6 +30,9 @@ IMAGE = (1, 3, 224, 224)
 
 #: A uid and gid that are not the test's (the kernel's overflow ids: nobody and nogroup on most boxes).
 OTHER_ID = 65534
+#: The requesting client as the broker gives it to the worker: uid, gid, groups (this test's, and the other id's).
+ME = [os.geteuid(), os.getegid()]
+OTHER = [OTHER_ID, OTHER_ID]
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
 
@@ -160,17 +163,17 @@ def test_the_reader_copies_the_bytes_and_reuses_its_buffer_only_when_nothing_hol
     tensor.array[:] = np.arange(8).reshape(2, 4)
     desc = TensorDesc("x", "float32", (2, 4), ShmRef(region.name, tensor.offset))
     shared = SharedInputs()
-    first = shared.read(desc)
+    first = shared.read(desc, ME)
     assert np.frombuffer(first, np.float32).tolist() == list(range(8))
     first_id = id(first)
     del first
     tensor.array[:] = -1
-    second = shared.read(desc)
+    second = shared.read(desc, ME)
     assert id(second) == first_id
     assert np.frombuffer(second, np.float32).tolist() == [-1.0] * 8
     held = torch.frombuffer(second, dtype=torch.float32)
     del second
-    third = shared.read(desc)
+    third = shared.read(desc, ME)
     assert id(third) != first_id
     assert held.tolist() == [-1.0] * 8
 
@@ -192,7 +195,7 @@ def test_the_reader_refuses_what_it_cannot_or_must_not_read(region: SharedRegion
         cases["is not a regular file"] = TensorDesc("x", "float32", (4,), ShmRef(fifo.name, 0))
         for needle, desc in cases.items():
             with pytest.raises(ProtocolError) as caught:
-                SharedInputs().read(desc)
+                SharedInputs().read(desc, ME)
             assert caught.value.code == ErrorCode.INVALID_INPUT
             assert needle in caught.value.message
     finally:
@@ -371,11 +374,45 @@ def test_an_object_of_another_uid_is_read_only_through_the_client_group(region: 
     region.tensor(np.float32, (4,), offset=0).array[:] = np.arange(4)
     desc = TensorDesc("x", "float32", (4,), ShmRef(region.name, 0))
     _give_away(path, 0o640)
-    assert np.array_equal(SharedInputs(client_group=OTHER_ID).read(desc).view(np.float32), np.arange(4))
+    assert np.array_equal(SharedInputs(client_group=OTHER_ID).read(desc, OTHER).view(np.float32), np.arange(4))
     with pytest.raises(ProtocolError, match=f"belongs to uid {OTHER_ID}, not to the daemon's user"):
-        SharedInputs().read(desc)
+        SharedInputs().read(desc, ME)
     with pytest.raises(ProtocolError, match=f"belongs to uid {OTHER_ID}, not to the daemon's user"):
-        SharedInputs(client_group=OTHER_ID + 1).read(desc)
+        SharedInputs(client_group=OTHER_ID + 1).read(desc, OTHER)
     os.chmod(path, 0o600)
     with pytest.raises(ProtocolError, match=f"is not readable by the client group \\(gid {OTHER_ID}\\): mode 0600"):
-        SharedInputs(client_group=OTHER_ID).read(desc)
+        SharedInputs(client_group=OTHER_ID).read(desc, OTHER)
+
+
+def test_the_reader_reads_only_what_the_requesting_client_could_read_itself(region: SharedRegion) -> None:
+    """The daemon's own 0600 object is refused for another uid, read for its owner, and never without credentials."""
+    region.tensor(np.float32, (4,), offset=0).array[:] = np.arange(4)
+    desc = TensorDesc("x", "float32", (4,), ShmRef(region.name, 0))
+    assert np.array_equal(SharedInputs().read(desc, ME).view(np.float32), np.arange(4))
+    for reader, needle in [
+        (OTHER, f"is not readable by the client that named it (uid {OTHER_ID}, groups [{OTHER_ID}])"),
+        (None, "cannot be read for a client whose credentials are unknown"),
+    ]:
+        with pytest.raises(ProtocolError) as caught:
+            SharedInputs().read(desc, reader)
+        assert caught.value.code == ErrorCode.INVALID_INPUT
+        assert needle in caught.value.message, caught.value.message
+    # In the object's group with the group's read bit: the other uid could read it, so it is read for it.
+    os.chmod(Path(SHM_DIR) / region.name, 0o640)
+    in_group = [OTHER_ID, OTHER_ID, os.stat(Path(SHM_DIR) / region.name).st_gid]
+    assert np.array_equal(SharedInputs().read(desc, in_group).view(np.float32), np.arange(4))
+
+
+def test_a_region_never_closed_is_unlinked_at_a_normal_exit(tmp_path: Path) -> None:
+    """A process that makes a region (and a tensor in it) and exits without close() leaves nothing in /dev/shm."""
+    script = (
+        "import numpy as np\n"
+        "from infervisor.protocol.shared_memory import SharedRegion\n"
+        "region = SharedRegion(4096)\n"
+        "region.tensor(np.float32, (4,)).array[:] = 1\n"
+        "print(region.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    name = done.stdout.strip()
+    assert name.startswith("infervisor-")
+    assert not (Path(SHM_DIR) / name).exists(), f"{name} left in {SHM_DIR}"

@@ -9,6 +9,7 @@ import mmap
 import os
 import secrets
 import stat
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -57,6 +58,19 @@ def _give_to(fd: int, gid: int, group: int | str) -> None:
         ) from exc
 
 
+def _unlink_if_creator(path: str, creator: int) -> None:
+    """Unlink a region's object left open at exit or garbage collection, in the process that made it only.
+
+    A forked child inherits the region object: its exit must not take the parent's object away.
+    """
+    if os.getpid() != creator:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _reserve(fd: int, size: int, path: str) -> None:
     """Allocate the object's pages now: growing a tmpfs file reserves nothing, and a write to a page
     that /dev/shm has no room for later kills the process with SIGBUS instead of raising."""
@@ -82,7 +96,8 @@ class SharedRegion:
     is only read while a request that names it is in flight: do not write a tensor again until its
     reply (or error) is back. The daemon reads an object of its own user (`mode` 0600 will do), or
     one of its config `socket_group` that the group may read: a client of another user passes
-    `group` (the group of the daemon's infer.sock) and gets 0640. Closing unlinks it; a process
+    `group` (the group of the daemon's infer.sock) and gets 0640. Closing unlinks it, and so does a
+    normal interpreter exit or the collection of the last array viewing it (a finalizer); a process
     killed before then leaves it in /dev/shm, named after its pid. Its pages are reserved when it
     is made: a /dev/shm without room raises OSError (ENOSPC) here, not SIGBUS at a later write.
     """
@@ -119,6 +134,10 @@ class SharedRegion:
         finally:
             os.close(fd)
         self._end = 0
+        # Never closed: the object goes at a normal exit (atexit), or once nothing can write into it any
+        # more (the mapping collected: the region and every array viewing it gone), not while a tensor
+        # made from it is still being written and sent.
+        self._finalizer = weakref.finalize(self._map, _unlink_if_creator, self._path, os.getpid())
 
     def tensor(self, dtype: Any, shape: tuple[int, ...], offset: int | None = None) -> SharedTensor:
         """A tensor at `offset` (default: after the last one made, 64-byte aligned) whose array views the region."""
@@ -141,6 +160,7 @@ class SharedRegion:
         if self._map is None:
             return
         mapping, self._map = self._map, None
+        self._finalizer.detach()
         os.unlink(self._path)
         try:
             mapping.close()

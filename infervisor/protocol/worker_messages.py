@@ -56,6 +56,9 @@ class Request:
     accepted_at: float
     #: How long it waited in the broker's queue.
     queue_ms: float
+    #: With a shared-memory input: `[uid, gid, *groups]` of the client that sent it (SO_PEERCRED); the
+    #: worker reads only an object that client could read itself. None: the request names no object.
+    reader: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,14 @@ from pathlib import Path
 from infervisor.common.strict_modes import UnsafePath, check_tree
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.launch import LaunchSpec
-from infervisor.worker.pinning import ParentGone, die_with_parent, limit_memory, lowest_priority, pin_before_torch
+from infervisor.worker.pinning import (
+    PARENT_DEATH_SIGNAL,
+    ParentGone,
+    die_with_parent,
+    limit_memory,
+    lowest_priority,
+    pin_before_torch,
+)
 
 
 def main(argv: list[str]) -> int:
@@ -33,6 +40,10 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return WorkerExitCode.SUPERVISOR_LOST
+    from infervisor.worker.process_tree import guard_tree
+
+    # Before torch and the model: whatever the model starts is ended if the supervisor dies.
+    guard_tree(launch.supervisor_pid, PARENT_DEATH_SIGNAL)
     pin_before_torch(launch.cpus)
     if launch.background:
         lowest_priority()

@@ -41,15 +41,22 @@ class ParentGone(Exception):
     """The supervisor died before the worker asked to die with it: the worker is already an orphan."""
 
 
+#: Sent by the kernel to the worker when the supervisor dies (even by kill -9). Its default action ends
+#: the worker while it starts; once the worker guards its process tree (worker/process_tree.py), a
+#: handler takes it instead and the guard thread ends the tree first. SIGKILL would end the worker
+#: before anything could end what its model started, and those would outlive the supervisor.
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+
+
 def die_with_parent(supervisor_pid: int | None) -> None:
-    """Ask the kernel to SIGKILL us if the supervisor dies, so no worker outlives it (even kill -9).
+    """Ask the kernel to signal us if the supervisor dies, so no worker outlives it (even kill -9).
 
     The request covers only a parent alive when it is made: a supervisor killed while this
     interpreter started left us re-parented (to init or a subreaper), which never dies. So the
     parent is checked after asking; ParentGone when it is no longer `supervisor_pid`.
     """
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     parent = os.getppid()
     if supervisor_pid is not None and parent != supervisor_pid:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,18 @@ class Prepared:
     inputs: dict[str, torch.Tensor]
 
 
-def prepare(launch: LaunchSpec, runner: ModelRunner, shared: SharedInputs, frames: list[Any]) -> Prepared:
+def prepare(
+    launch: LaunchSpec,
+    runner: ModelRunner,
+    shared: SharedInputs,
+    frames: list[Any],
+    reader: Sequence[int] | None = None,
+) -> Prepared:
     """Decode and check the client's header and tensors, and view them as the model's inputs.
 
     ProtocolError for anything the model must not see. The broker checked this header already; the
     worker checks again because it is about to point tensors at these frames, and must not trust any
-    sender with that.
+    sender with that. `reader`: `[uid, gid, *groups]` of the client, for its shared-memory inputs.
     """
     if not frames:
         raise ProtocolError(ErrorCode.INTERNAL, "the request carries no client header")
@@ -41,4 +48,5 @@ def prepare(launch: LaunchSpec, runner: ModelRunner, shared: SharedInputs, frame
     check_against_spec(infer.inputs, runner.specs)
     # The NaN/Inf scan (inputs_from_frames) is here, not in the broker: it reads frames just
     # received into this core's cache, and stays out of the one loop every request waits on.
-    return Prepared(infer, runner.inputs_from_frames(infer.inputs, shared.buffers_in_order(infer.inputs, buffers)))
+    tensors = shared.buffers_in_order(infer.inputs, buffers, reader)
+    return Prepared(infer, runner.inputs_from_frames(infer.inputs, tensors))

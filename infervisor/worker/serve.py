@@ -268,7 +268,7 @@ class WorkerLoop:
                 self.reply_error(request.request_id, ErrorCode.DEADLINE_EXCEEDED, why)
                 continue
             try:
-                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, frames)))
+                members.append((request, prepare(self.launch, self.runner, self.shared_inputs, frames, request.reader)))
             except ProtocolError as exc:
                 self.reply_error(request.request_id, exc.code, exc.message)
         if not members:

@@ -169,6 +169,7 @@ class Arbiter:
         view = MonitorView(config, roster.serving_members(), roster.draining(), roster.live_pids())
         findings = monitors.check(now, view)
         self.pool.track_descendants()
+        self.parts.memory.trim_if_grown()
         self.broker.shed = monitors.thermal.throttled and config.thermal_action == "shed"
         for finding in findings:
             self.parts.responses.act(finding)

@@ -24,6 +24,7 @@ from infervisor.supervisor.host.affinity import SupervisorAffinity
 from infervisor.supervisor.host.cpu_latency import CpuLatencyHold
 from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.file_watch import FileWatcher
+from infervisor.supervisor.host.memory_release import MemoryRelease
 from infervisor.supervisor.host.planner import Assignment, WorkerDemand, plan_cores
 from infervisor.supervisor.host.sd_notify import Notifier
 from infervisor.supervisor.host.topology import read_topology
@@ -68,6 +69,8 @@ class Parts:
     reloader: ConfigReloader
     #: Published each monitor turn; served over HTTP only with metrics_listen, and by `infervisor metrics`.
     metrics: Metrics
+    #: Large client frames are given back to the box once freed (host/memory_release.py).
+    memory: MemoryRelease
 
 
 def core_planner(sysfs_root: Path, affinity: SupervisorAffinity) -> Callable[[Config], Plan]:
@@ -100,6 +103,8 @@ def assemble(
     serving = ServingConfig(config)
     affinity = SupervisorAffinity(frozenset(os.sched_getaffinity(0)))
     plan = core_planner(sysfs_root, affinity)
+    memory = MemoryRelease()
+    memory.map_large_blocks()  # before libzmq's I/O thread receives anything
     context: zmq.Context[Any] = zmq.Context(1)
     loop = EventLoop()
     anomalies = Anomalies()
@@ -149,4 +154,5 @@ def assemble(
         watcher=watcher,
         reloader=reloader,
         metrics=Metrics(),
+        memory=memory,
     )

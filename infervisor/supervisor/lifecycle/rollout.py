@@ -65,6 +65,9 @@ class RolloutHost(Protocol):
     def rollout_failed(self, model: str, error: str) -> None:
         """A replacement of this model failed: keep serving with the config it has."""
 
+    def replacement_served(self, model: str) -> None:
+        """A replacement of this model serves: an earlier failure to replace it is over."""
+
 
 class Rollout:
     """The queue of replacements, worked one at a time so capacity never drops below N-1."""
@@ -185,6 +188,7 @@ class Rollout:
         self.completed += 1
         self.current = None
         self.failed.pop(replacement.model.name, None)
+        host.replacement_served(replacement.model.name)
         log.info(
             "rollout_step_done",
             slot=successor.name,

@@ -69,6 +69,10 @@ class RolloutSteps:
             self.rollout.enqueue(Replacement(slot, serving, slot.assignment, why, RestartReason.ROLLBACK))
         log.error("model_config_rolled_back", model=model, error=error, workers_rebuilt=len(back))
 
+    def replacement_served(self, model: str) -> None:
+        """A replacement of the model serves: its model file loads again, so it is no longer held up."""
+        self.serving.replacement_done(model)
+
     def start_successor(self, model: ModelConfig, assignment: Assignment) -> WorkerSlot:
         """Spawn a new slot beside the pool (surge): alive, but not routed to until promoted."""
         successor = WorkerSlot(model, assignment)

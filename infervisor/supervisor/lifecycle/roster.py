@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 from infervisor.supervisor.settings.serving_config import ServingConfig
-from infervisor.supervisor.workers.health import ModelReport, model_report
+from infervisor.supervisor.workers.health import ModelHealth, ModelReport, model_report
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 
 
@@ -55,7 +55,13 @@ class Roster:
 
     def reports(self) -> dict[str, ModelReport]:
         """Each model's health, from its members."""
-        return {name: model_report(slots, name in self.has_served) for name, slots in self.members.items()}
+        reports = {name: model_report(slots, name in self.has_served) for name, slots in self.members.items()}
+        for name, report in reports.items():
+            held_up = self.serving.held_up(name)
+            if held_up is not None and report.health is ModelHealth.SERVING:
+                # Its workers serve, but none can be replaced: the next exit of one is a lost worker.
+                reports[name] = ModelReport(ModelHealth.DEGRADED, f"serving workers cannot be replaced: {held_up}")
+        return reports
 
     def all_failed(self) -> bool:
         """True when every slot of every model has FAILED: nothing will ever serve again."""

@@ -29,6 +29,7 @@ from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 from infervisor.supervisor.routing.pipeline import Pipelines
 from infervisor.supervisor.routing.replies import ModelQueue, Replies
@@ -56,7 +57,7 @@ def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
     encoded: list[Any] = []
     for request in requests:
         queue_ms = (now - request.accepted_at) * 1000.0
-        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms)
+        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms, request.reader)
         encoded += wm.encode(message, request.frames)
     if len(requests) == 1:
         return encoded
@@ -80,7 +81,9 @@ class Broker:
         self.anomalies = anomalies
         for client_socket in endpoints.sockets:
             loop.register(client_socket, CLIENTS, functools.partial(self.handle_clients, client_socket))
-        self.ledger = ClientLedger(anomalies, serving.current.client_budget_mb * 2**20)
+        self.ledger = ClientLedger(
+            anomalies, serving.current.client_budget_mb * 2**20, serving.current.clients_budget_mb * 2**20
+        )
         self.accepting = True
         #: The workers each model routes to: asked of the pool, changed only by the pool.
         self.members_of: Members = lambda model: None
@@ -108,6 +111,7 @@ class Broker:
     def sync_queues(self) -> None:
         """One queue per model of the serving config, sized as configured now (and the clients' budget)."""
         self.ledger.budget_bytes = self.serving.current.client_budget_mb * 2**20
+        self.ledger.total_budget_bytes = self.serving.current.clients_budget_mb * 2**20
         for name, model in self.serving.current.models.items():
             queue = self.queues.setdefault(name, ModelQueue(model.queue_size))
             queue.capacity = model.queue_size
@@ -150,6 +154,13 @@ class Broker:
             self.replies.refuse(client, refused.request_id, refused.model, refused.code, refused.message)
             return
         name, request_id = request.model, request.request_id
+        reader = None
+        if any(d.shm is not None for d in request.inputs):
+            reader = peer_reader(frames[2])
+            if reader is None:
+                why = "inputs in shared memory need the client's credentials, which this connection did not give"
+                self.replies.refuse(client, request_id, name, ErrorCode.INVALID_INPUT, why)
+                return
         tensor_frames = frames[3:]
         cost = sum(len(f) for f in tensor_frames) + sum(d.nbytes for d in request.inputs if d.shm is not None)
         queue = self.queues[name]
@@ -180,6 +191,7 @@ class Broker:
             spec=spec,
             cost=cost,
             rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
+            reader=reader,
         )
         if model.batching is not None:
             pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)

@@ -49,9 +49,13 @@ def frames_bytes(frames: Sequence[Any]) -> int:
 class ClientLedger:
     """Accounts and outboxes of the clients that hold something; an idle client costs nothing here."""
 
-    def __init__(self, anomalies: Anomalies, budget_bytes: int) -> None:
+    def __init__(self, anomalies: Anomalies, budget_bytes: int, total_budget_bytes: int | None = None) -> None:
         self.anomalies = anomalies
         self.budget_bytes = budget_bytes
+        #: What all clients together may hold (config `clients_budget_mb`); None: no cap over the per-client one.
+        self.total_budget_bytes = total_budget_bytes
+        #: Bytes all clients hold now: requests in hand and replies in outboxes.
+        self.total_held = 0
         self.accounts: dict[Peer, ClientAccount] = {}
         #: Clients whose outbox is not empty: tried again every housekeeping turn.
         self.waiting: set[Peer] = set()
@@ -60,6 +64,14 @@ class ClientLedger:
         """Why a request of `cost` bytes from `client` is refused, or None when it fits its budget."""
         account = self.accounts.get(client)
         held = account.held if account is not None else 0
+        # Any connection may send one request while nothing at all is held (a lone request is bounded by
+        # max_frame_bytes); past that, fresh connections get no exemption: opening more buys nothing.
+        total = self.total_budget_bytes
+        if total is not None and self.total_held and self.total_held + cost > total:
+            return (
+                f"all clients together hold {self.total_held} bytes of the daemon; with this request ({cost} bytes) "
+                f"they would pass their budget of {self.total_budget_bytes} (clients_budget_mb): send fewer at once"
+            )
         if held + cost <= self.budget_bytes or held == 0:  # one request alone is bounded by max_frame_bytes
             return None
         waiting = f", {account.outbox_bytes} of them in replies it has not read" if account and account.outbox else ""
@@ -71,12 +83,14 @@ class ClientLedger:
     def take(self, client: Peer, cost: int) -> None:
         """An admitted request's bytes are held until its reply is sent."""
         self.accounts.setdefault(client, ClientAccount()).in_hand += cost
+        self.total_held += cost
 
     def give_back(self, client: Peer, cost: int) -> None:
         """A request was answered: its bytes are no longer held."""
         account = self.accounts.get(client)
         if account is not None:
             account.in_hand -= cost
+            self.total_held -= cost
             self.forget_idle(client, account)
 
     def send(self, client: Peer, frames: list[Any]) -> None:
@@ -110,6 +124,7 @@ class ClientLedger:
             return
         account.outbox.append(frames)
         account.outbox_bytes += size
+        self.total_held += size
         self.waiting.add(client)
 
     def flush(self) -> None:
@@ -120,9 +135,12 @@ class ClientLedger:
                 outcome = self.try_send(client, account.outbox[0])
                 if outcome == errno.EAGAIN:
                     break
-                account.outbox_bytes -= frames_bytes(account.outbox.popleft())
+                sent = frames_bytes(account.outbox.popleft())
+                account.outbox_bytes -= sent
+                self.total_held -= sent
                 if outcome == errno.EHOSTUNREACH:  # gone: nothing more it is owed can reach it
                     account.outbox.clear()
+                    self.total_held -= account.outbox_bytes
                     account.outbox_bytes = 0
             if not account.outbox:
                 self.waiting.discard(client)

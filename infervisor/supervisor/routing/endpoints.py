@@ -24,9 +24,10 @@ def _router(context: zmq.Context[Any], max_frame_bytes: int) -> zmq.Socket[Any]:
     socket.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
     socket.setsockopt(zmq.RCVHWM, _RCVHWM)
     socket.setsockopt(zmq.LINGER, 0)
-    # The broker answers a frame over max_frame_bytes with an error and keeps the connection; ZeroMQ itself
-    # closes a connection only past twice that, so absurd frames still cannot be buffered.
-    socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + MAX_HEADER_BYTES)
+    # The broker answers a frame a little over max_frame_bytes with an error and keeps the connection; past
+    # 64 KB over, ZeroMQ closes it before buffering the frame: each connection can make the daemon hold
+    # no more than about one frame of the limit before admission sees it.
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + MAX_HEADER_BYTES)
     return socket
 
 

@@ -38,6 +38,8 @@ class PendingRequest:
     batch_id: int = 0
     #: After its batch killed a worker, the most requests it may be sent with (the batch was split in two).
     batch_limit: int | None = None
+    #: With a shared-memory input: `[uid, gid, *groups]` of the client (the worker checks it may read the object).
+    reader: list[int] | None = None
 
     def expired(self, now: float) -> bool:
         """True once its deadline passed: it gets DEADLINE_EXCEEDED, never a late result."""

@@ -171,6 +171,7 @@ class Config:
     shutdown_grace_s: float
     max_frame_bytes: int
     client_budget_mb: int
+    clients_budget_mb: int
     restart_window_s: float
     max_restarts: int
     monitor_interval_s: float
@@ -533,10 +534,14 @@ TOP_KEYS: tuple[Key, ...] = (
         "draining."),
     Key("max_frame_bytes", Integer(DEFAULT_MAX_FRAME_BYTES, 1024, 2**40), Applied.DAEMON_RESTART,
         "largest tensor frame, and largest input a client leaves in shared memory (the worker copies it out); a "
-        "longer frame is answered `INVALID_INPUT`, one over twice this closes the connection (`ZMQ_MAXMSGSIZE`)."),
+        "longer frame is answered `INVALID_INPUT`, one more than 64 KiB longer closes the connection "
+        "(`ZMQ_MAXMSGSIZE`)."),
     Key("client_budget_mb", Integer(64, 1, 2**20), Applied.LIVE,
         "bytes one client connection may hold of the daemon: its requests in hand (frames and the shared-memory "
         "bytes they name) plus replies it has not read; past it, its next request is answered `OVERLOADED`."),
+    Key("clients_budget_mb", Integer(256, 1, 2**20), Applied.LIVE,
+        "the same, all client connections together: a local user may open as many connections as it likes, so "
+        "past this the next request of any client that already holds something is answered `OVERLOADED`."),
     Key("restart_window_s", Number(60.0, 1.0), Applied.LIVE,
         "window for counting a slot's failures."),
     Key("max_restarts", Integer(5, 1, 1000), Applied.LIVE,

@@ -23,6 +23,9 @@ class ServingConfig:
         self.current = config
         self._targets: dict[str, ModelConfig] = {}
         self._errors: dict[str, str] = {}
+        #: Models whose replacement failed with no config change to undo (a model file broke on disk): the
+        #: workers serving now cannot be replaced until the file loads again, so the model is degraded.
+        self._held_up: dict[str, str] = {}
 
     def replace(self, config: Config) -> None:
         """Serve with `config` from now on (a validated, diffed, planned config)."""
@@ -45,6 +48,7 @@ class ServingConfig:
         """
         self._targets[target.name] = target
         self._errors.pop(target.name, None)
+        self._held_up.pop(target.name, None)
 
     def finish_rollout(self, name: str) -> None:
         """Every worker of the model is built from its target: serve with it."""
@@ -55,14 +59,26 @@ class ServingConfig:
     def fail_rollout(self, name: str, error: str) -> ModelConfig | None:
         """Drop the model's target and keep why; returns the target dropped (None: it had none, or left the config)."""
         target = self._targets.pop(name, None)
-        if target is None or name not in self.current.models:
+        if name not in self.current.models:
             return None
         self._errors[name] = error
+        if target is None:
+            self._held_up[name] = error
         return target
+
+    def replacement_done(self, name: str) -> None:
+        """A worker of the model was replaced with one that serves: what it is built from loads again."""
+        if self._held_up.pop(name, None) is not None:
+            self._errors.pop(name, None)
+
+    def held_up(self, name: str) -> str | None:
+        """Why the model's serving workers cannot be replaced now (its model file fails to load), else None."""
+        return self._held_up.get(name)
 
     def drop_rollout(self, name: str) -> None:
         """The model left the config: forget its target."""
         self._targets.pop(name, None)
+        self._held_up.pop(name, None)
 
     def target(self, name: str) -> ModelConfig | None:
         """The config the model is rolling out to, or None when it serves what it is built from."""
