@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import signal
 import subprocess
@@ -26,43 +25,16 @@ from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import ConfigError, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.scratch import log_reason
 
 #: Worker states the demo waits out: anything else is still on its way to serving (or to giving up).
 _SETTLED = ("serving", "failed")
-#: Log fields that say nothing about why the daemon stopped.
-_NOISE = ("event", "level", "timestamp")
 #: A starting worker in the same phase this long gets its progress line again, so the demo never goes quiet.
 _REPEAT_PROGRESS_S = 15.0
 
 
 class DemoError(Exception):
     """The demo cannot go on; the message says why (the daemon's own reason when it has one)."""
-
-
-def _describe_event(event: dict[str, Any]) -> str:
-    """`event: problem; problem, key=value` from one JSON log line."""
-    parts: list[str] = []
-    problems = event.get("problems")
-    if isinstance(problems, list):
-        parts.append("; ".join(str(p) for p in problems))
-    parts.extend(f"{k}={v}" for k, v in event.items() if k not in (*_NOISE, "problems") and v is not None)
-    return f"{event.get('event')}: {', '.join(parts)}"
-
-
-def daemon_reason(log_text: str) -> str:
-    """Why the daemon stopped, from its log: its error events, else its last lines."""
-    errors: list[str] = []
-    lines = [line for line in log_text.splitlines() if line.strip()]
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("level") in ("error", "critical"):
-            errors.append(_describe_event(event))
-    if errors:
-        return " | ".join(errors[-3:])
-    return " / ".join(lines[-3:]) if lines else "it logged nothing"
 
 
 def _settled(status: dict[str, Any]) -> bool:
@@ -116,7 +88,7 @@ def _wait_serving(
     progress = _StartProgress()
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            reason = daemon_reason(log_path.read_text(errors="replace"))
+            reason = log_reason(log_path.read_text(errors="replace"))
             raise DemoError(f"the daemon exited with code {process.returncode} before it served: {reason}")
         try:
             status = control_request(runtime_dir, {"cmd": "status"}, timeout=2.0)

@@ -6,6 +6,7 @@ import os
 import stat
 from pathlib import Path
 
+from infervisor.common.strict_modes import describe_kind
 from infervisor.supervisor.host.socket_group import SocketGroup, check_may_use, give_to_group
 
 #: The runtime dir's mode with a socket_group: its members may look up the sockets, but create nothing there.
@@ -45,7 +46,7 @@ def prepare_runtime_dir(path: Path, group: SocketGroup | None = None) -> Path:
     except OSError as exc:  # a parent that is a file, no permission, a read-only file system
         raise RuntimeDirError(f"cannot create runtime dir {path}: {exc.strerror}") from exc
     if not stat.S_ISDIR(info.st_mode):
-        raise RuntimeDirError(f"runtime dir {path} is {_kind(info.st_mode)}, not a directory")
+        raise RuntimeDirError(f"runtime dir {path} is {describe_kind(info.st_mode)}, not a directory")
     if info.st_uid != os.getuid():
         raise RuntimeDirError(f"{path} belongs to uid {info.st_uid}, not to us (uid {os.getuid()})")
     if info.st_mode & 0o022:
@@ -67,18 +68,6 @@ def restrict_runtime_dir(path: Path, group: SocketGroup | None) -> None:
             os.chmod(path, 0o700)
         return
     give_to_group(path, group, GROUP_DIR_MODE)
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    return "a device or other special file"
 
 
 def resolve_runtime_dir(cli_value: str | None, config_value: str | None) -> Path:
