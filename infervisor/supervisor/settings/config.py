@@ -402,11 +402,9 @@ def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
             r.fail(f"{path}.{key}", f"{file} is not an existing {'directory' if want_dir else 'file'}")
             continue
         paths.append(str(file))
-    if len(paths) != 2:
-        return None
-    for problem in curve_problems(Path(paths[0]), Path(paths[1])):
+    for problem in curve_problems(Path(paths[0]), Path(paths[1])) if len(paths) == 2 else ():
         r.fail(path, problem)
-    return CurveConfig(*paths)
+    return CurveConfig(*paths) if len(paths) == 2 else None
 
 
 def _read_socket_group(ctx: ReadContext, raw: Any, path: str) -> SocketGroup | None:
@@ -526,8 +524,7 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("builder_memory_mb", Integer(None, 512, why="must be an integer >= 512 (MB) or null"), Applied.LIVE,
         "cap on the background builder's private writable memory (`RLIMIT_DATA`); past it the profile being built "
         "is refused with the reason and the serving workers are untouched; null: the model's `max_memory_mb`, else "
-        "half the box's memory "
-        "([more](#the-background-builder))."),
+        "half the box's memory ([more](#the-background-builder))."),
     Key("shutdown_grace_s", Number(10.0, 0.0), Applied.LIVE,
         "on SIGTERM, queued and in-flight requests get this long to finish; the rest are answered `SHUTTING_DOWN`. "
         "A retiring (draining) worker is SIGKILLed if it has not exited `shutdown_grace_s` + 5 s after it began "
