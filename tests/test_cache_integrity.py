@@ -123,10 +123,11 @@ def test_enospc_anywhere_in_a_build_reads_no_space_left_on_device(tmp_path: Path
 
 
 def test_a_build_on_a_full_disk_says_so(tmp_path: Path) -> None:
-    """A real ENOSPC (a 64 kB tmpfs as the cache) is reported as no space left on device."""
+    """A real ENOSPC (a 64 kB tmpfs, 0700 as strict modes ask, as the cache) is reported as no space left on device."""
     mount = tmp_path / "small"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    options = "size=64k,mode=0700"
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
     try:

@@ -207,7 +207,7 @@ def test_the_int8_gate_on_real_minilm_weights_refuses_what_random_weights_would_
     entry = {
         "source": {"python": "infervisor.worker.models.minilm:minilm"},
         "inputs": ENCODER_INPUTS, "outputs": ["embedding"],
-        "warmup_iterations": 1, "profiles": ["int8_static", "eager"],
+        "warmup_iterations": 1, "profiles": ["int8_static", "eager"], "build": "at_start",
         "calibration": str(calibration), "validation": str(validation),
     }  # fmt: skip
     config = {

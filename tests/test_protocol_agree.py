@@ -128,8 +128,8 @@ def test_item2_fallback_reset_answers_the_profile_it_leaves(daemon: Daemon) -> N
 
 
 def test_item3_a_failed_replacement_is_the_model_s_error_until_one_succeeds(daemon: Daemon, flags: Path) -> None:
-    """A `restart` whose replacement cannot load leaves `models[NAME].error` = that `rollout.last_error`, while
-    the old worker serves; the next replacement that serves clears it."""
+    """A `restart` whose replacement cannot load leaves `models[NAME].error` = that `rollout.last_error` and the
+    model `degraded` (its worker cannot be replaced) while the old worker serves; the next that serves clears both."""
     assert "the error of its last failed replacement" in section("9")
     pid = model_status(daemon, "surge")["workers"][0]["pid"]
     (flags / "surge.fail").touch()
@@ -142,10 +142,12 @@ def test_item3_a_failed_replacement_is_the_model_s_error_until_one_succeeds(daem
     assert error == status["rollout"]["last_error"] and error.startswith("surge/0: replacement failed"), error
     assert error.endswith("the old worker keeps serving"), error
     model = status["models"]["surge"]
-    assert model["health"] == "serving" and model["workers"][0]["pid"] == pid
+    assert model["health"] == "degraded" and model["workers"][0]["pid"] == pid
+    assert model["workers"][0]["state"] == "serving", model
     assert control_raw(daemon, {"cmd": "restart", "model": "surge"})["ok"]
     wait_for(lambda: model_status(daemon, "surge")["workers"][0]["pid"] != pid, 120, "a replacement serving")
-    wait_for(lambda: model_status(daemon, "surge")["error"] is None, 30, "the error cleared")
+    cleared = wait_for(lambda: (m := model_status(daemon, "surge"))["error"] is None and m, 30, "the error cleared")
+    assert cleared["health"] == "serving", cleared
 
 
 def test_item4_a_crash_loop_is_the_model_s_error(daemon: Daemon) -> None:

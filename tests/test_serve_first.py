@@ -203,8 +203,8 @@ def test_the_demo_answers_first_then_shows_the_switch_without_building_before_it
     assert "infervisor build" not in out and "building the compiled packages" not in out, out
     before, _, after = out.partition("switched to the builder's pick after ")
     assert after, out
-    assert "serves eager" in before and "g: 10 ok, 0 errors" in before, before
-    assert "serves jit; optimized: picked jit" in after and "g: 10 ok, 0 errors" in after, after
+    assert "serves eager" in before and "(10 ok, 0 errors" in before, before
+    assert "serves jit; optimized: picked jit" in after and "(10 ok, 0 errors" in after, after
 
 
 class _Ended:

@@ -96,8 +96,13 @@ class ScratchDaemon:
 
 
 def scratch_config(raw: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
-    """A config made safe to run beside a serving daemon: its own sockets, the given cache, warnings only."""
-    config = {**raw, "cache_dir": str(cache_dir), "log_level": "warning"}
+    """A config made safe to run beside a serving daemon: its own sockets, the given cache, warnings only.
+
+    Its models build before they serve: a tool measures the profile the chain picks, never the eager a daemon
+    serves first while its background builder works.
+    """
+    models = {name: {**entry, "build": "at_start"} for name, entry in raw.get("models", {}).items()}
+    config = {**raw, "models": models, "cache_dir": str(cache_dir), "log_level": "warning"}
     for key in ("runtime_dir", "tcp_endpoint", "curve", "metrics_listen", "socket_group"):
         config.pop(key, None)  # a second daemon must not take the first one's endpoints
     return config
