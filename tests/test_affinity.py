@@ -21,7 +21,11 @@ def _thread_cpus(pid: int) -> list[frozenset[int]]:
     """The Cpus_allowed_list of every thread of a process."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue  # a thread that ended after the listing (the daemon starts short-lived ones)
+        for line in status.splitlines():
             if line.startswith("Cpus_allowed_list:"):
                 found.append(frozenset(parse_cpu_list(line.split(":", 1)[1].strip())))
     return found

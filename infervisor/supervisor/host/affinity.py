@@ -27,13 +27,27 @@ def supervisor_cpus(allowed: frozenset[int], held: Iterable[Iterable[int]], pin:
     return spare or allowed
 
 
+#: Passes over the thread list at most: a thread started during one pass is found by the next.
+_PIN_PASSES = 5
+
+
 def pin_all_threads(cpus: frozenset[int]) -> None:
-    """Set the affinity of every thread of this process (ZeroMQ's I/O thread too); threads started later inherit it."""
-    for task in _TASKS.iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-        except ProcessLookupError:
-            pass  # a thread that ended between the listing and the call
+    """Set the affinity of every thread of this process (ZeroMQ's I/O thread too); threads started later inherit it.
+
+    A thread not yet moved can start another meanwhile, with the old affinity and after the listing: the list is
+    read again until a pass finds no thread it had not seen (the threads seen are moved, so no new one escapes).
+    """
+    done: set[str] = set()
+    for _ in range(_PIN_PASSES):
+        fresh = {task.name for task in _TASKS.iterdir()} - done
+        if not fresh:
+            return
+        for tid in fresh:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:
+                pass  # a thread that ended between the listing and the call
+        done |= fresh
 
 
 class SupervisorAffinity:
