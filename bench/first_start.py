@@ -118,6 +118,24 @@ def _start(config: dict[str, Any], folder: Path) -> tuple[subprocess.Popen[bytes
     return process, notify, runtime, started
 
 
+def _first_answer(
+    runtime: Path, notify: socket.socket, ready: list[float], deadline: float, name: str,
+    inputs: dict[str, np.ndarray], want: np.ndarray,
+) -> float | None:  # fmt: skip
+    """When the daemon first answered correctly (noting READY=1 meanwhile), or None by the deadline."""
+    with Client(f"ipc://{runtime}/infer.sock") as client:
+        while time.monotonic() < deadline:
+            _ready_at(notify, ready)
+            try:
+                got = next(iter(client.infer(name, inputs, timeout=2).values()))
+            except InferenceError:
+                time.sleep(0.05)
+                continue
+            if _correct(got, want):
+                return time.monotonic()
+    return None
+
+
 def _ready_at(notify: socket.socket, seen: list[float]) -> None:
     try:
         while True:
@@ -168,15 +186,7 @@ def first_answers(args: argparse.Namespace) -> int:
             ready: list[float] = []
             answered = None
             try:
-                with Client(f"ipc://{runtime}/infer.sock") as client:
-                    while answered is None and time.monotonic() - started < args.limit_s:
-                        _ready_at(notify, ready)
-                        try:
-                            got = next(iter(client.infer(name, inputs, timeout=2).values()))
-                        except InferenceError:
-                            time.sleep(0.05)
-                            continue
-                        answered = time.monotonic() if _correct(got, want) else None
+                answered = _first_answer(runtime, notify, ready, started + args.limit_s, name, inputs, want)
                 while not ready and time.monotonic() - started < args.limit_s:
                     _ready_at(notify, ready)
                     time.sleep(0.05)
@@ -214,16 +224,7 @@ def main() -> int:
         first_answer = None
         load: PacedLoad | None = None
         try:
-            with Client(f"ipc://{runtime}/infer.sock") as client:
-                while first_answer is None and time.monotonic() - started < args.limit_s:
-                    _ready_at(notify, ready)
-                    try:
-                        got = next(iter(client.infer(name, inputs, timeout=2).values()))
-                    except InferenceError:
-                        time.sleep(0.05)
-                        continue
-                    if _correct(got, want):
-                        first_answer = time.monotonic()
+            first_answer = _first_answer(runtime, notify, ready, started + args.limit_s, name, inputs, want)
             load = PacedLoad(f"ipc://{runtime}/infer.sock", name, inputs, 2, 1.0 / args.rate).start()
             switched = build_done = None
             picked = "?"
