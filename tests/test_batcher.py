@@ -6,7 +6,7 @@ import collections
 
 from infervisor.supervisor.routing.batcher import decide, has_room, share_of_line, take
 from infervisor.supervisor.routing.pending import PendingRequest
-from infervisor.supervisor.settings.config import BatchingConfig
+from infervisor.supervisor.settings.model_entry import BatchingConfig
 
 WIDE = (("x", "float32", (16,)),)
 NARROW = (("x", "float32", (8,)),)

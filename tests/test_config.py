@@ -17,15 +17,7 @@ from infervisor.protocol.constants import DEFAULT_MAX_FRAME_BYTES, DTYPE_ITEMSIZ
 from infervisor.protocol.launch import ModelSource
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.settings import config_docs
-from infervisor.supervisor.settings.config import (
-    MODEL_KEYS,
-    TOP_KEYS,
-    Config,
-    ConfigError,
-    ModelConfig,
-    load_config,
-    parse_config,
-)
+from infervisor.supervisor.settings.config import TOP_KEYS, Config, ConfigError, load_config, parse_config
 from infervisor.supervisor.settings.config_diff import diff_configs, unclassified_keys
 from infervisor.supervisor.settings.config_keys import (
     Applied,
@@ -38,6 +30,7 @@ from infervisor.supervisor.settings.config_keys import (
     Number,
     Text,
 )
+from infervisor.supervisor.settings.model_entry import MODEL_KEYS, ModelConfig
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG: Final = ROOT / "configs" / "default.json"

@@ -23,8 +23,9 @@ from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
-from infervisor.supervisor.settings.config import Config, ModelConfig, parse_config
+from infervisor.supervisor.settings.config import Config, parse_config
 from infervisor.supervisor.settings.config_diff import diff_configs
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.launcher import ExitRecord, Launched
 from infervisor.supervisor.workers.slot import (

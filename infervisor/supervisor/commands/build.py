@@ -33,8 +33,9 @@ from infervisor.supervisor.commands.bundle import run_export, run_import
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from infervisor.supervisor.host.topology import TopologyError, read_topology
-from infervisor.supervisor.settings.config import Config, ConfigError, ModelConfig, load_config
+from infervisor.supervisor.settings.config import Config, ConfigError, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import ExitRecord, launch_worker
 from infervisor.supervisor.workers.slot import describe_exit
 

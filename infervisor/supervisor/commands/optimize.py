@@ -17,8 +17,9 @@ from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import PlanError
 from infervisor.supervisor.host.topology import TopologyError, read_topology
-from infervisor.supervisor.settings.config import Config, ConfigError, ModelConfig, load_config, parse_config
+from infervisor.supervisor.settings.config import Config, ConfigError, load_config, parse_config
 from infervisor.supervisor.settings.config_path import ConfigChoice, ConfigPathError, resolve_config_path
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.toolkit.check import CheckFailed, DaemonCheck, check
 from infervisor.supervisor.toolkit.constraints import Accuracy, Constraints, ConstraintsError, Sla, load_constraints
 from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement

@@ -34,7 +34,8 @@ from infervisor.protocol.constants import OUTCOME_PHASES, StartPhase
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import ExitRecord, Launched, launch_worker
 from infervisor.supervisor.workers.slot import WorkerSlot, describe_exit
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import structlog
 
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")

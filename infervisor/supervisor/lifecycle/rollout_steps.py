@@ -15,8 +15,8 @@ from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
 from infervisor.supervisor.lifecycle.roster import Roster
 from infervisor.supervisor.routing.broker import Broker
-from infervisor.supervisor.settings.config import ModelConfig
 from infervisor.supervisor.settings.config_diff import builds_differ
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 from infervisor.supervisor.workers.worker_links import WorkerLinks

@@ -6,7 +6,7 @@ import random
 
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 #: The settings a process's limits were drawn from, and the drawn age and request limits.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from infervisor.protocol import worker_messages as wm
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 #: How long a mismatch counts toward a repeat: longer than any recycle takes, short of an unrelated fault.

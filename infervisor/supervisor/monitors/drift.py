@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 

@@ -14,7 +14,7 @@ import psutil
 
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.view import MonitorView
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 MB = 2**20

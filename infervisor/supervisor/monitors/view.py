@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from infervisor.supervisor.monitors.findings import Finding
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infervisor.supervisor.instruments.recorders import BUCKETS_S
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.health import ModelReport
 from infervisor.supervisor.workers.slot import SlotState
 

@@ -12,7 +12,8 @@ from infervisor.common.profiles import PROFILES
 from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
 from infervisor.supervisor.observe.stats import percentile
-from infervisor.supervisor.settings.config import BatchingConfig, Config
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import BatchingConfig
 
 
 def rss_of(pid: int | None) -> int | None:

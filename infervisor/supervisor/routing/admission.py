@@ -13,7 +13,7 @@ from infervisor.protocol.client_messages import InferRequest, RequestId, decode_
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 
 #: True while some worker of the model, built with this spec, serves (a rollout's new inputs are admitted then).

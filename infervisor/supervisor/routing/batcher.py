@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from infervisor.protocol.constants import MAX_BATCH_REQUESTS
 from infervisor.supervisor.routing.pending import PendingRequest
-from infervisor.supervisor.settings.config import BatchingConfig
+from infervisor.supervisor.settings.model_entry import BatchingConfig
 
 #: The supervisor's loop waits in whole milliseconds: a batch due within half of one goes now, so a delay
 #: is kept to about ±0.5 ms (rounding each wait up to a whole millisecond made 1000 us last about 1.5 ms).

@@ -33,7 +33,7 @@ from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 from infervisor.supervisor.routing.pipeline import Pipelines
 from infervisor.supervisor.routing.replies import ModelQueue, Replies
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 from infervisor.supervisor.workers.worker_links import WorkerLinks

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from infervisor.supervisor.settings.config import MODEL_KEYS, TOP_KEYS, Config, ModelConfig
+from infervisor.supervisor.settings.config import TOP_KEYS, Config
 from infervisor.supervisor.settings.config_keys import Applied, Key
+from infervisor.supervisor.settings.model_entry import MODEL_KEYS, ModelConfig
 
 #: The rules diff_configs has for each level; a key declared with another rule would be ignored on reload.
 _TOP_RULES = frozenset({Applied.LIVE, Applied.ROLLING, Applied.DAEMON_RESTART, Applied.PER_MODEL})

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from infervisor.supervisor.settings.config import MODEL_KEYS, TOP_KEYS
+from infervisor.supervisor.settings.config import TOP_KEYS
 from infervisor.supervisor.settings.config_keys import Applied, Key
+from infervisor.supervisor.settings.model_entry import MODEL_KEYS
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 COMMAND = "python -m infervisor.supervisor.settings.config_docs --write"

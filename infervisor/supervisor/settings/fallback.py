@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import structlog
 
 from infervisor.common.profiles import REFERENCE_PROFILE
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 
 log = structlog.get_logger("supervisor")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
 
 
 class ServingConfig:

@@ -13,7 +13,8 @@ from typing import Any
 
 from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.protocol.launch import LaunchSpec, ModelSource
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
 
 #: Input specs of the built-ins (dynamic batch), as a config would declare them.
 BUILTIN_INPUTS: dict[str, list[dict[str, Any]]] = {

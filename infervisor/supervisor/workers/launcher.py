@@ -17,7 +17,8 @@ from infervisor.protocol.launch import LaunchSpec
 from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.settings.config import Config, ModelConfig
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
 
 _generations = itertools.count(1)
 

@@ -17,7 +17,7 @@ import structlog
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.protocol.worker_link import Link
 from infervisor.supervisor.host.planner import Assignment
-from infervisor.supervisor.settings.config import ModelConfig
+from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import Launched, WorkerProcess
 from infervisor.supervisor.workers.process_tree import descendants_of, kill_all, own_child
 from infervisor.supervisor.workers.start_clock import StartClock
