@@ -770,6 +770,7 @@ def _another(key: Key, folder: Path) -> object:
         "source": {"builtin": "tiny"},
         "inputs": [{**TINY_INPUT, "allow_non_finite": True}],
         "outputs": ["y"],
+        "state": [{"input": "x", "output": "y"}],
         "profiles": ["jit", "eager"],
         "calibration": "samples.npz",
         "validation": "samples.npz",
@@ -823,3 +824,76 @@ def test_a_retired_key_is_refused_with_what_to_do() -> None:
     assert caught.value.problems == [
         "keep_warm_ms: removed: the broker no longer rehearses its request path (no measured gain); delete the key"
     ]
+
+
+def _state_entry(tmp_path: Path, state: object, inputs: object = None) -> list[str]:
+    """The problems of a model entry with `state` (an empty list when it is accepted)."""
+    entry = {
+        "source": {"builtin": "tiny"},
+        "inputs": inputs
+        or [
+            {"name": "x", "dtype": "float32", "shape": [None, 16]},
+            {"name": "h", "dtype": "float32", "shape": [None, 2, 8]},
+        ],
+        "state": state,
+    }
+    try:
+        parse_config(json.dumps({"models": {"m": entry}}), tmp_path)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def test_a_state_pair_is_read_against_its_input(tmp_path: Path) -> None:
+    """A state pair takes its dtype and one stream's shape from the declared input it names."""
+    config = parse_config(
+        json.dumps(
+            {
+                "models": {
+                    "m": {
+                        "source": {"builtin": "tiny"},
+                        "inputs": [{"name": "h", "dtype": "float32", "shape": [None, 2, 8]}],
+                        "state": [{"input": "h", "output": "h_next"}],
+                    }
+                }
+            }
+        ),
+        tmp_path,
+    )
+    (pair,) = config.models["m"].state
+    assert (pair.input, pair.output, pair.dtype, pair.shape, pair.initial) == ("h", "h_next", "float32", (2, 8), None)
+
+
+@pytest.mark.parametrize(
+    ("state", "problem"),
+    [
+        ([{"input": "nope", "output": "o"}], "must name a declared input"),
+        ([{"input": "x", "output": ""}], "must be an output name"),
+        ([{"input": "h", "output": "o", "dtype": "int64"}], "is 'int64' but input 'h' is float32"),
+        ([{"input": "h", "output": "o", "shape": [8, 2]}], "holds one stream's state as [2, 8]"),
+        ([{"input": "h", "output": "o"}, {"input": "h", "output": "p"}], "names one input in two pairs"),
+        ([{"input": "h", "output": "o", "initial": "ones"}], 'must be "zeros", null or a path to a .npy'),
+        ([{"input": "h", "output": "o", "initial": "missing.npy"}], "cannot read"),
+        ({"input": "h"}, "must be an array"),
+    ],
+)
+def test_a_bad_state_pair_is_named(tmp_path: Path, state: object, problem: str) -> None:
+    """Each mistake in a state pair is a config problem naming the pair's key."""
+    problems = _state_entry(tmp_path, state)
+    assert any(problem in p and p.startswith("models.m.state") for p in problems), problems
+
+
+def test_a_state_input_must_hold_a_fixed_state_per_stream(tmp_path: Path) -> None:
+    """An input whose non-batch dims are open cannot hold one stream's state."""
+    inputs = [{"name": "h", "dtype": "float32", "shape": [None, None]}]
+    problems = _state_entry(tmp_path, [{"input": "h", "output": "o"}], inputs)
+    assert any("must be [null, ...fixed dims]" in p for p in problems), problems
+
+
+def test_an_initial_state_file_must_match_the_state(tmp_path: Path) -> None:
+    """An initial .npy of another shape is refused; one of the right dtype and shape is kept as an absolute path."""
+    np.save(tmp_path / "wrong.npy", np.zeros((8, 2), dtype=np.float32))
+    np.save(tmp_path / "right.npy", np.ones((2, 8), dtype=np.float32))
+    problems = _state_entry(tmp_path, [{"input": "h", "output": "o", "initial": "wrong.npy"}])
+    assert any("holds float32[8, 2]; the state is float32[2, 8]" in p for p in problems), problems
+    assert _state_entry(tmp_path, [{"input": "h", "output": "o", "initial": "right.npy"}]) == []

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorSpec
 
 #: How a worker chooses among the profiles of its chain that meet the tolerance.
@@ -75,11 +76,15 @@ class LaunchSpec:
     background: bool = False
     #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.
     served_batches: list[int] = field(default_factory=list)
+    #: A stateful model's state pairs (protocol/state.py): what the sequence gate feeds back step by step.
+    state: tuple[StateSpec, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Serialise for the worker's command line."""
-        return json.dumps(asdict(self))
+        raw = asdict(self)
+        raw["state"] = [pair.to_dict() for pair in self.state]
+        return json.dumps(raw)
 
     @classmethod
     def from_json(cls, text: str) -> LaunchSpec:
@@ -90,4 +95,5 @@ class LaunchSpec:
         raw["output_names"] = tuple(raw["output_names"]) if raw.get("output_names") is not None else None
         raw["cpus"] = tuple(raw["cpus"])
         raw["profiles"] = tuple(raw.get("profiles", ("eager",)))
+        raw["state"] = tuple(StateSpec.from_dict(pair) for pair in raw.get("state", ()))
         return cls(**raw)

@@ -14,6 +14,7 @@ from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
 from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import PROFILE_NAMES
 from infervisor.protocol.launch import PICK_MODES, ModelSource
+from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.settings.config_keys import (
     Applied,
@@ -27,6 +28,7 @@ from infervisor.supervisor.settings.config_keys import (
     ReadContext,
 )
 from infervisor.supervisor.settings.module_lookup import module_missing
+from infervisor.supervisor.settings.state_keys import read_state
 from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
 
 #: surge: the replacement warms beside the old worker (capacity stays N); drain_first: the old one
@@ -59,6 +61,8 @@ class ModelConfig:
     source: ModelSource
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[str, ...] | None
+    #: State pairs of a stateful model (protocol/state.py); empty for a stateless one.
+    state: tuple[StateSpec, ...]
     workers: int
     cores_per_worker: int
     use_smt: bool
@@ -194,6 +198,11 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("outputs", Custom(read_outputs, "array of non-empty strings, or null (`[]` = null)"), Applied.ROLLING,
         "names for the model's outputs in order; default: the built-in's names, the keys of a returned dict, else "
         "`output`, `output_1`, ..."),
+    Key("state", Custom(read_state, "array of `{input, output, dtype, shape, initial}`, or null (`[]` = null)"),
+        Applied.ROLLING,
+        "a stateful model's state pairs: the declared input (batch first, every other dim fixed) a stream's state "
+        "is fed to, the output that returns the next state, and its initial value (`\"zeros\"` or a `.npy` "
+        "file); the daemon keeps each stream's state between its steps ([more](#stateful-models))."),
     Key("workers", Integer(1, 1, 256), Applied.SCALED,
         "worker processes for this model."),
     Key("cores_per_worker", Integer(1, 1, 1024), Applied.ROLLING,

@@ -124,6 +124,7 @@ def launch_spec(
         validation=model.validation,
         recent_exits=list(recent_exits),
         served_batches=served_batches(model),
+        state=model.state,
         supervisor_pid=os.getpid(),
         client_gid=config.socket_group.gid if config.socket_group is not None else None,
         compile_timeout_s=config.compile_timeout_s,
