@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from infervisor.worker.profiles.cache import (
     no_space_left,
 )
 from infervisor.worker.profiles.export import ExportError
-from tests.conftest import Daemon, model_entry, wait_for
+from tests.conftest import ROOT, Daemon, model_entry, wait_for
 
 #: One static shape: the aoti profile compiles a single package (no batch buckets), which keeps the test short.
 _STATIC_TINY = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
@@ -139,6 +142,37 @@ def test_a_build_on_a_full_disk_says_so(tmp_path: Path) -> None:
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.fixture(scope="module")
+def built_aoti_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cache holding tiny's static aoti package, built once by `infervisor build` for the tests that damage a copy.
+
+    Their subject is the start after the damage; a first start that compiled the package itself (and restarted
+    its process after the build) would only repeat what the build phase's own tests prove.
+    """
+    folder = tmp_path_factory.mktemp("built")
+    config = folder / "build.json"
+    config.write_text(json.dumps({"cache_dir": str(folder / "cache"), "models": {"m": _aoti_entry(["aoti"])}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "infervisor", "build", "--config", str(config)],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    yield folder / "cache"
+
+
+def _aoti_entry(profiles: list[str]) -> dict[str, Any]:
+    return model_entry({"builtin": "tiny"}, _STATIC_TINY, profiles=profiles)
+
+
+def _start_on_a_copy(
+    start_daemon: Callable[..., Daemon], built: Path, into: Path, profiles: list[str]
+) -> tuple[Daemon, Path]:
+    """A daemon on its own copy (`into`) of the built cache: it loads the package at its first start."""
+    cache = Path(shutil.copytree(built, into, symlinks=True))
+    config = {"cache_dir": str(cache), "oversubscribe": True, "models": {"m": _aoti_entry(profiles)}}
+    return start_daemon(config), cache
+
+
 def _restart_and_wait(daemon: Daemon, old_pid: int) -> dict[str, Any]:
     assert daemon.control({"cmd": "restart", "model": "m"})["queued"] == 1
 
@@ -159,15 +193,14 @@ def _served_like_eager(daemon: Daemon) -> None:
 
 
 def test_a_cached_package_with_flipped_bytes_is_rebuilt_and_never_served(
-    start_daemon: Callable[..., Daemon],
+    start_daemon: Callable[..., Daemon], built_aoti_cache: Path, tmp_path: Path
 ) -> None:
     """3 x 64 flipped bytes fail the sha256 check: the package is moved aside, rebuilt, and replies match eager."""
-    daemon = start_daemon(
-        {"oversubscribe": True, "models": {"m": model_entry({"builtin": "tiny"}, _STATIC_TINY, profiles=["aoti"])}}
-    )
+    daemon, cache = _start_on_a_copy(start_daemon, built_aoti_cache, tmp_path / "cache", ["aoti"])
     (first,) = daemon.wait_ready(timeout=300)["models"]["m"]["workers"]
     assert first["profile"] == "aoti", first
-    (package,) = (daemon.tmp / "cache").glob("aoti-*.pt2")
+    assert any(note.startswith("loaded cached package aoti-") for note in first["profile_build"]), first
+    (package,) = cache.glob("aoti-*.pt2")
     _flip(package)
     again = _restart_and_wait(daemon, first["pid"])
     assert again["profile"] == "aoti" and again["profile_skipped"] == [], again
@@ -183,17 +216,15 @@ def test_a_cached_package_with_flipped_bytes_is_rebuilt_and_never_served(
     _served_like_eager(daemon)
 
 
-def test_a_truncated_package_is_rebuilt_not_left_on_eager(start_daemon: Callable[..., Daemon]) -> None:
+def test_a_truncated_package_is_rebuilt_not_left_on_eager(
+    start_daemon: Callable[..., Daemon], built_aoti_cache: Path, tmp_path: Path
+) -> None:
     """A package cut in half (its digest taken after the damage, so only the load sees it) is rebuilt and serves."""
-    daemon = start_daemon(
-        {
-            "oversubscribe": True,
-            "models": {"m": model_entry({"builtin": "tiny"}, _STATIC_TINY, profiles=["aoti", "eager"])},
-        }
-    )
+    daemon, cache = _start_on_a_copy(start_daemon, built_aoti_cache, tmp_path / "cache", ["aoti", "eager"])
     (first,) = daemon.wait_ready(timeout=300)["models"]["m"]["workers"]
     assert first["profile"] == "aoti", first
-    (package,) = (daemon.tmp / "cache").glob("aoti-*.pt2")
+    assert any(note.startswith("loaded cached package aoti-") for note in first["profile_build"]), first
+    (package,) = cache.glob("aoti-*.pt2")
     with package.open("r+b") as handle:
         handle.truncate(package.stat().st_size // 2)
     package.with_suffix(".sha256").write_text(f"{hashlib.sha256(package.read_bytes()).hexdigest()}  {package.name}\n")

@@ -219,8 +219,9 @@ def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path:
     constraints = tmp_path / "constraints.json"
     raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
     constraints.write_text(json.dumps(raw))
+    # eager and the lossy profile are what this verdict needs; ranking a third (jit) is the dry run's test.
     done = _optimize("--model", "tiny", "--config", str(config), "--constraints", str(constraints), "--profiles",
-                     f"eager,jit,{LOSSY}", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
+                     f"eager,{LOSSY}", "--layouts", "1x1", "--no-check", "--seconds", "0.3")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "VERDICT: the SLA cannot be met on this box." in done.stdout and "P99" in done.stdout
     assert any(line.startswith(LOSSY) and " OUT " in line for line in done.stdout.splitlines()), done.stdout
