@@ -1,7 +1,8 @@
 """What each worker process holds: its requests in dispatch order, and when the head of that line last moved.
 
 The broker owns one `Pipeline` per worker process (keyed by worker id, so a respawned process starts
-empty); the pool only asks it questions (is the worker busy, how big is what runs, since when).
+empty). The pool reads it through the broker (is the worker busy, how big is what runs, since when,
+was a batch running when it died) and, once a profiler's start grace is over, moves its clock.
 """
 
 from __future__ import annotations
