@@ -43,7 +43,7 @@ class StopSequence:
 
     def advance(self, now: float) -> None:
         """Finish the work in hand, or answer it SHUTTING_DOWN at the deadline; then stop and kill workers."""
-        busy = self.broker.queued_count + self.broker.pipelines.held_count
+        busy = self.broker.unanswered
         if busy and now < self.deadline:
             return
         slots = self.roster.all_slots()

@@ -31,7 +31,7 @@ from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
-from infervisor.supervisor.routing.pipeline import Pipelines
+from infervisor.supervisor.routing.pipeline import Charge, Pipelines, PipelineView, RequestOrder
 from infervisor.supervisor.routing.replies import ModelQueue, Replies
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
@@ -94,7 +94,7 @@ class Broker:
         self.refused: collections.Counter[str] = collections.Counter()
         #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
         self.replies = Replies(self.ledger, self.queues, self.refused)
-        #: What each worker process holds; the pool asks it whether a worker is busy or hung.
+        #: What each worker process holds; the pool reads it through `load_of`.
         self.pipelines = Pipelines()
         self.next_id = 1
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
@@ -122,9 +122,17 @@ class Broker:
         self.queues.pop(model, None)
 
     @property
-    def queued_count(self) -> int:
-        """Requests accepted but not yet dispatched."""
-        return sum(len(q.waiting) for q in self.queues.values())
+    def unanswered(self) -> int:
+        """Requests accepted and not yet answered: waiting in a queue, or in a worker's hands."""
+        return sum(len(q.waiting) for q in self.queues.values()) + self.pipelines.held_count
+
+    def load_of(self, slot: WorkerSlot) -> PipelineView:
+        """What the slot's process holds, read-only: whether it is busy, what runs, since when its head moved."""
+        return self.pipelines.of(slot)
+
+    def hold_progress_until(self, slot: WorkerSlot, when: float) -> None:
+        """Time the slot's running requests from `when` at the earliest (what waited behind a profiler's start)."""
+        self.pipelines.of(slot).hold_progress_until(when)
 
     # ---- client side ------------------------------------------------------------------------
 
@@ -316,53 +324,54 @@ class Broker:
 
     # ---- workers lost -----------------------------------------------------------------------
 
-    def worker_lost(self, slot: WorkerSlot, reason: str) -> None:
-        """Re-dispatch what a dead or hung worker held (oldest first in line), or give up after max_retries.
+    def worker_lost(self, slot: WorkerSlot, reason: str, order: RequestOrder) -> None:
+        """Carry out the pool's order on what a dead or hung worker held: re-dispatch it (oldest first in line),
+        or give up after max_retries; if the slot failed and the model has no slot left, answer what waits.
 
-        A worker serves its pipeline in order, so only the oldest request was running when it died: it
-        alone is charged a retry. The ones waiting behind it go back in line as they were.
+        A worker serves its pipeline in order, so only the head was running when it died: the one request
+        charged a retry (`Charge.HEAD`), or the batch split in two halves, nobody charged (`Charge.SPLIT`).
+        The ones waiting behind it go back in line as they were; a request that lost more than `max_retries`
+        workers is answered WORKER_LOST.
         """
         model = self.serving.model(slot.model.name) or slot.model
         running = self.pipelines.of(slot).running()
         held = self.pipelines.take_all(slot)
-        if len(running) > 1:
-            # A batch was running: which of its requests killed the worker is unknown. Split it in two, charge
-            # nobody, and let each half run alone: halving finds a poison request in log2(size) steps.
+        split = order.charge is Charge.SPLIT
+        if split:
             half = (len(running) + 1) // 2
             for index, request in enumerate(running):
                 request.batch_limit = half if index < half else len(running) - half
             log.warning("batch_split", model=slot.model.name, size=len(running), reason=reason)
         for index in range(len(held) - 1, -1, -1):
-            charged = index == 0 and len(running) <= 1
-            self.requeue_or_fail(held[index], model.max_retries, reason, charged=charged)
+            request = held[index]
+            charged = index == 0 and not split
+            if charged:
+                request.losses += 1
+            queue = self.queues.get(request.model)
+            if request.losses > model.max_retries:
+                log.error(
+                    "request_lost_worker",
+                    model=request.model,
+                    request_id=str(request.request_id),
+                    losses=request.losses,
+                )
+                why = f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again"
+                self.replies.fail(request, ErrorCode.WORKER_LOST, why)
+            elif queue is None:
+                why = f"model {request.model!r} was removed from the config"
+                self.replies.fail(request, ErrorCode.UNKNOWN_MODEL, why)
+            else:
+                log.warning(
+                    "request_redispatched",
+                    model=request.model,
+                    request_id=str(request.request_id),
+                    losses=request.losses,
+                    charged=charged,
+                )
+                queue.waiting.appendleft(request)
         self.dispatch(slot.model.name)
-
-    def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str, charged: bool = True) -> None:
-        """Put a request whose worker was lost back at the head of its queue, unless it has lost too many."""
-        if charged:
-            request.losses += 1
-        if request.losses > max_retries:
-            log.error(
-                "request_lost_worker", model=request.model, request_id=str(request.request_id), losses=request.losses
-            )
-            self.replies.fail(
-                request,
-                ErrorCode.WORKER_LOST,
-                f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again",
-            )
-            return
-        queue = self.queues.get(request.model)
-        if queue is None:
-            self.replies.fail(request, ErrorCode.UNKNOWN_MODEL, f"model {request.model!r} was removed from the config")
-            return
-        log.warning(
-            "request_redispatched",
-            model=request.model,
-            request_id=str(request.request_id),
-            losses=request.losses,
-            charged=charged,
-        )
-        queue.waiting.appendleft(request)
+        if order.slot_failed and not self.has_capacity(slot.model.name):
+            self.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
 
     def expire(self, now: float) -> None:
         """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more."""
