@@ -89,11 +89,11 @@ class Arbiter:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 if self.pool.stop.stopping:
                     log.warning("stop_forced", signal=signal.Signals(signum).name)
-                    self.pool.stop.deadline = 0.0
+                    self.pool.stop.hurry()
                 else:
                     self.begin_stop(f"signal {signal.Signals(signum).name}")
             elif signum == signal.SIGHUP:
-                self.reloader.requested = "SIGHUP"
+                self.reloader.request("SIGHUP")
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -170,7 +170,7 @@ class Arbiter:
         findings = monitors.check(now, view)
         self.pool.track_descendants()
         self.parts.memory.trim_if_grown()
-        self.broker.shed = monitors.thermal.throttled and config.thermal_action == "shed"
+        self.broker.shed_load(monitors.thermal.throttled and config.thermal_action == "shed")
         for finding in findings:
             self.parts.responses.act(finding)
         self.publish_metrics()
@@ -191,7 +191,7 @@ class Arbiter:
 
     def begin_stop(self, reason: str) -> None:
         """Refuse new work; in-flight and queued requests get the grace period to finish."""
-        self.broker.accepting = False
+        self.broker.stop_accepting()
         self.pool.stop.begin(time.monotonic())
         self.parts.readiness.stopping()
         log.info("supervisor_stopping", reason=reason, grace_s=self.config.shutdown_grace_s)

@@ -41,6 +41,10 @@ class StopSequence:
         self.rollout.clear()
         self.deadline = now + self.serving.current.shutdown_grace_s
 
+    def hurry(self) -> None:
+        """A second stop signal: the work in hand gets no more grace."""
+        self.deadline = 0.0
+
     def advance(self, now: float) -> None:
         """Finish the work in hand, or answer it SHUTTING_DOWN at the deadline; then stop and kill workers."""
         busy = self.broker.unanswered

@@ -21,7 +21,8 @@ from infervisor.supervisor.observe.snapshot import (
     SlotSample,
     Snapshot,
 )
-from infervisor.supervisor.routing.broker import Broker, ModelQueue
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.settings.fallback import Fallbacks
 from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 

@@ -29,10 +29,11 @@ from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 from infervisor.supervisor.routing.pipeline import Charge, Pipelines, PipelineView, RequestOrder
-from infervisor.supervisor.routing.replies import ModelQueue, Replies
+from infervisor.supervisor.routing.replies import Replies
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
@@ -64,6 +65,19 @@ def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
     return wm.encode(wm.Batch([len(r.frames) + 1 for r in requests]), encoded)
 
 
+def _has_capacity(slots: Sequence[WorkerSlot] | None) -> bool:
+    """False when every slot of a model has FAILED: queueing would only delay an error.
+
+    An empty pool (a drain-first rollout of a one-worker model) has capacity on its way.
+    """
+    return not slots or any(s.state is not SlotState.FAILED for s in slots)
+
+
+def _has_spec(slots: Sequence[WorkerSlot] | None, spec: tuple[TensorSpec, ...], states: Sequence[SlotState]) -> bool:
+    """True while some slot of a model built with `spec` is in one of `states`."""
+    return any(s.model.inputs == spec and s.state in states for s in slots or ())
+
+
 class Broker:
     """Routes client requests to pinned workers with room and their replies back."""
 
@@ -84,11 +98,12 @@ class Broker:
         self.ledger = ClientLedger(
             anomalies, serving.current.client_budget_mb * 2**20, serving.current.clients_budget_mb * 2**20
         )
+        #: False once the daemon stops: new requests are refused SHUTTING_DOWN.
         self.accepting = True
         #: The workers each model routes to: asked of the pool, changed only by the pool.
         self.members_of: Members = lambda model: None
         #: A rollout's new inputs are admitted once a worker built with them serves.
-        self.spec_served: SpecServed = lambda model, spec: self.has_spec(model, spec, _SERVING)
+        self.spec_served: SpecServed = lambda model, spec: _has_spec(self.members_of(model), spec, _SERVING)
         self.queues: dict[str, ModelQueue] = {}
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
         self.refused: collections.Counter[str] = collections.Counter()
@@ -103,6 +118,14 @@ class Broker:
         self.batch_due: dict[str, float] = {}
         self.batches_sent = 0
         self.sync_queues()
+
+    def stop_accepting(self) -> None:
+        """The daemon stops: refuse new requests; what is in hand still gets its answer."""
+        self.accepting = False
+
+    def shed_load(self, shed: bool) -> None:
+        """While the CPU throttles, route to half of each model's workers only (core/responses.py decides)."""
+        self.shed = shed
 
     def route_to(self, members_of: Members) -> None:
         """Route each model's requests to the workers `members_of` names (the pool's, kept current by the pool)."""
@@ -179,7 +202,7 @@ class Broker:
         if not self.accepting:
             self.replies.refuse(client, request_id, name, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             return
-        if not self.has_capacity(name):
+        if not _has_capacity(self.members_of(name)):
             why = f"model {name!r} has no live worker slot"
             self.replies.refuse(client, request_id, name, ErrorCode.UNAVAILABLE, why)
             return
@@ -207,18 +230,6 @@ class Broker:
         self.ledger.take(client, cost)
         queue.waiting.append(pending)
         self.dispatch(name)
-
-    def has_capacity(self, model: str) -> bool:
-        """False when every slot of the model has FAILED: queueing would only delay an error.
-
-        An empty pool (a drain-first rollout of a one-worker model) has capacity on its way.
-        """
-        slots = self.members_of(model) or ()
-        return not slots or any(s.state is not SlotState.FAILED for s in slots)
-
-    def has_spec(self, model: str, spec: tuple[TensorSpec, ...], states: Sequence[SlotState]) -> bool:
-        """True while some member of the model built with `spec` is in one of `states`."""
-        return any(s.model.inputs == spec and s.state in states for s in self.members_of(model) or ())
 
     # ---- dispatch ---------------------------------------------------------------------------
 
@@ -370,7 +381,7 @@ class Broker:
                 )
                 queue.waiting.appendleft(request)
         self.dispatch(slot.model.name)
-        if order.slot_failed and not self.has_capacity(slot.model.name):
+        if order.slot_failed and not _has_capacity(self.members_of(slot.model.name)):
             self.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
 
     def expire(self, now: float) -> None:
@@ -378,7 +389,7 @@ class Broker:
         for name, queue in self.queues.items():
             expired = any(r.expired(now) for r in queue.waiting)
             specs = {r.spec for r in queue.waiting if r.spec is not None}
-            gone = {spec for spec in specs if not self.has_spec(name, spec, _ALIVE)}
+            gone = {spec for spec in specs if not _has_spec(self.members_of(name), spec, _ALIVE)}
             if not expired and not gone:
                 continue
             keep: collections.deque[PendingRequest] = collections.deque()
