@@ -170,7 +170,6 @@ class Arbiter:
         findings = monitors.check(now, view)
         self.pool.track_descendants()
         self.parts.memory.trim_if_grown()
-        self.broker.shed_load(monitors.thermal.throttled and config.thermal_action == "shed")
         for finding in findings:
             self.parts.responses.act(finding)
         self.publish_metrics()

@@ -114,7 +114,7 @@ def assemble(
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
     fallback = FallbackControl(serving, pool)
-    responses = Responses(serving, pool, links, fallback, monitors.canaries)
+    responses = Responses(serving, pool, broker, links, fallback, monitors.canaries)
     # Each worker message goes straight to its owner; a link that lost its framing, to the pool.
     inbox = WorkerInbox(anomalies, broker, pool, responses.judge_canary)
     links.deliver_to(inbox.deliver, pool.link_broken)
