@@ -178,8 +178,9 @@ class Arbiter:
         """Take a snapshot and hand it to the metrics endpoint (which never reads the loop's state itself)."""
         parts = self.parts
         memory, thermal = parts.monitors.memory, parts.monitors.thermal
-        rss_mb = {pid: samples[-1][1] for pid, samples in memory.history.items() if samples}
-        readings = Readings(rss_mb, memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts)
+        readings = Readings(
+            memory.rss_mb(), memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts
+        )
         snapshot = take_snapshot(
             self.pool, self.broker, readings, self.fallback.fallbacks, time.time(), time.monotonic()
         )
