@@ -20,12 +20,12 @@ from infervisor.protocol.worker_link import WORKER_LINK_FRAMES, Link
 from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.instruments.anomalies import Anomalies
-from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import parse_config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
+from infervisor.supervisor.workers.worker_inbox import WorkerInbox
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 X = np.arange(16, dtype=np.float32).reshape(1, 16)

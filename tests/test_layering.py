@@ -350,3 +350,30 @@ def test_an_import_back_up_the_layers_is_named(tmp_path: Path) -> None:
     assert layer_breaches(folder, "infervisor.supervisor") == [
         "workers/slot.py -> infervisor.supervisor.routing.broker"
     ]
+
+
+def pipeline_readers(folder: Path) -> list[str]:
+    """Places outside routing/ that name the broker's `pipelines` (the rest reads them through `Broker.load_of`)."""
+    places = []
+    for path in sorted(folder.rglob("*.py")):
+        if path.relative_to(folder).parts[0] == "routing":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "pipelines":
+                places.append(f"{path.relative_to(folder)}:{node.lineno}")
+    return places
+
+
+def test_only_the_request_path_touches_the_pipelines() -> None:
+    """The pool, the stop and the snapshot read a worker's load through the broker's read-only view only."""
+    assert pipeline_readers(Path(cli.__file__).resolve().parent) == []
+
+
+def test_a_pool_reaching_into_the_pipelines_is_named(tmp_path: Path) -> None:
+    """A lifecycle module that reads `broker.pipelines` is named with its line."""
+    (tmp_path / "lifecycle").mkdir()
+    reader = "def busy(broker, slot):\n    return broker.pipelines.of(slot).held\n"
+    (tmp_path / "lifecycle" / "pool.py").write_text(reader)
+    (tmp_path / "routing").mkdir()
+    (tmp_path / "routing" / "broker.py").write_text("def held(self):\n    return self.pipelines.held_count\n")
+    assert pipeline_readers(tmp_path) == ["lifecycle/pool.py:2"]

@@ -183,6 +183,24 @@ def test_status_and_the_exposition_render_one_snapshot_that_changes_nothing(rig:
         snapshot = _snapshot(rig)
 
 
+def test_status_shows_the_memory_sample_the_metrics_show(rig: Rig) -> None:
+    """A worker's rss and pss in status are the monitor's sample in the one snapshot that /metrics renders."""
+    rig.pool.start()
+    (slot,) = rig.slots()
+    rig.ready(slot)
+    pid = slot.pid
+    assert pid is not None
+    readings = Readings({pid: 123.0}, {pid: 45.0}, {}, ReloadStats(time.time()), {})
+    snapshot = take_snapshot(rig.pool, rig.broker, readings, None, time.time(), time.monotonic())
+    metrics = Metrics()
+    metrics.publish(snapshot)
+    samples = _samples(metrics.render())
+    (worker,) = status.models_status(snapshot)["tiny"]["workers"]
+    labels = {"model": "tiny", "slot": "0", "pid": str(pid)}
+    assert worker["rss"] == _value(samples, "infervisor_worker_resident_memory_bytes", **labels) == 123 * 2**20
+    assert worker["pss"] == _value(samples, "infervisor_worker_proportional_memory_bytes", **labels) == 45 * 2**20
+
+
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     """A one-worker pool of `tiny` without processes (tests/test_pool_states.py)."""

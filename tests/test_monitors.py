@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,9 +13,17 @@ from typing import Any
 import numpy as np
 
 from infervisor.protocol import ErrorCode, InferenceError
+from infervisor.supervisor.core.fallback_control import FallbackControl
+from infervisor.supervisor.core.responses import Responses
+from infervisor.supervisor.monitors.canary import CanaryWatch
+from infervisor.supervisor.monitors.findings import Action
+from infervisor.supervisor.monitors.thermal import ThermalWatch
+from infervisor.supervisor.monitors.view import MonitorView
+from infervisor.supervisor.settings.config import parse_config
 from tests.conftest import ROOT, Daemon, model_entry, wait_for, write_thermal_sysfs
 from tests.fault_models import CORRUPT, ECHO, FAULT_INPUTS, GROW, LEAK, SLOW, command
 from tests.slow_model import SLOW_INPUTS, rounds, write_slow_model
+from tests.test_pool_states import MODEL, Rig
 
 FAULTY = {"python": "tests.fault_models:faulty"}
 FAST = {"monitor_interval_s": 0.2}
@@ -212,3 +222,27 @@ def test_a_model_file_broken_on_disk_shows_in_the_models_error_and_health(
     path.write_bytes(good)  # fixed on disk: the next replacement serves, and the model is whole again
     wait_for(lambda: daemon.status()["models"]["slow"]["health"] == "serving", 120, "the model whole again")
     assert daemon.status()["models"]["slow"]["error"] is None
+
+
+def test_shedding_is_a_thermal_finding_answered_by_the_responses_table(tmp_path: Path) -> None:
+    """A hot box makes the thermal monitor ask for shedding (a SHED finding), its response starts it; cool, ends it."""
+    sysfs = tmp_path / "sysfs"
+    write_thermal_sysfs(sysfs, 99.0, 0)
+    settings = {"thermal_sysfs_root": str(sysfs), "thermal_action": "shed", "thermal_max_c": 95.0}
+    view = MonitorView(parse_config(json.dumps({**settings, "models": {"tiny": MODEL}}), tmp_path), {}, [], frozenset())
+    (tmp_path / "rig").mkdir()
+    rig = Rig(tmp_path / "rig")
+    responses = Responses(
+        rig.serving, rig.pool, rig.broker, rig.links, FallbackControl(rig.serving, rig.pool), CanaryWatch()
+    )
+    watch = ThermalWatch()
+    try:
+        for temp_c, shed in ((99.0, True), (99.0, None), (60.0, False)):
+            write_thermal_sysfs(sysfs, temp_c, 0)
+            asked = [f for f in watch.check(time.monotonic(), view) if f.action is Action.SHED]
+            assert [f.detail["shed"] for f in asked] == ([] if shed is None else [shed])
+            for finding in asked:
+                responses.act(finding)
+            assert rig.broker.shed is (temp_c >= 95.0)
+    finally:
+        rig.close()

@@ -20,7 +20,6 @@ from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import Config, parse_config
@@ -35,6 +34,7 @@ from infervisor.supervisor.workers.slot import (
     WorkerSlot,
     allowed_transitions,
 )
+from infervisor.supervisor.workers.worker_inbox import WorkerInbox
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 from infervisor.worker.profiles.attempts import AttemptLog
 

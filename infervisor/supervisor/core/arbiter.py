@@ -89,11 +89,11 @@ class Arbiter:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 if self.pool.stop.stopping:
                     log.warning("stop_forced", signal=signal.Signals(signum).name)
-                    self.pool.stop.deadline = 0.0
+                    self.pool.stop.hurry()
                 else:
                     self.begin_stop(f"signal {signal.Signals(signum).name}")
             elif signum == signal.SIGHUP:
-                self.reloader.requested = "SIGHUP"
+                self.reloader.request("SIGHUP")
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -170,7 +170,6 @@ class Arbiter:
         findings = monitors.check(now, view)
         self.pool.track_descendants()
         self.parts.memory.trim_if_grown()
-        self.broker.shed = monitors.thermal.throttled and config.thermal_action == "shed"
         for finding in findings:
             self.parts.responses.act(finding)
         self.publish_metrics()
@@ -179,8 +178,9 @@ class Arbiter:
         """Take a snapshot and hand it to the metrics endpoint (which never reads the loop's state itself)."""
         parts = self.parts
         memory, thermal = parts.monitors.memory, parts.monitors.thermal
-        rss_mb = {pid: samples[-1][1] for pid, samples in memory.history.items() if samples}
-        readings = Readings(rss_mb, memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts)
+        readings = Readings(
+            memory.rss_mb(), memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts
+        )
         snapshot = take_snapshot(
             self.pool, self.broker, readings, self.fallback.fallbacks, time.time(), time.monotonic()
         )
@@ -191,7 +191,7 @@ class Arbiter:
 
     def begin_stop(self, reason: str) -> None:
         """Refuse new work; in-flight and queued requests get the grace period to finish."""
-        self.broker.accepting = False
+        self.broker.stop_accepting()
         self.pool.stop.begin(time.monotonic())
         self.parts.readiness.stopping()
         log.info("supervisor_stopping", reason=reason, grace_s=self.config.shutdown_grace_s)

@@ -30,7 +30,6 @@ from infervisor.supervisor.host.sd_notify import Notifier
 from infervisor.supervisor.host.topology import read_topology
 from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.pool import WorkerPool
-from infervisor.supervisor.lifecycle.worker_inbox import WorkerInbox
 from infervisor.supervisor.monitors.registry import Monitors, build_monitors
 from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.routing.broker import Broker
@@ -38,6 +37,7 @@ from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.launcher import Launcher
+from infervisor.supervisor.workers.worker_inbox import WorkerInbox
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 Plan = dict[str, list[Assignment]]
@@ -114,7 +114,7 @@ def assemble(
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
     fallback = FallbackControl(serving, pool)
-    responses = Responses(serving, pool, links, fallback, monitors.canaries)
+    responses = Responses(serving, pool, broker, links, fallback, monitors.canaries)
     # Each worker message goes straight to its owner; a link that lost its framing, to the pool.
     inbox = WorkerInbox(anomalies, broker, pool, responses.judge_canary)
     links.deliver_to(inbox.deliver, pool.link_broken)

@@ -97,6 +97,10 @@ class ConfigReloader:
             reason, self.requested = self.requested, None
             self.reload(reason)
 
+    def request(self, why: str) -> None:
+        """Reload at the next turn (SIGHUP), or once the drain-first step under way has ended."""
+        self.requested = why
+
     def command(self) -> dict[str, Any]:
         """`infervisor reload`: now, or once the drain-first step under way has ended (replacement serves/failed)."""
         if self.pool.rollout.drain_step_under_way:

@@ -1,8 +1,9 @@
 """Acting on what the monitors find: one response per `Action`, in one table.
 
 A finding is logged as data and noted on its slot for status; then its action's response probes,
-recycles, kills or moves the model down its chain. Canary answers come back here to be judged, and
-the `profile` command's probe leaves from here too, since both number their questions in one sequence.
+recycles, kills or moves the model down its chain, or, for a finding about the box (SHED), sheds load.
+Canary answers come back here to be judged, and the `profile` command's probe leaves from here too,
+since both number their questions in one sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from infervisor.supervisor.core.fallback_control import FallbackControl
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.monitors.canary import CanaryWatch
 from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import RestartReason, WorkerSlot
 from infervisor.supervisor.workers.worker_links import WorkerLinks
@@ -32,12 +34,14 @@ class Responses:
         self,
         serving: ServingConfig,
         pool: WorkerPool,
+        broker: Broker,
         links: WorkerLinks,
         fallback: FallbackControl,
         canaries: CanaryWatch,
     ) -> None:
         self.serving = serving
         self.pool = pool
+        self.broker = broker
         self.links = links
         self.fallback = fallback
         self.canaries = canaries
@@ -51,8 +55,7 @@ class Responses:
             where = {"slot": slot.name, "pid": slot.pid} if slot is not None else {}
             action = finding.action.value
             log.warning("monitor_fired", monitor=finding.monitor, action=action, **where, **finding.detail)
-        if slot is not None:
-            RESPONSES[finding.action](self, slot, finding)
+        RESPONSES[finding.action](self, finding)
 
     def judge_canary(self, slot: WorkerSlot, result: wm.CanaryResult) -> None:
         """Judge a canary: outputs on the golden inputs must still match this worker's own warm-up outputs."""
@@ -107,12 +110,30 @@ def _fall_back(responses: Responses, slot: WorkerSlot, finding: Finding) -> None
         responses.pool.recycle(slot, f"monitor {finding.monitor}")  # nothing below in its chain
 
 
-#: What each action does to the slot a finding names (a finding about the box alone is only logged).
-RESPONSES: dict[Action, Callable[[Responses, WorkerSlot, Finding], None]] = {
-    Action.RECORD: _record,
-    Action.NOTE: _note,
-    Action.CANARY: _canary,
-    Action.RECYCLE: _recycle,
-    Action.KILL: _kill,
-    Action.FALLBACK: _fall_back,
+def _shed(responses: Responses, finding: Finding) -> None:
+    responses.broker.shed_load(bool(finding.detail.get("shed")))
+
+
+Response = Callable[[Responses, Finding], None]
+
+
+def _on_slot(respond: Callable[[Responses, WorkerSlot, Finding], None]) -> Response:
+    """A response to the worker a finding names; a finding about the box alone is only logged."""
+
+    def on_finding(responses: Responses, finding: Finding) -> None:
+        if finding.slot is not None:
+            respond(responses, finding.slot, finding)
+
+    return on_finding
+
+
+#: What each action does: to the slot a finding names, or (SHED) to the box.
+RESPONSES: dict[Action, Response] = {
+    Action.RECORD: _on_slot(_record),
+    Action.NOTE: _on_slot(_note),
+    Action.CANARY: _on_slot(_canary),
+    Action.RECYCLE: _on_slot(_recycle),
+    Action.KILL: _on_slot(_kill),
+    Action.FALLBACK: _on_slot(_fall_back),
+    Action.SHED: _shed,
 }

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from infervisor.common.processes import pid_alive
+
 #: The lock file's name in the runtime dir; while locked it holds the pid of the daemon that locked it.
 LOCK_NAME = "infervisor.lock"
 
@@ -88,18 +90,8 @@ def _holder_pid(fd: int) -> int | None:
     while True:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         # A dead pid is one a daemon killed with -9 left behind, before the new holder overwrote it.
-        if text.isdigit() and _alive(int(text)):
+        if text.isdigit() and pid_alive(int(text)):
             return int(text)
         if time.monotonic() > deadline:
             return None
         time.sleep(0.01)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # a live process of another user
-    return True

@@ -5,22 +5,24 @@ transitions. Its roster (infervisor/supervisor/lifecycle/roster.py) holds each m
 broker routes to) and the slots outside them (successors warming up, old workers draining away); its
 rollout works the rolling-restart queue through its steps (rollout_steps.py); its stop sequence
 (stopping.py) stops everything in order. The worker inbox hands it what workers say of their lifecycle
-(READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke; it asks the broker's pipelines
-whether a worker is busy or hung; the monitors' findings reach it through core/responses.py.
+(READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke; it reads a worker's load through
+the broker's read-only view (busy, hung, a batch running). An exit is judged by lifecycle/exit_decision.py,
+whose verdict the pool applies and whose one order about the dead worker's requests the broker carries
+out. The monitors' findings reach it through core/responses.py.
 """
 
 from __future__ import annotations
 
 import collections
-import re
 import time
 
 import structlog
 
 from infervisor.protocol import worker_messages as wm
-from infervisor.protocol.constants import ErrorCode, WorkerExitCode
+from infervisor.protocol.constants import WorkerExitCode
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.background_build import BackgroundBuilds
+from infervisor.supervisor.lifecycle.exit_decision import BACKOFF_MAX_S, ExitFacts, decide_exit, same_error
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
 from infervisor.supervisor.lifecycle.rollout_steps import RolloutSteps
 from infervisor.supervisor.lifecycle.roster import Roster
@@ -35,18 +37,12 @@ from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 
-_BACKOFF_BASE_S = 0.5
-_BACKOFF_MAX_S = 30.0
+__all__ = ["PROFILE_START_GRACE_S", "WorkerPool", "same_error"]
+
 #: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
 _EXITS_KEPT = 64
 #: How long after a `profile` command a worker is not killed as hung or silent: torch.profiler takes seconds to start.
 PROFILE_START_GRACE_S = 30.0
-_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
-
-
-def same_error(one: str, other: str) -> bool:
-    """Two load errors say the same thing: equal once object addresses (`at 0x7f...`), which differ by process, go."""
-    return _ADDRESS.sub("0x", one) == _ADDRESS.sub("0x", other)
 
 
 class WorkerPool:
@@ -115,10 +111,10 @@ class WorkerPool:
                 ready_only=self.builds.serves_first(slot.model),
             )
         except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
-            log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=_BACKOFF_MAX_S)
+            log.error("spawn_failed", slot=slot.name, error=str(exc), retry_in_s=BACKOFF_MAX_S)
             if slot.state is not SlotState.BACKOFF:
                 slot.transition(SlotState.BACKOFF, f"spawn failed: {exc}")
-            slot.respawn_at = time.monotonic() + _BACKOFF_MAX_S
+            slot.respawn_at = time.monotonic() + BACKOFF_MAX_S
             return
         slot.adopt_process(launched, config.heartbeat_interval_ms / 1000.0, config.heartbeat_liveness, time.monotonic())
         slot.transition(SlotState.STARTING, f"spawned pid {launched.process.pid} on cpus {list(slot.assignment.cpus)}")
@@ -162,63 +158,39 @@ class WorkerPool:
         self.links.detach(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
             log.warning("worker_exited", slot=slot.name, pid=pid, how=how)
-        self.settle_exit(slot, how, code, now)
+        facts = self.exit_facts(slot, code, how, now)
+        verdict = decide_exit(facts, self.serving.current)
+        if verdict.counts:
+            slot.record_failure(now)
+        if verdict.restart is not None:
+            self.restarts[(slot.model.name, verdict.restart)] += 1  # a FAILED slot is not restarted: the gauge shows it
+        if verdict.respawn_in is not None:
+            slot.respawn_at = now + verdict.respawn_in
+        slot.transition(verdict.state, verdict.why)
+        if verdict.state is SlotState.FAILED:
+            load_error = {"load_error": slot.notes.last_load_error} if facts.repeated_load_error else {}
+            log.error("worker_slot_failed", slot=slot.name, failures=verdict.failures, last_exit=how, **load_error)
         # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
-        self.broker.worker_lost(slot, how)
-        if slot.state is SlotState.FAILED and not self.broker.has_capacity(slot.model.name):
-            self.broker.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
+        self.broker.worker_lost(slot, how, verdict.requests)
 
-    def settle_exit(self, slot: WorkerSlot, how: str, code: int, now: float) -> None:
-        """The state after an exit: STOPPED if we asked for it, else BACKOFF, or FAILED after too many."""
-        if slot.state in (SlotState.DRAINING, SlotState.STOPPING):
-            slot.transition(SlotState.STOPPED, how)  # asked for: not a failure
-            return
-        config = self.serving.current
-        cause = (slot.proc.kill_cause if slot.proc.killed else None) or RestartReason.CRASH
-        load_error = slot.proc.load_error if code == WorkerExitCode.LOAD_FAILED else ""
-        repeated = bool(load_error) and same_error(load_error, slot.notes.last_load_error)
-        slot.notes.last_load_error = load_error
-        if repeated:
-            # The same load error twice: a load that can never succeed (a bad spec, a factory that raises) is not
-            # retried as a crash loop; a reload or `infervisor restart` tries again.
-            slot.record_failure(now, config.restart_window_s)
-            slot.transition(SlotState.FAILED, f"{how} (twice in a row: not retried until a reload or restart)")
-            log.error("worker_slot_failed", slot=slot.name, failures=2, last_exit=how, load_error=load_error)
-            return
-        if slot.proc.hung_request:
-            # A hung worker is handled as a crash (counted toward max_restarts); the request itself is charged a
-            # retry by the broker. The respawn is at once: one over-long request says little about the next start.
-            failures = slot.record_failure(now, config.restart_window_s)
-            if failures >= config.max_restarts:
-                self.fail_slot(slot, failures, how)
-                return
-            self.restarts[(slot.model.name, cause)] += 1
-            slot.respawn_at = now
-            slot.transition(SlotState.BACKOFF, f"{how} after a request overran its hang budget; respawn now")
-            return
-        if len(self.broker.pipelines.of(slot).running()) > 1:
-            # A batch was running: the broker splits it to find the request that kills (each split costs one
-            # death, a poison request alone is charged as usual), so these deaths are not the model's crash loop.
-            self.restarts[(slot.model.name, cause)] += 1
-            slot.respawn_at = now
-            slot.transition(SlotState.BACKOFF, f"{how} while running a batch; it is split, respawn now")
-            return
-        failures = slot.record_failure(now, config.restart_window_s)
-        if failures >= config.max_restarts:
-            self.fail_slot(slot, failures, how)
-            return
-        self.restarts[(slot.model.name, cause)] += 1  # a FAILED slot is not restarted: the workers gauge shows it
-        # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
-        never_ready = slot.state is SlotState.STARTING or code == WorkerExitCode.LOAD_FAILED
-        delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
-        slot.respawn_at = now + (delay if never_ready or failures > 1 else 0.0)
-        slot.transition(SlotState.BACKOFF, f"{how}; respawn in {slot.respawn_at - now:.1f} s")
-
-    def fail_slot(self, slot: WorkerSlot, failures: int, how: str) -> None:
-        """Too many failures in the restart window: no more respawns until a reload or restart."""
-        why = f"{failures} failures within {self.serving.current.restart_window_s:.0f} s; last: {how}"
-        slot.transition(SlotState.FAILED, why)
-        log.error("worker_slot_failed", slot=slot.name, failures=failures, last_exit=how)
+    def exit_facts(self, slot: WorkerSlot, code: int, how: str, now: float) -> ExitFacts:
+        """What the exit decision reads of an ended process: its slot, its load error, and what it was running."""
+        proc = slot.proc
+        repeated = False
+        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
+            load_error = proc.load_error if code == WorkerExitCode.LOAD_FAILED else ""
+            repeated = bool(load_error) and same_error(load_error, slot.notes.last_load_error)
+            slot.notes.last_load_error = load_error
+        return ExitFacts(
+            state=slot.state,
+            code=code,
+            how=how,
+            cause=(proc.kill_cause if proc.killed else None) or RestartReason.CRASH,
+            repeated_load_error=repeated,
+            hung=proc.hung_request,
+            running=self.broker.load_of(slot).running_count(),
+            failures_before=slot.failures_within(now, self.serving.current.restart_window_s),
+        )
 
     def murder(self, now: float) -> None:
         """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
@@ -233,17 +205,17 @@ class WorkerPool:
                 self.check_start(slot, now)
             elif proc.profile_started_at is not None and now - proc.profile_started_at < PROFILE_START_GRACE_S:
                 continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
-            elif (pipeline := self.broker.pipelines.of(slot)).held:
+            elif (load := self.broker.load_of(slot)).size:
                 # Only the head of the pipeline is running (one request, or one batch), so progress is measured
                 # from its start; its budget grows with its rows, since warm-up timed a batch of one.
-                rows = pipeline.running_rows()
+                rows = load.running_rows()
                 budget = max(config.hang_min_s, config.hang_factor * proc.expected_ms * rows / 1000.0)
                 if proc.profile_started_at is not None:
                     # The grace is over: what waited behind the profiler's start is timed from its end.
-                    pipeline.hold_progress_until(proc.profile_started_at + PROFILE_START_GRACE_S)
+                    self.broker.hold_progress_until(slot, proc.profile_started_at + PROFILE_START_GRACE_S)
                     proc.profile_started_at = None
                 hung = f"no reply within {budget:.1f} s (hung)"
-                if pipeline.stalled_for(now) > budget and slot.kill(hung, RestartReason.HANG):
+                if load.stalled_for(now) > budget and slot.kill(hung, RestartReason.HANG):
                     proc.hung_request = True
             elif slot.state is SlotState.SERVING and now - proc.last_heard > proc.heartbeat_s * proc.liveness:
                 slot.kill(f"no heartbeat for {now - proc.last_heard:.1f} s", RestartReason.HEARTBEAT)
@@ -378,7 +350,7 @@ class WorkerPool:
         if slot.state is SlotState.SERVING:
             slot.transition(SlotState.DRAINING, reason)
             slot.proc.kill_at = time.monotonic() + self.serving.current.shutdown_grace_s + STOP_KILL_AFTER_S
-            if not self.broker.pipelines.of(slot).held:
+            if not self.broker.load_of(slot).size:
                 self.links.send_control(slot, wm.Drain())
         elif slot.state is SlotState.STARTING:
             slot.transition(SlotState.STOPPING, reason)

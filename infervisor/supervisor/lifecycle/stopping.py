@@ -41,9 +41,13 @@ class StopSequence:
         self.rollout.clear()
         self.deadline = now + self.serving.current.shutdown_grace_s
 
+    def hurry(self) -> None:
+        """A second stop signal: the work in hand gets no more grace."""
+        self.deadline = 0.0
+
     def advance(self, now: float) -> None:
         """Finish the work in hand, or answer it SHUTTING_DOWN at the deadline; then stop and kill workers."""
-        busy = self.broker.queued_count + self.broker.pipelines.held_count
+        busy = self.broker.unanswered
         if busy and now < self.deadline:
             return
         slots = self.roster.all_slots()

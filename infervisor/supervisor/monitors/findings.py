@@ -18,6 +18,8 @@ class Action(enum.Enum):
     KILL = "kill"  # SIGKILL now; its requests are re-dispatched
     #: Move the worker's model one step down its chain (all its workers, rolling); recycle it when nothing is below.
     FALLBACK = "fallback"
+    #: About the box: route to half of each model's workers while `detail["shed"]` (less heat, same answers).
+    SHED = "shed"
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class MemoryWatch:
         #: Each live worker's last PSS sample in MiB, for the metrics.
         self.pss_mb: dict[int, float] = {}
 
+    def rss_mb(self) -> dict[int, float]:
+        """Each live worker's last RSS sample in MiB, for status and the metrics."""
+        return {pid: samples[-1][1] for pid, samples in self.history.items() if samples}
+
     def check(self, now: float, view: MonitorView) -> list[Finding]:
         """Serving workers against every limit of their model; draining ones against the hard limit only.
 

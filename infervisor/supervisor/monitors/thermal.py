@@ -25,6 +25,8 @@ class ThermalWatch:
         self.root = Path("/sys")
         self.last_throttle_count: int | None = None
         self.throttled = False
+        #: Whether it last asked for load shedding (while throttled, with `thermal_action` "shed").
+        self.shedding = False
         self.reading: dict[str, Any] = {}
 
     def read(self) -> dict[str, Any]:
@@ -55,12 +57,17 @@ class ThermalWatch:
         }
 
     def check(self, now: float, view: MonitorView) -> list[Finding]:
-        """A finding when throttling starts or ends."""
+        """A finding when throttling starts or ends, and one when load shedding should start or end."""
         root = Path(view.config.thermal_sysfs_root)
         if root != self.root:  # a reload pointed the monitor elsewhere: counters there start afresh
             self.root, self.last_throttle_count = root, None
         finding = self.judge(view.config.thermal_max_c)
-        return [] if finding is None else [finding]
+        findings = [] if finding is None else [finding]
+        shed = self.throttled and view.config.thermal_action == "shed"
+        if shed != self.shedding:
+            self.shedding = shed
+            findings.append(Finding("load_shedding", Action.SHED, None, {"shed": shed}))
+        return findings
 
     def judge(self, max_temp_c: float | None) -> Finding | None:
         """Read the sensors once; a finding when throttling starts or ends."""

@@ -21,7 +21,8 @@ from infervisor.supervisor.observe.snapshot import (
     SlotSample,
     Snapshot,
 )
-from infervisor.supervisor.routing.broker import Broker, ModelQueue
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.settings.fallback import Fallbacks
 from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 
@@ -51,7 +52,7 @@ def take_snapshot(
     return Snapshot(
         taken_at=now,
         models=tuple(_models(pool, broker, fallbacks)),
-        slots=tuple(_slot_sample(slot, role, readings, clock, broker.pipelines.of(slot).size) for slot, role in roles),
+        slots=tuple(_slot_sample(slot, role, readings, clock, broker.load_of(slot).size) for slot, role in roles),
         refused=tuple(sorted(broker.refused.items())),
         # Every reason of every model, from 0: a first crash then shows in increase().
         restarts=tuple(

@@ -1,5 +1,6 @@
 """The status document served on the control socket (and printed by `infervisor status`), rendered from the
-loop's snapshot (infervisor/supervisor/observe/snapshot.py); only the memory of each process is read here, now."""
+loop's snapshot (infervisor/supervisor/observe/snapshot.py). A worker's memory is the memory monitor's sample in
+that snapshot, as the metrics show it; only a worker not sampled yet (starting) is read here, now."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def pss_of(pid: int | None) -> int | None:
 
 
 def slot_status(slot: SlotSample) -> dict[str, Any]:
-    """One worker's row (its memory read now, not the monitor's last sample)."""
+    """One worker's row (its memory as the monitor last sampled it, the figures /metrics shows; read now if none)."""
     pid = slot.pid
+    sampled = slot.sampled_pss_bytes is not None and slot.sampled_rss_bytes is not None
     return {
         "slot": slot.slot,
         "pid": pid,
@@ -50,8 +52,8 @@ def slot_status(slot: SlotSample) -> dict[str, Any]:
         "node": slot.node,
         "shared_cores": slot.shared_cores,
         "threads": slot.threads,
-        "rss": rss_of(pid),
-        "pss": pss_of(pid),
+        "rss": slot.sampled_rss_bytes if sampled else rss_of(pid),
+        "pss": slot.sampled_pss_bytes if sampled else pss_of(pid),
         "requests": slot.requests,
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),

@@ -29,10 +29,11 @@ from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
-from infervisor.supervisor.routing.pipeline import Pipelines
-from infervisor.supervisor.routing.replies import ModelQueue, Replies
+from infervisor.supervisor.routing.pipeline import Charge, Pipelines, PipelineView, RequestOrder
+from infervisor.supervisor.routing.replies import Replies
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
@@ -64,6 +65,19 @@ def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
     return wm.encode(wm.Batch([len(r.frames) + 1 for r in requests]), encoded)
 
 
+def _has_capacity(slots: Sequence[WorkerSlot] | None) -> bool:
+    """False when every slot of a model has FAILED: queueing would only delay an error.
+
+    An empty pool (a drain-first rollout of a one-worker model) has capacity on its way.
+    """
+    return not slots or any(s.state is not SlotState.FAILED for s in slots)
+
+
+def _has_spec(slots: Sequence[WorkerSlot] | None, spec: tuple[TensorSpec, ...], states: Sequence[SlotState]) -> bool:
+    """True while some slot of a model built with `spec` is in one of `states`."""
+    return any(s.model.inputs == spec and s.state in states for s in slots or ())
+
+
 class Broker:
     """Routes client requests to pinned workers with room and their replies back."""
 
@@ -84,17 +98,18 @@ class Broker:
         self.ledger = ClientLedger(
             anomalies, serving.current.client_budget_mb * 2**20, serving.current.clients_budget_mb * 2**20
         )
+        #: False once the daemon stops: new requests are refused SHUTTING_DOWN.
         self.accepting = True
         #: The workers each model routes to: asked of the pool, changed only by the pool.
         self.members_of: Members = lambda model: None
         #: A rollout's new inputs are admitted once a worker built with them serves.
-        self.spec_served: SpecServed = lambda model, spec: self.has_spec(model, spec, _SERVING)
+        self.spec_served: SpecServed = lambda model, spec: _has_spec(self.members_of(model), spec, _SERVING)
         self.queues: dict[str, ModelQueue] = {}
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
         self.refused: collections.Counter[str] = collections.Counter()
         #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
         self.replies = Replies(self.ledger, self.queues, self.refused)
-        #: What each worker process holds; the pool asks it whether a worker is busy or hung.
+        #: What each worker process holds; the pool reads it through `load_of`.
         self.pipelines = Pipelines()
         self.next_id = 1
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
@@ -103,6 +118,14 @@ class Broker:
         self.batch_due: dict[str, float] = {}
         self.batches_sent = 0
         self.sync_queues()
+
+    def stop_accepting(self) -> None:
+        """The daemon stops: refuse new requests; what is in hand still gets its answer."""
+        self.accepting = False
+
+    def shed_load(self, shed: bool) -> None:
+        """While the CPU throttles, route to half of each model's workers only (core/responses.py decides)."""
+        self.shed = shed
 
     def route_to(self, members_of: Members) -> None:
         """Route each model's requests to the workers `members_of` names (the pool's, kept current by the pool)."""
@@ -122,9 +145,17 @@ class Broker:
         self.queues.pop(model, None)
 
     @property
-    def queued_count(self) -> int:
-        """Requests accepted but not yet dispatched."""
-        return sum(len(q.waiting) for q in self.queues.values())
+    def unanswered(self) -> int:
+        """Requests accepted and not yet answered: waiting in a queue, or in a worker's hands."""
+        return sum(len(q.waiting) for q in self.queues.values()) + self.pipelines.held_count
+
+    def load_of(self, slot: WorkerSlot) -> PipelineView:
+        """What the slot's process holds, read-only: whether it is busy, what runs, since when its head moved."""
+        return self.pipelines.of(slot)
+
+    def hold_progress_until(self, slot: WorkerSlot, when: float) -> None:
+        """Time the slot's running requests from `when` at the earliest (what waited behind a profiler's start)."""
+        self.pipelines.of(slot).hold_progress_until(when)
 
     # ---- client side ------------------------------------------------------------------------
 
@@ -171,7 +202,7 @@ class Broker:
         if not self.accepting:
             self.replies.refuse(client, request_id, name, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             return
-        if not self.has_capacity(name):
+        if not _has_capacity(self.members_of(name)):
             why = f"model {name!r} has no live worker slot"
             self.replies.refuse(client, request_id, name, ErrorCode.UNAVAILABLE, why)
             return
@@ -199,18 +230,6 @@ class Broker:
         self.ledger.take(client, cost)
         queue.waiting.append(pending)
         self.dispatch(name)
-
-    def has_capacity(self, model: str) -> bool:
-        """False when every slot of the model has FAILED: queueing would only delay an error.
-
-        An empty pool (a drain-first rollout of a one-worker model) has capacity on its way.
-        """
-        slots = self.members_of(model) or ()
-        return not slots or any(s.state is not SlotState.FAILED for s in slots)
-
-    def has_spec(self, model: str, spec: tuple[TensorSpec, ...], states: Sequence[SlotState]) -> bool:
-        """True while some member of the model built with `spec` is in one of `states`."""
-        return any(s.model.inputs == spec and s.state in states for s in self.members_of(model) or ())
 
     # ---- dispatch ---------------------------------------------------------------------------
 
@@ -316,60 +335,61 @@ class Broker:
 
     # ---- workers lost -----------------------------------------------------------------------
 
-    def worker_lost(self, slot: WorkerSlot, reason: str) -> None:
-        """Re-dispatch what a dead or hung worker held (oldest first in line), or give up after max_retries.
+    def worker_lost(self, slot: WorkerSlot, reason: str, order: RequestOrder) -> None:
+        """Carry out the pool's order on what a dead or hung worker held: re-dispatch it (oldest first in line),
+        or give up after max_retries; if the slot failed and the model has no slot left, answer what waits.
 
-        A worker serves its pipeline in order, so only the oldest request was running when it died: it
-        alone is charged a retry. The ones waiting behind it go back in line as they were.
+        A worker serves its pipeline in order, so only the head was running when it died: the one request
+        charged a retry (`Charge.HEAD`), or the batch split in two halves, nobody charged (`Charge.SPLIT`).
+        The ones waiting behind it go back in line as they were; a request that lost more than `max_retries`
+        workers is answered WORKER_LOST.
         """
         model = self.serving.model(slot.model.name) or slot.model
         running = self.pipelines.of(slot).running()
         held = self.pipelines.take_all(slot)
-        if len(running) > 1:
-            # A batch was running: which of its requests killed the worker is unknown. Split it in two, charge
-            # nobody, and let each half run alone: halving finds a poison request in log2(size) steps.
+        split = order.charge is Charge.SPLIT
+        if split:
             half = (len(running) + 1) // 2
             for index, request in enumerate(running):
                 request.batch_limit = half if index < half else len(running) - half
             log.warning("batch_split", model=slot.model.name, size=len(running), reason=reason)
         for index in range(len(held) - 1, -1, -1):
-            charged = index == 0 and len(running) <= 1
-            self.requeue_or_fail(held[index], model.max_retries, reason, charged=charged)
+            request = held[index]
+            charged = index == 0 and not split
+            if charged:
+                request.losses += 1
+            queue = self.queues.get(request.model)
+            if request.losses > model.max_retries:
+                log.error(
+                    "request_lost_worker",
+                    model=request.model,
+                    request_id=str(request.request_id),
+                    losses=request.losses,
+                )
+                why = f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again"
+                self.replies.fail(request, ErrorCode.WORKER_LOST, why)
+            elif queue is None:
+                why = f"model {request.model!r} was removed from the config"
+                self.replies.fail(request, ErrorCode.UNKNOWN_MODEL, why)
+            else:
+                log.warning(
+                    "request_redispatched",
+                    model=request.model,
+                    request_id=str(request.request_id),
+                    losses=request.losses,
+                    charged=charged,
+                )
+                queue.waiting.appendleft(request)
         self.dispatch(slot.model.name)
-
-    def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str, charged: bool = True) -> None:
-        """Put a request whose worker was lost back at the head of its queue, unless it has lost too many."""
-        if charged:
-            request.losses += 1
-        if request.losses > max_retries:
-            log.error(
-                "request_lost_worker", model=request.model, request_id=str(request.request_id), losses=request.losses
-            )
-            self.replies.fail(
-                request,
-                ErrorCode.WORKER_LOST,
-                f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again",
-            )
-            return
-        queue = self.queues.get(request.model)
-        if queue is None:
-            self.replies.fail(request, ErrorCode.UNKNOWN_MODEL, f"model {request.model!r} was removed from the config")
-            return
-        log.warning(
-            "request_redispatched",
-            model=request.model,
-            request_id=str(request.request_id),
-            losses=request.losses,
-            charged=charged,
-        )
-        queue.waiting.appendleft(request)
+        if order.slot_failed and not _has_capacity(self.members_of(slot.model.name)):
+            self.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
 
     def expire(self, now: float) -> None:
         """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more."""
         for name, queue in self.queues.items():
             expired = any(r.expired(now) for r in queue.waiting)
             specs = {r.spec for r in queue.waiting if r.spec is not None}
-            gone = {spec for spec in specs if not self.has_spec(name, spec, _ALIVE)}
+            gone = {spec for spec in specs if not _has_spec(self.members_of(name), spec, _ALIVE)}
             if not expired and not gone:
                 continue
             keep: collections.deque[PendingRequest] = collections.deque()

@@ -1,15 +1,50 @@
 """What each worker process holds: its requests in dispatch order, and when the head of that line last moved.
 
 The broker owns one `Pipeline` per worker process (keyed by worker id, so a respawned process starts
-empty); the pool only asks it questions (is the worker busy, how big is what runs, since when).
+empty). The pool reads it only through the broker, as a `PipelineView` (is the worker busy, how big is what
+runs, since when, was a batch running when it died); the broker alone changes it.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.workers.slot import WorkerSlot
+
+
+class Charge(enum.Enum):
+    """Who pays for a dead worker's running requests."""
+
+    #: The oldest request ran alone: it alone is charged a retry; those behind it go back in line as they were.
+    HEAD = "head"
+    #: A batch ran: which request killed the worker is unknown, so the batch is split in two halves and nobody
+    #: is charged; halving finds a poison request in log2(size) deaths.
+    SPLIT = "split"
+
+
+@dataclass(frozen=True)
+class RequestOrder:
+    """The one order the pool gives the broker about the requests a dead worker held."""
+
+    charge: Charge
+    #: The slot failed for good: if no member of its model can serve any more, what waits is answered now.
+    slot_failed: bool
+
+
+class PipelineView(Protocol):
+    """What the pool may read of a worker's pipeline."""
+
+    @property
+    def size(self) -> int: ...
+
+    def running_count(self) -> int: ...
+
+    def running_rows(self) -> int: ...
+
+    def stalled_for(self, now: float) -> float: ...
 
 
 @dataclass
@@ -37,6 +72,10 @@ class Pipeline:
         if not head.batch_id:
             return [head]
         return [r for r in self.held.values() if r.batch_id == head.batch_id]
+
+    def running_count(self) -> int:
+        """How many requests run now (more than one: a batch)."""
+        return len(self.running())
 
     def running_rows(self) -> int:
         """Rows of what runs now (its hang budget grows with them: warm-up timed a batch of one)."""

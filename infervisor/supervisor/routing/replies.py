@@ -1,36 +1,16 @@
-"""Each model's line and counters, and the one final reply every request gets (counted once, where it belongs)."""
+"""The one final reply every request gets, counted once where it belongs (its model's queue, or refused)."""
 
 from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from infervisor.protocol.client_messages import RequestId, encode_error
 from infervisor.protocol.constants import ErrorCode
-from infervisor.supervisor.instruments.recorders import ModelTimes
 from infervisor.supervisor.routing.client_ledger import ClientLedger
+from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
-
-
-@dataclass
-class ModelQueue:
-    """Requests of one model waiting for an idle worker, plus that model's counters."""
-
-    capacity: int
-    waiting: collections.deque[PendingRequest] = field(default_factory=collections.deque)
-    errors: collections.Counter[str] = field(default_factory=collections.Counter)
-    #: Its successful requests: how many and how long (dropped with the queue when the model leaves).
-    times: ModelTimes = field(default_factory=ModelTimes)
-    #: With batching: how many batches of each size (rows) were sent, and how long requests waited to be batched.
-    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
-    batch_wait_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
-
-    @property
-    def completed(self) -> int:
-        """Requests of the model answered with a result."""
-        return self.times.completed
 
 
 class Replies:

@@ -274,7 +274,10 @@ class WorkerSlot:
             self.notes.restarts += 1
         self.proc = Incarnation.spawned(launched, heartbeat_s, liveness, now)
 
-    def record_failure(self, now: float, window_s: float) -> int:
-        """Remember a failure and return how many fell inside the restart window."""
-        self.failures.append(now)
+    def failures_within(self, now: float, window_s: float) -> int:
+        """How many failures fell inside the restart window."""
         return sum(1 for t in self.failures if now - t <= window_s)
+
+    def record_failure(self, now: float) -> None:
+        """Remember a failure (lifecycle/exit_decision.py says which exits are)."""
+        self.failures.append(now)

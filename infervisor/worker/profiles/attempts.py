@@ -28,6 +28,8 @@ from typing import Any
 
 import structlog
 
+from infervisor.common.processes import pid_alive
+
 log = structlog.get_logger("worker")
 
 #: Compile-limit kills of one profile after which workers skip it (the second attempt is the retry).
@@ -41,16 +43,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class AttemptLog:
@@ -102,7 +94,7 @@ class AttemptLog:
         except (OSError, ValueError, KeyError, TypeError):
             marker.unlink(missing_ok=True)
             return None
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             return None  # a sibling worker is on this step right now
         marker.unlink(missing_ok=True)
         ended = self.exits.get(pid)

@@ -1,4 +1,6 @@
-"""The profile builders' registry and what a builder gets and gives: one leaf both build.py and openvino.py register in.
+"""The profile builders' registry and what a builder gives: one module both build.py and openvino.py register in.
+
+Of the worker it imports only the cache (a packaged build's key) and the calibration set.
 
 `build_profile` (build.py) looks a profile's builder up here; a family of builders with its own
 runtime (the OpenVINO profiles) lives in its own module and registers with the same `@builds`.

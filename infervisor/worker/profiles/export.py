@@ -332,8 +332,8 @@ class PackageRunner:
 class ShapeNotServed(Exception):
     """A compiled profile does not serve these input shapes: the daemon's own limit, never the model's error.
 
-    The worker serves such a request with the next profile of the chain (coverage.Covered); the gate
-    does the same, so it is never a client's error nor a profile's crash.
+    The worker serves such a request, and that shape from then on, with eager (coverage.Covered); the
+    gate does the same, so it is never a client's error nor a profile's crash.
     """
 
 
