@@ -25,3 +25,24 @@ def blocks32() -> nn.Module:
     """The factory the config names (seeded weights)."""
     torch.manual_seed(0)
     return Blocks32().eval()
+
+
+class OddCrop(nn.Module):
+    """A conv whose output loses its last row at odd heights: a trace at the (even) example bakes the branch in, so
+    a converted program answers odd heights with eager's shape + 1 row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv(x)
+        if x.shape[2] % 2:
+            return out[:, :, :-1]
+        return out
+
+
+def odd_crop() -> nn.Module:
+    """The factory the config names (seeded weights)."""
+    torch.manual_seed(0)
+    return OddCrop().eval()

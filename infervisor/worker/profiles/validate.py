@@ -107,7 +107,8 @@ class GoldenResult:
         """Why the worst row misses the tolerance (and where it is), or None when every row meets it."""
         if not np.isfinite(self.max_abs_error):
             what = self.problem or "outputs are not finite or change shape"
-            return f"{what} on {self.error_at}, over {self.checked}"
+            reshaped = _SHAPE_WORDS in what or _COUNT_WORDS in what
+            return f"{what} on {self.error_at}, over {self.checked}{_SHAPE_STEP if reshaped else ''}"
         if self.cosine < tolerance.min_cosine:
             return (
                 f"worst-row cosine {cosine_text(self.cosine, tolerance.min_cosine)} < {tolerance.min_cosine} on "
@@ -230,6 +231,16 @@ def compare(
     return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative, row_cosines)
 
 
+#: Words of a shape problem (_shape_problem), and the next step such a refusal gives.
+_SHAPE_WORDS = "where eager's is"
+_COUNT_WORDS = "outputs where eager gives"
+_SHAPE_STEP = (
+    " (the profile's program was traced or specialised at other sizes and answers this one with another shape: "
+    "declare only the sizes it serves, a fixed size or sizes in steps [min, max, step], or take the profile out of "
+    "`profiles`)"
+)
+
+
 def _name(names: Sequence[str], index: int) -> str:
     return repr(names[index]) if index < len(names) else f"{index}"
 
@@ -239,10 +250,10 @@ def _shape_problem(
 ) -> str:
     """Which output changed shape: `output 'boxes' has shape [1, 84, 300] where eager's is [1, 84, 2100]`."""
     if len(reference) != len(candidate):
-        return f"the profile gives {len(candidate)} outputs where eager gives {len(reference)}"
+        return f"the profile gives {len(candidate)} {_COUNT_WORDS} {len(reference)}"
     index = next(i for i, (r, c) in enumerate(zip(reference, candidate, strict=True)) if r.shape != c.shape)
     return (
-        f"output {_name(names, index)} has shape {list(candidate[index].shape)} where eager's is "
+        f"output {_name(names, index)} has shape {list(candidate[index].shape)} {_SHAPE_WORDS} "
         f"{list(reference[index].shape)}"
     )
 
