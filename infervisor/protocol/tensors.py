@@ -182,7 +182,7 @@ class TensorSpec:
                         f"input {self.name!r} has shape {list(desc.shape)}: dim {index} is {got}, outside its bound "
                         f"{_range_text(bound)} (expected {self.describe()})"
                     )
-        for index, got in enumerate(desc.shape):
+        for index, got in enumerate(desc.shape if self.steps else ()):
             if self.dim_step(index) > 1 and not self.takes(index, got):
                 return (
                     f"dim {index} of input `{self.name}` must be {self.dim_rule(index)}, got {got} "
