@@ -50,6 +50,9 @@ def test_a_failed_build_says_the_next_step() -> None:
     export's own advice is not doubled."""
     fusion = "AssertionError: QConv Binary Inplace Fusion requires accum is not an alias or mutation."
     assert "add to a copy in the model" in with_next_step("int8_static", fusion)
+    none = "AssertionError: expected (<class 'numpy.integer'>, <class 'numpy.floating'>, <class 'int'>, <class " \
+           "'float'>), got <class 'NoneType'>"  # fmt: skip
+    assert "torch.sym_max/sym_min got None" in with_next_step("aoti", none)
     assert with_next_step("aoti", "TypeError: x").endswith("(next step: take aoti out of `profiles` so the daemon "
                                                              "stops building it on every start)")  # fmt: skip
     covered = "covers [64, 67] (declare the range [64, 67] for that dim, or take this profile out of the chain)"
