@@ -14,8 +14,8 @@ import torch
 from infervisor.protocol import ErrorCode, InferenceError
 from infervisor.protocol.tensors import TensorDesc, TensorSpec
 from infervisor.supervisor.settings.config import ConfigError, parse_config
-from infervisor.worker.profiles.export import export
-from infervisor.worker.profiles.export_dims import dynamic_shapes, traceable_example
+from infervisor.worker.profiles.export import ShapeDispatch, ShapeNotServed, export
+from infervisor.worker.profiles.export_dims import dynamic_shapes, export_low, traceable_example
 from infervisor.worker.profiles.select import golden_set
 from infervisor.worker.runner import FailedAtSize, ModelRunner
 from infervisor.worker.synthetic import probe_sizes
@@ -164,3 +164,21 @@ def test_a_dim_in_steps_serves_every_size_on_them_and_refuses_others(
     assert info.value.code == ErrorCode.INVALID_INPUT
     assert "dim 2 of input `image` must be 64 + a multiple of 32 up to 160, got 100" in str(info.value)
     wait_for(lambda: daemon.status()["models"]["steps"]["workers"][0]["state"] == "serving", 30, "still serving")
+
+
+def test_a_single_step_size_is_not_handed_to_the_program_exported_from_two_steps() -> None:
+    """A package exported from 2 steps (64) is never run at 32: that size is served by the static package at the
+    example's shape, else refused as the daemon's own (eager answers it), since a package checks no guard."""
+    spec = TensorSpec("image", "float32", (None, 3, None, 64), bounds=(None, None, (32, 160), None),
+                      steps=(1, 1, 32, 1))  # fmt: skip
+    assert export_low(spec, 2) == 64
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[2] >= 64, x.shape
+        return x
+
+    dispatch = ShapeDispatch(lambda x: x + 1, [(1, 3, 32, 64)], program, [spec])
+    assert float(dispatch(torch.zeros(1, 3, 32, 64)).max()) == 1.0
+    assert dispatch(torch.zeros(2, 3, 96, 64)).shape == (2, 3, 96, 64)
+    with pytest.raises(ShapeNotServed):
+        dispatch(torch.zeros(2, 3, 32, 64))
