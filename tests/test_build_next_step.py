@@ -41,7 +41,7 @@ def test_a_non_finite_output_is_named_with_its_count() -> None:
     agreement = compare(want, got, ["boxes", "scores"])
     failure = worst_of([(agreement, lambda row: f"a batch of 2 (row {row})")], "2 samples").failure(Tolerance())
     assert failure is not None and failure.startswith(
-        "output 'scores' holds 2 of 6 values NaN or infinite (eager's: 0) on a batch of 2"
+        "output 'scores' is not finite: 2 of 6 values NaN or infinite (eager's: 0) on a batch of 2"
     ), failure
 
 

@@ -261,12 +261,13 @@ def _shape_problem(
 def _finite_problem(
     reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str]
 ) -> str:
-    """Which output is not finite: `output 'scores' holds 12 of 8400 values NaN or infinite (eager's: 0)`."""
+    """Which output is not finite: `output 'scores' is not finite: 12 of 8400 values NaN or infinite (eager's: 0)`."""
     for index, (want, got) in enumerate(zip(reference, candidate, strict=True)):
         bad = int(got.size - np.count_nonzero(np.isfinite(got)))
         if bad:
             eager = int(want.size - np.count_nonzero(np.isfinite(want)))
-            return f"output {_name(names, index)} holds {bad} of {got.size} values NaN or infinite (eager's: {eager})"
+            counts = f"{bad} of {got.size} values NaN or infinite (eager's: {eager})"
+            return f"output {_name(names, index)} is not finite: {counts}"
     return "outputs are not finite"
 
 
