@@ -96,7 +96,9 @@ class TensorSpec:
 
     A dynamic dim may be bounded: `bounds[i]` is its (min, max) range (max None: no upper bound), or None
     when it takes any size; an empty `bounds` bounds nothing. `synthetic` says how the daemon draws
-    inputs of its own for this one (None: seeded N(0, 1) floats, ones for integers).
+    inputs of its own for this one (None: seeded N(0, 1) floats, ones for integers). A bounded dim may
+    take its sizes in steps: `steps[i]` > 1 admits only min + k * step (a detector taking multiples of 32);
+    an empty `steps`, or 1, admits every size of the range. A stepped dim's max is on its steps.
     """
 
     name: str
@@ -105,6 +107,7 @@ class TensorSpec:
     allow_non_finite: bool = False
     bounds: tuple[DimRange | None, ...] = ()
     synthetic: Synthetic | None = None
+    steps: tuple[int, ...] = ()
 
     def dim_range(self, index: int) -> DimRange:
         """The sizes dim `index` takes: (n, n) when fixed, its bounds, else (1, None)."""
@@ -114,24 +117,54 @@ class TensorSpec:
         bound = self.bounds[index] if index < len(self.bounds) else None
         return bound if bound is not None else (1, None)
 
+    def dim_step(self, index: int) -> int:
+        """The step dim `index` takes its sizes in (1: every size of its range)."""
+        return self.steps[index] if index < len(self.steps) and self.shape[index] is None else 1
+
+    def takes(self, index: int, size: int) -> bool:
+        """Whether dim `index` takes `size`: inside its range and on its steps."""
+        low, high = self.dim_range(index)
+        return low <= size and (high is None or size <= high) and (size - low) % self.dim_step(index) == 0
+
+    def dim_rule(self, index: int) -> str:
+        """The sizes dim `index` takes in words, e.g. `64 + a multiple of 32 up to 640`, `1..64`, `224`."""
+        low, high = self.dim_range(index)
+        step = self.dim_step(index)
+        if step == 1:
+            return str(low) if low == high else _range_text((low, high))
+        return f"{low} + a multiple of {step}" + ("" if high is None else f" up to {high}")
+
+    def on_step(self, index: int, size: int) -> int:
+        """`size` moved into dim `index`'s range, then up onto its steps (a stepped max is on them)."""
+        low, high = self.dim_range(index)
+        size = _clamp(size, (low, high))
+        step = self.dim_step(index)
+        return low + -(-(size - low) // step) * step
+
     def describe(self) -> str:
-        """Human form used in INVALID_INPUT messages, e.g. `image float32[*,3,224,224]` or `x float32[1..64,16]`."""
-        dims = ",".join(_dim_text(d, self.dim_range(i)) for i, d in enumerate(self.shape))
+        """Human form used in INVALID_INPUT messages, e.g. `image float32[*,3,224,224]`, `x float32[1..64,16]` or
+        `image float32[*,3,64..640 step 32,64..640 step 32]`."""
+        dims = ",".join(_dim_text(d, self.dim_range(i), self.dim_step(i)) for i, d in enumerate(self.shape))
         return f"{self.name} {self.dtype}[{dims}]"
 
     def config_shape(self) -> list[int | None | list[int | None]]:
-        """The shape as config.json writes it: an integer, null (any size), or [min, max] (max null: unbounded)."""
+        """The shape as config.json writes it: an integer, null (any size), [min, max] (max null: unbounded), or
+        [min, max, step]."""
         shape: list[int | None | list[int | None]] = []
         for index, dim in enumerate(self.shape):
             bound = self.bounds[index] if dim is None and index < len(self.bounds) else None
-            shape.append(dim if bound is None else [bound[0], bound[1]])
+            step = self.dim_step(index)
+            if bound is None:
+                shape.append(dim)
+            else:
+                shape.append([bound[0], bound[1]] if step == 1 else [bound[0], bound[1], step])
         return shape
 
     def example_shape(self, batch: int = 1) -> tuple[int, ...]:
-        """A shape this spec accepts: each dynamic dim set to `batch`, moved into its bounds."""
+        """A shape this spec accepts: each dynamic dim set to `batch`, moved into its bounds and onto its steps."""
         if not self.bounds:
             return tuple(batch if d is None else d for d in self.shape)
-        return tuple(_clamp(batch, self.dim_range(i)) for i in range(len(self.shape)))
+        return tuple(self.on_step(i, batch) for i in range(len(self.shape)))
 
     def mismatch(self, desc: TensorDesc) -> str | None:
         """Why `desc` does not fit this spec, or None when it does."""
@@ -149,6 +182,12 @@ class TensorSpec:
                         f"input {self.name!r} has shape {list(desc.shape)}: dim {index} is {got}, outside its bound "
                         f"{_range_text(bound)} (expected {self.describe()})"
                     )
+        for index, got in enumerate(desc.shape if self.steps else ()):
+            if self.dim_step(index) > 1 and not self.takes(index, got):
+                return (
+                    f"dim {index} of input `{self.name}` must be {self.dim_rule(index)}, got {got} "
+                    f"(shape {list(desc.shape)}, expected {self.describe()})"
+                )
         return None
 
     @classmethod
@@ -163,16 +202,19 @@ class TensorSpec:
             None if b is None else (int(b[0]), None if b[1] is None else int(b[1])) for b in raw.get("bounds", ())
         )
         allow = bool(raw.get("allow_non_finite", False))
-        return cls(raw["name"], raw["dtype"], tuple(raw["shape"]), allow, bounds, synthetic)
+        steps = tuple(int(step) for step in raw.get("steps", ()))  # absent before dims took steps
+        return cls(raw["name"], raw["dtype"], tuple(raw["shape"]), allow, bounds, synthetic, steps)
 
 
 def _range_text(bound: DimRange) -> str:
     return f"{bound[0]}..{'*' if bound[1] is None else bound[1]}"
 
 
-def _dim_text(dim: int | None, bound: DimRange) -> str:
+def _dim_text(dim: int | None, bound: DimRange, step: int = 1) -> str:
     if dim is not None:
         return str(dim)
+    if step > 1:
+        return f"{_range_text(bound)} step {step}"
     return "*" if bound == (1, None) else _range_text(bound)
 
 

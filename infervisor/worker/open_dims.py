@@ -34,11 +34,12 @@ def open_dims(specs: Sequence[TensorSpec]) -> OpenDims:
 
 
 def _runs(runner: ModelRunner, dims: OpenDims, size: int) -> bool | None:
-    """Whether the model runs with every open dim at `size` (batch 1); None when the inputs would be too large."""
+    """Whether the model runs with every open dim at `size` (batch 1; a dim in steps at the first of its sizes from
+    `size` up); None when the inputs would be too large."""
     generator = torch.Generator().manual_seed(0)
     inputs: dict[str, torch.Tensor] = {}
     for spec, indexes in dims:
-        shape = [size if i in indexes else n for i, n in enumerate(spec.example_shape(1))]
+        shape = [spec.on_step(i, size) if i in indexes else n for i, n in enumerate(spec.example_shape(1))]
         if math.prod(shape) > _MAX_ELEMENTS:
             return None
         inputs[spec.name] = draw(spec, shape, generator)
@@ -77,6 +78,12 @@ def _high(dims: OpenDims) -> int | None:
     return min(highs) if highs else None
 
 
+def _step(dims: OpenDims) -> int:
+    """The step the open dims share (1 when none is stepped or they differ: _runs puts each on its own)."""
+    steps = {spec.dim_step(i) for spec, indexes in dims for i in indexes}
+    return steps.pop() if len(steps) == 1 else 1
+
+
 def open_dim_hint(runner: ModelRunner) -> str | None:
     """What minimum to declare when the model cannot run its open dims at the minimum the config gives them, as a
     config shape the model was seen to run at over every size the daemon draws from it; None when it has no open
@@ -91,7 +98,8 @@ def open_dim_hint(runner: ModelRunner) -> str | None:
         found = smallest_size(runner, dims, low, high)
         if found is None:
             return None
-        refused = [size for size in probe_sizes(found, high) if not _runs(runner, dims, size)]
+        found = max(spec.on_step(i, found) for spec, indexes in dims for i in indexes)
+        refused = [size for size in probe_sizes(found, high, _step(dims)) if not _runs(runner, dims, size)]
         if not refused:
             # Running at every size drawn from the declared range: the failure was not the sizes.
             return None if found == declared else _advice(dims, declared, found, high)
@@ -103,9 +111,10 @@ def _advice(dims: OpenDims, declared: int, found: int, high: int | None) -> str:
     upper = "null" if high is None else str(high)
     shapes = []
     for spec, indexes in dims:
-        parts = [f"[{found}, {upper}]" if i in indexes else _dim_text(d) for i, d in enumerate(spec.config_shape())]
+        parts = [_proposed(spec, i, found, upper) if i in indexes else _dim_text(d)
+                 for i, d in enumerate(spec.config_shape())]  # fmt: skip
         shapes.append(f'{spec.name!r}: "shape": [{", ".join(parts)}]')
-    checked = ", ".join(str(size) for size in probe_sizes(found, high))
+    checked = ", ".join(str(size) for size in probe_sizes(found, high, _step(dims)))
     return (
         f"open dims are warmed up and checked from their declared minimum, {declared}, which this model refuses; it "
         f"runs from {found} (checked at {checked}, the sizes the daemon draws from that range): declare a minimum, "
@@ -113,9 +122,15 @@ def _advice(dims: OpenDims, declared: int, found: int, high: int | None) -> str:
     )
 
 
+def _proposed(spec: TensorSpec, index: int, found: int, upper: str) -> str:
+    """`[found, max]`, or `[found, max, step]` for a dim in steps (found put on them: its max stays on them too)."""
+    step = spec.dim_step(index)
+    return f"[{found}, {upper}]" if step == 1 else f"[{spec.on_step(index, found)}, {upper}, {step}]"
+
+
 def _dim_text(dim: int | None | list[int | None]) -> str:
     if isinstance(dim, list):
-        return f"[{dim[0]}, {'null' if dim[1] is None else dim[1]}]"
+        return "[" + ", ".join("null" if part is None else str(part) for part in dim) + "]"
     return "null" if dim is None else str(dim)
 
 

@@ -21,6 +21,26 @@ from infervisor.worker.synthetic import TORCH_DTYPES, probe_steps, probed_inputs
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+class FailedAtSize(RuntimeError):
+    """The model failed on inputs the daemon ran it on itself (warm-up, the gate, the state check): the message
+    names what they were for, each input's shape and its declared shape, then the model's own error."""
+
+
+def failed_at(specs: Sequence[TensorSpec], inputs: Mapping[str, torch.Tensor], what: str, exc: Exception) -> str:
+    """Why the model failed on `inputs` (run for `what`), naming each input's shape against its declared one."""
+    shapes = ", ".join(
+        f"`{spec.name}` {list(inputs[spec.name].shape)} (declared {spec.describe()})" for spec in specs
+        if spec.name in inputs
+    )  # fmt: skip
+    text = f"the model failed on {what} at {shapes}: {type(exc).__name__}: {exc}"
+    if any(d is None for spec in specs for d in spec.shape[1:]):
+        text += (
+            " (the daemon draws sizes across each declared range; if the model takes only some sizes of a dim, "
+            "declare them: a narrower [min, max], or sizes in steps [min, max, step])"
+        )
+    return text
+
+
 class ModelRunner:
     """One model's forward pass with the checks and conversions the wire needs."""
 
@@ -67,17 +87,26 @@ class ModelRunner:
             result = self.module(*args)
         return self._name_outputs(result)
 
+    def forward_at(self, inputs: Mapping[str, torch.Tensor], what: str) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """forward on inputs the daemon chose itself (for `what`, e.g. `warm-up`); FailedAtSize naming their shapes
+        when the model fails on them."""
+        try:
+            return self.forward(inputs)
+        except Exception as exc:  # noqa: BLE001 - whatever the model raised, said with the sizes it was run at
+            raise FailedAtSize(failed_at(self.specs, inputs, what, exc)) from exc
+
     def warm_up(self, iterations: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
         """Run the example inputs `iterations` times (first-call costs land here), then once each input across the
         declared ranges (synthetic.probe_shapes at batch 1): their outputs are what canaries compare with."""
         inputs = self.example_inputs()
-        outputs = self.forward(inputs)
+        outputs = self.forward_at(inputs, "warm-up")
         for _ in range(iterations - 1):
             outputs = self.forward(inputs)
         self.golden = [(inputs, [(name, array.copy()) for name, array in outputs])]
-        for step in range(1, probe_steps(self.specs)):
-            probe = probed_inputs(self.specs, 1, step)
-            self.golden.append((probe, [(name, array.copy()) for name, array in self.forward(probe)]))
+        for turn in range(1, probe_steps(self.specs)):
+            probe = probed_inputs(self.specs, 1, turn)
+            outputs = self.forward_at(probe, "warm-up across the declared ranges")
+            self.golden.append((probe, [(name, array.copy()) for name, array in outputs]))
         return outputs
 
     def canary(self) -> tuple[float, float]:

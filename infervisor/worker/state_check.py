@@ -38,7 +38,7 @@ def refuse_stateful(runner: ModelRunner) -> None:
     """ModelLoadError naming what changed when the loaded module's outputs or state depend on earlier calls."""
     module = runner.module
     golden = runner.example_inputs(batch=1, seed=0)
-    first = _copied(runner.forward(golden))
+    first = _copied(runner.forward_at(golden, "the state check"))
     state_after_first = dict(_state(module))
     repeated = _copied(runner.forward(golden))
     for seed in _OTHER_SEEDS:

@@ -51,13 +51,18 @@ def synthetic_inputs(specs: Sequence[TensorSpec], batch: int = 1, seed: int = 0)
     return {spec.name: draw(spec, spec.example_shape(batch), generator) for spec in specs}
 
 
-def probe_sizes(low: int, high: int | None) -> list[int]:
+def probe_sizes(low: int, high: int | None, step: int = 1) -> list[int]:
     """The sizes of a dynamic dim (not the batch) that the gate, warm-up and canaries draw besides its minimum.
 
     The minimum, the next odd size, an odd size in between, and the maximum when bounded or else a larger
     odd size (4 x the minimum + 1, or 17 from a minimum of 1): a compiled program can be right at one
-    size and wrong at another (rounding in a ceil-mode pool, a size baked into a graph).
+    size and wrong at another (rounding in a ceil-mode pool, a size baked into a graph). A dim in steps
+    draws the same counted in steps (min + k * step for those k from 0): never a size off its steps.
     """
+    if step > 1:
+        count = None if high is None else (high - low) // step
+        larger = count if count is not None else max(2, 3 * low // step + 1)
+        return [low + k * step for k in probe_sizes(0, larger) if count is None or k <= count]
     larger = high if high is not None else (4 * low + 1 if low > 1 else 17)
     odd = low + 1 if (low + 1) % 2 else low + 2
     middle = (low + larger) // 2 | 1
@@ -66,9 +71,14 @@ def probe_sizes(low: int, high: int | None) -> list[int]:
     return list(dict.fromkeys(inside))
 
 
-def probe_shapes(specs: Sequence[TensorSpec], batch: int, step: int) -> list[tuple[int, ...]]:
+def dim_probe_sizes(spec: TensorSpec, index: int) -> list[int]:
+    """probe_sizes of dim `index` of `spec`, over its range and on its steps."""
+    return probe_sizes(*spec.dim_range(index), spec.dim_step(index))
+
+
+def probe_shapes(specs: Sequence[TensorSpec], batch: int, turn: int) -> list[tuple[int, ...]]:
     """Each spec's shape with the batch (dim 0, when dynamic) at `batch` and every other dynamic dim at a size of
-    probe_sizes: step 0 is every range's minimum, step k > 0 puts the j-th dynamic dim of a spec at its size
+    probe_sizes: turn 0 is every range's minimum, turn k > 0 puts the j-th dynamic dim of a spec at its size
     (k + j) % n, so no two dims share a size by accident."""
     shapes: list[tuple[int, ...]] = []
     for spec in specs:
@@ -81,23 +91,23 @@ def probe_shapes(specs: Sequence[TensorSpec], batch: int, step: int) -> list[tup
             elif index == 0:
                 shape.append(min(max(batch, low), high if high is not None else batch))
             else:
-                sizes = probe_sizes(low, high)
-                shape.append(sizes[(step + other) % len(sizes)] if step else low)
+                sizes = dim_probe_sizes(spec, index)
+                shape.append(sizes[(turn + other) % len(sizes)] if turn else low)
                 other += 1
         shapes.append(tuple(shape))
     return shapes
 
 
-def probed_inputs(specs: Sequence[TensorSpec], batch: int, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs at probe_shapes(specs, batch, step), drawn as each spec declares."""
+def probed_inputs(specs: Sequence[TensorSpec], batch: int, turn: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs at probe_shapes(specs, batch, turn), drawn as each spec declares."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = probe_shapes(specs, batch, step)
+    shapes = probe_shapes(specs, batch, turn)
     return {spec.name: draw(spec, shape, generator) for spec, shape in zip(specs, shapes, strict=True)}
 
 
 def probe_steps(specs: Sequence[TensorSpec]) -> int:
-    """How many distinct probe steps the specs have (1: no dynamic dim besides the batch)."""
-    counts = [len(probe_sizes(*s.dim_range(i))) for s in specs for i, d in enumerate(s.shape) if d is None and i > 0]
+    """How many distinct probe turns (probe_shapes) the specs have (1: no dynamic dim besides the batch)."""
+    counts = [len(dim_probe_sizes(s, i)) for s in specs for i, d in enumerate(s.shape) if d is None and i > 0]
     return max(counts, default=1)
 
 

@@ -192,9 +192,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("inputs",
         Custom(read_inputs, "non-empty array of `{name, dtype, shape, allow_non_finite, synthetic}`", required=True),
         Applied.ROLLING,
-        "the model's inputs, in the order its `forward` takes them, each dim fixed, any size (null) or a range "
-        "`[min, max]`, and the synthetic data the daemon draws for it; admission checks requests against new ones at "
-        "once ([more](#inputs))."),
+        "the model's inputs, in the order its `forward` takes them, each dim fixed, any size (null), a range "
+        "`[min, max]` or a range in steps `[min, max, step]`, and the synthetic data the daemon draws for it; "
+        "admission checks requests against new ones at once ([more](#inputs))."),
     Key("outputs", Custom(read_outputs, "array of non-empty strings, or null (`[]` = null)"), Applied.ROLLING,
         "names for the model's outputs in order; default: the built-in's names, the keys of a returned dict, else "
         "`output`, `output_1`, ..."),

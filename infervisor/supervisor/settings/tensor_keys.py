@@ -32,21 +32,47 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def _read_dim(r: FieldReader, dim: Any, where: str) -> tuple[int | None, DimRange | None] | None:
-    """One dim of a shape: an integer, null (any size), or [min, max] (max null: no upper bound); None when bad."""
+#: What a dim of a shape may be, for the messages that refuse one.
+_DIM_FORMS = (
+    f"an integer 1..{_MAX_DIM}, null (any size), [min, max] with 1 <= min <= max (max null: no upper bound) or "
+    "[min, max, step] (sizes min + a multiple of step up to max)"
+)
+
+#: One dim as read: its fixed size (None: dynamic), its range (None: any size) and the step of its sizes.
+ReadDim = tuple[int | None, DimRange | None, int]
+
+
+def _read_dim(r: FieldReader, dim: Any, where: str, index: int) -> ReadDim | None:
+    """One dim of a shape: an integer, null (any size), [min, max] (max null: no upper bound) or [min, max, step];
+    None when bad."""
     if dim is None:
-        return None, None
+        return None, None, 1
     if _is_int(dim) and 1 <= dim <= _MAX_DIM:
-        return dim, None
-    if isinstance(dim, list) and len(dim) == 2 and _is_int(dim[0]) and (dim[1] is None or _is_int(dim[1])):
-        low, high = dim
-        if 1 <= low <= _MAX_DIM and (high is None or low <= high <= _MAX_DIM):
-            if low == high:
-                return low, None
-            return None, (None if (low, high) == (1, None) else (low, high))
-    r.fail(where, f"must be an integer 1..{_MAX_DIM}, null (any size) or [min, max] with 1 <= min <= max "
-           f"(max null: no upper bound), got {dim!r}")  # fmt: skip
-    return None
+        return dim, None, 1
+    if not (isinstance(dim, list) and len(dim) in (2, 3) and _is_int(dim[0]) and (dim[1] is None or _is_int(dim[1]))):
+        r.fail(where, f"must be {_DIM_FORMS}, got {dim!r}")
+        return None
+    low, high = dim[0], dim[1]
+    if not (1 <= low <= _MAX_DIM and (high is None or low <= high <= _MAX_DIM)):
+        r.fail(where, f"must be {_DIM_FORMS}, got {dim!r}")
+        return None
+    step = dim[2] if len(dim) == 3 else 1
+    if not _is_int(step) or not 1 <= step <= _MAX_DIM:
+        r.fail(where, f"step must be an integer >= 1 (1: every size), got {step!r}")
+        return None
+    if low == high:
+        return low, None, 1
+    if step > 1 and index == 0:
+        # Batches are formed from any number of requests; a stepped batch would refuse most of them.
+        r.fail(where, "dim 0 is the batch, which takes every size: declare a step on another dim")
+        return None
+    if step > 1 and high is not None and (high - low) % step:
+        below = low + (high - low) // step * step
+        r.fail(where, f"max {high} is not {low} + a multiple of {step}: declare {below} or {below + step}")
+        return None
+    if step > 1:
+        return None, (low, high), step
+    return None, (None if (low, high) == (1, None) else (low, high)), 1
 
 
 def _read_synthetic(r: FieldReader, raw: Any, where: str, dtype: str) -> Synthetic | None:
@@ -110,7 +136,7 @@ def read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...]
         if not isinstance(shape, list) or len(shape) > MAX_RANK:
             r.fail(f"{where}.shape", f"must be an array of at most {MAX_RANK} dims, got {shape!r}")
             continue
-        dims = [_read_dim(r, dim, f"{where}.shape[{i}]") for i, dim in enumerate(shape)]
+        dims = [_read_dim(r, dim, f"{where}.shape[{i}]", i) for i, dim in enumerate(shape)]
         if any(dim is None for dim in dims):
             continue
         if any(spec.name == name for spec in specs):
@@ -120,7 +146,9 @@ def read_inputs(ctx: ReadContext, raw: Any, path: str) -> tuple[TensorSpec, ...]
         synthetic = _read_synthetic(r, item.get("synthetic"), f"{where}.synthetic", dtype)
         sizes = tuple(d[0] for d in dims if d is not None)
         bounds = tuple(d[1] for d in dims if d is not None)
-        specs.append(TensorSpec(name, dtype, sizes, allow, bounds if any(bounds) else (), synthetic))
+        steps = tuple(d[2] for d in dims if d is not None)
+        stepped = steps if any(step > 1 for step in steps) else ()
+        specs.append(TensorSpec(name, dtype, sizes, allow, bounds if any(bounds) else (), synthetic, stepped))
     return tuple(specs)
 
 
@@ -172,7 +200,7 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
             fits = (
                 array.ndim == len(spec.shape)
                 and array.dtype.name == spec.dtype
-                and all(_within(spec.dim_range(i), got) for i, got in enumerate(array.shape[1:], start=1))
+                and all(spec.takes(i, got) for i, got in enumerate(array.shape[1:], start=1))
             )
             if not fits:
                 r.fail(
@@ -181,7 +209,3 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
             samples.add(array.shape[0] if array.ndim else 0)
         if len(samples) > 1 or 0 in samples:
             r.fail(where, f"{group}its arrays must share a non-empty first (sample) dimension")
-
-
-def _within(bound: DimRange, size: int) -> bool:
-    return bound[0] <= size and (bound[1] is None or size <= bound[1])

@@ -9,6 +9,7 @@ printed; a refused proposal leads to the next (the sizes above what it covered, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Any
@@ -47,7 +48,9 @@ def _search(module: Any, example: Inputs, specs: tuple[TensorSpec, ...], first: 
     tried: list[Proposal] = []
     while queue and len(tried) < _TRIES:
         proposal = queue.popleft()
-        if proposal in tried:
+        # A dim in steps is only proposed sizes on its steps (covered ranges end on them; `last + 1` does not).
+        proposal = (spec.on_step(first.index, proposal[0]), proposal[1])
+        if proposal in tried or (proposal[1] is not None and proposal[1] < proposal[0]):
             continue
         tried.append(proposal)
         narrowed = _narrowed(specs, first.position, first.index, proposal)
@@ -59,14 +62,16 @@ def _search(module: Any, example: Inputs, specs: tuple[TensorSpec, ...], first: 
             continue
         except ExportError:
             continue
-        shown = _text(proposal, low)
-        before = f"; {', '.join(_text(p, low) for p in tried[:-1])} exported again was not" if len(tried) > 1 else ""
+        step = spec.dim_step(first.index)
+        shown = _text(proposal, low, step)
+        earlier = ", ".join(_text(p, low, step) for p in tried[:-1])
+        before = f"; {earlier} exported again was not" if len(tried) > 1 else ""
         what = "a fixed size" if proposal[1] == proposal[0] else "the range"
         return (
             f"declare {what} {shown} for that dim (exported again with it, the program covers it{before}), or take "
             "this profile out of the chain"
         )
-    listed = ", ".join(_text(p, low) for p in tried) or "nothing"
+    listed = ", ".join(_text(p, low, spec.dim_step(first.index)) for p in tried) or "nothing"
     return (
         f"no range to declare was found: exported again with {listed}, each was refused; declare a fixed size the "
         "model serves, or take this profile out of the chain"
@@ -85,13 +90,13 @@ def _next(covered: tuple[int, int] | None, exported: Proposal) -> list[Proposal]
     return [*above, (last, last)]
 
 
-def _text(proposal: Proposal, declared_low: int) -> str:
+def _text(proposal: Proposal, declared_low: int, step: int = 1) -> str:
     low, high = proposal
     if high == low:
         return str(low)
-    # Export starts at 2 (a size of 1 is served apart): a declared 1 is as covered as 2.
-    shown_low = declared_low if low == max(2, declared_low) else low
-    return f"[{shown_low}, {'null' if high is None else high}]"
+    # Export starts at 2 (a size of 1 is served apart): a declared 1 is as covered as 2; a single step likewise.
+    shown_low = declared_low if low == max(2, declared_low) or (step > 1 and low <= declared_low + step) else low
+    return f"[{shown_low}, {'null' if high is None else high}{'' if step == 1 else f', {step}'}]"
 
 
 def _narrowed(specs: tuple[TensorSpec, ...], position: int, index: int, proposal: Proposal) -> tuple[TensorSpec, ...]:
@@ -102,7 +107,7 @@ def _narrowed(specs: tuple[TensorSpec, ...], position: int, index: int, proposal
         shape[index], bounds[index] = proposal[0], None
     else:
         bounds[index] = proposal
-    narrowed = TensorSpec(spec.name, spec.dtype, tuple(shape), spec.allow_non_finite, tuple(bounds), spec.synthetic)
+    narrowed = dataclasses.replace(spec, shape=tuple(shape), bounds=tuple(bounds))
     return tuple(narrowed if i == position else s for i, s in enumerate(specs))
 
 
@@ -134,8 +139,7 @@ def _tightened(
                 shape[index], bounds[index] = tight_low, None
             else:
                 bounds[index] = (tight_low, tight_high)
-        narrowed.append(TensorSpec(spec.name, spec.dtype, tuple(shape), spec.allow_non_finite, tuple(bounds),
-                                   spec.synthetic))  # fmt: skip
+        narrowed.append(dataclasses.replace(spec, shape=tuple(shape), bounds=tuple(bounds)))
     return tuple(narrowed)
 
 

@@ -58,6 +58,7 @@ from infervisor.worker.profiles.export import (
     load_package,
 )
 from infervisor.worker.profiles.flags import apply_global_flags
+from infervisor.worker.profiles.next_step import package_step, with_next_step
 
 
 class _Quantization(enum.Enum):
@@ -135,9 +136,14 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
             options["quantized"] = "linear"  # packages from before dynamic int8 left convolutions alone are not reused
         key = artifact_key(context.digest, name, specs, options)
         path = cache.path_for(name, key)
-        fetched = cache.fetch(
-            path, key, lambda into: compile_package(program(example, specs), example, specs, into), load_package
-        )
+        try:
+            fetched = cache.fetch(
+                path, key, lambda into: compile_package(program(example, specs), example, specs, into), load_package
+            )
+        except ExportError as exc:
+            shown = ", ".join(f"{s.name} {list(t.shape)}" for s, t in zip(specs, example, strict=True))
+            declared = ", ".join(s.describe() for s in context.specs)
+            raise ExportError(f"{exc} ({package_step(shapes, shown, declared)})") from exc
         if fetched.rejected is not None:
             notes.append(f"{REJECTED_NOTE}{path.name} {fetched.rejected}: moved aside to {path.name}.corrupt, rebuilt")
         done = "loaded cached" if fetched.hit else "compiled and cached"
@@ -274,4 +280,4 @@ def build_profile(name: str, context: BuildContext) -> Built:
             detail = clip(f"no space left on device ({type(exc).__name__}: {exc})")
         else:
             detail = clip(f"{type(exc).__name__}: {exc}")
-        raise ProfileError(f"{name} failed to build: {detail}") from exc
+        raise ProfileError(f"{name} failed to build: {with_next_step(name, detail)}") from exc

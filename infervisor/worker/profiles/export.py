@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 from infervisor.common.text import clip
-from infervisor.protocol.tensors import TensorSpec
+from infervisor.protocol.tensors import DimRange, TensorSpec
+from infervisor.worker.profiles.export_dims import dynamic_shapes, export_low, traceable_example
 from infervisor.worker.profiles.timing import MIN_MARGIN, Contender, noise_of, run_rounds
 
 Inputs = tuple[torch.Tensor, ...]
+#: Each input of a program with the sizes each of its dims takes (loader.program_dims).
+ProgramDims = list[tuple[str, list[DimRange | None]]]
 
 #: Inductor settings for every package: freezing folds weights into constants (and lets the
 #: int8 patterns fuse into oneDNN quantized kernels); without it compiled CPU code is no faster.
@@ -31,38 +34,6 @@ class ExportError(Exception):
 
 class NoGain(ExportError):
     """Quantization found nothing to quantize: the profile would be the plain package under another name."""
-
-
-def traceable_example(example: Inputs, specs: Sequence[TensorSpec]) -> Inputs:
-    """The example with every dynamic dim of size 1 doubled: export would specialise a 1 into a constant."""
-    grown: list[torch.Tensor] = []
-    for tensor, spec in zip(example, specs, strict=True):
-        for index, dim in enumerate(spec.shape):
-            if dim is None and tensor.shape[index] == 1:
-                tensor = torch.cat([tensor, tensor], dim=index)
-        grown.append(tensor)
-    return tuple(grown)
-
-
-def dynamic_shapes(specs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:
-    """Export's dynamic_shapes for the spec: each dynamic dim over its declared range (from 2: see below).
-
-    DYNAMIC, not AUTO: AUTO silently bakes a dim the model forces to one size into a constant, and a
-    package does not check input shapes at run time (a wrong size reads out of bounds). DYNAMIC makes
-    export refuse instead, which skips the profile with the reason. Related dims (input_ids and
-    attention_mask sharing a batch) are still tied together by export. The declared bounds go in, so
-    the program's range constraints say what it covers of the declared range (check_coverage); the
-    minimum is at least 2, as export specialises a size of 1 (ShapeDispatch serves it another way).
-    """
-    shapes: list[dict[int, Any]] = []
-    for spec in specs:
-        dims: dict[int, Any] = {}
-        for index, dim in enumerate(spec.shape):
-            low, high = spec.dim_range(index)
-            if dim is None and (high is None or high >= 2):
-                dims[index] = torch.export.Dim.DYNAMIC(min=max(2, low), max=high)
-        shapes.append(dims)
-    return tuple(shapes)
 
 
 def export(module: Any, example: Inputs, specs: Sequence[TensorSpec]) -> torch.export.ExportedProgram:
@@ -146,8 +117,8 @@ def guard_words(text: str, specs: Sequence[TensorSpec]) -> str:
 def _shape_text(spec: TensorSpec) -> str:
     parts = []
     for dim in spec.config_shape():
-        parts.append("null" if dim is None else f"[{dim[0]}, {'null' if dim[1] is None else dim[1]}]"
-                     if isinstance(dim, list) else str(dim))  # fmt: skip
+        parts.append("[" + ", ".join("null" if part is None else str(part) for part in dim) + "]"
+                     if isinstance(dim, list) else "null" if dim is None else str(dim))  # fmt: skip
     return "[" + ", ".join(parts) + "]"
 
 
@@ -166,11 +137,39 @@ def _holds(guards: Sequence[Any], names: Sequence[str], shapes: Sequence[Sequenc
     return None
 
 
-def _probe(spec: TensorSpec, index: int, size: int) -> list[int]:
-    """The spec's example shape (batch 2, as exported) with dim `index` at `size`."""
+def _exported_shape(spec: TensorSpec) -> list[int]:
+    """The spec's example shape as exported: batch 2, every other dynamic dim from export_low."""
     shape = list(spec.example_shape(2))
+    for index, dim in enumerate(spec.shape):
+        high = spec.dim_range(index)[1]
+        if dim is None and index > 0 and (high is None or export_low(spec, index) <= high):
+            shape[index] = max(shape[index], export_low(spec, index))
+    return shape
+
+
+def _probe(spec: TensorSpec, index: int, size: int) -> list[int]:
+    """The spec's example shape as exported with dim `index` at `size`."""
+    shape = _exported_shape(spec)
     shape[index] = size
     return shape
+
+
+def _served_apart(found: list[tuple[str, list[DimRange | None]]], specs: Sequence[TensorSpec]) -> ProgramDims:
+    """The program's dims with a range starting at export_low read as starting at the declared minimum: the sizes
+    below are served apart from the program (ShapeDispatch)."""
+    dims: ProgramDims = []
+    for position, (name, taken) in enumerate(found):
+        spec = specs[position] if position < len(specs) else None
+        read: list[DimRange | None] = []
+        for index, bound in enumerate(taken):
+            dynamic = spec is not None and index < len(spec.shape) and spec.shape[index] is None
+            if bound is not None and dynamic and spec is not None and bound[0] == export_low(spec, index):
+                bound = (min(bound[0], spec.dim_range(index)[0]), bound[1])
+            elif bound is not None and bound[0] == 2:
+                bound = (1, bound[1])
+            read.append(bound)
+        dims.append((name, read))
+    return dims
 
 
 def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[TensorSpec]) -> None:
@@ -182,9 +181,9 @@ def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[Tensor
     """
     from infervisor.worker.loader import ModelLoadError, check_program_dims, program_dims
 
-    # A size of 1 is served apart from the program (ShapeDispatch), which was exported from 2.
+    # A size of 1 (or of one step) is served apart from the program (ShapeDispatch), which was exported from 2.
     found = program_dims(program)
-    dims = [(name, [None if d is None else (1, d[1]) if d[0] == 2 else d for d in taken]) for name, taken in found]
+    dims = _served_apart(found, specs)
     names = [name for name, _ in found]
     try:
         check_program_dims(dims, specs)
@@ -202,28 +201,30 @@ def check_coverage(program: torch.export.ExportedProgram, specs: Sequence[Tensor
     for position, spec in enumerate(specs):
         for index, dim in enumerate(spec.shape):
             low, high = spec.dim_range(index)
-            if dim is not None or index == 0 or (high is not None and high < 2):
+            step = spec.dim_step(index)
+            start = export_low(spec, index)
+            if dim is not None or index == 0 or (high is not None and high < start):
                 continue
-            start = max(2, low)
-            end = start + _SCAN_SIZES if high is None else min(high, start + _SCAN_SIZES)
+            end = start + _SCAN_SIZES * step if high is None else min(high, start + _SCAN_SIZES * step)
 
             def broken(size: int, index: int = index, position: int = position) -> str | None:
                 shapes = [_probe(s, index, size) if i == position else list(s.example_shape(2))
                           for i, s in enumerate(specs)]  # fmt: skip
                 return _holds(guards, names, shapes)
 
-            first = next(((size, why) for size in range(start, end + 1) if (why := broken(size)) is not None), None)
+            sizes = range(start, end + 1, step)  # a dim in steps is never asked for a size off them
+            first = next(((size, why) for size in sizes if (why := broken(size)) is not None), None)
             if first is None:
                 continue
             size, why = first
-            covered = f"[{start}, {size - 1}]" if size > start else "no size"
+            covered = f"[{start}, {size - step}]" if size > start else "no size"
+            declared = f"[{low}, {'null' if high is None else high}{'' if step == 1 else f', {step}'}]"
             raise Uncovered(
                 f"torch.export's program for inputs[{position}] {spec.name!r} dim {index} holds only where {why}, "
-                f"which a size of {size} breaks: it covers {covered} of the declared "
-                f"[{low}, {'null' if high is None else high}]",
+                f"which a size of {size} breaks: it covers {covered} of the declared {declared}",
                 position,
                 index,
-                (start, size - 1) if size > start else None,
+                (start, size - step) if size > start else None,
             )
 
 
@@ -342,24 +343,27 @@ class ShapeDispatch:
 
     Only for specs with a dynamic dim besides the batch (a sequence length): a batch-only spec gets
     BatchBuckets. The dynamic package was exported from size 2 (export specialises a 1), so a batch of
-    one row runs in it padded to two rows and cut back; a size of 1 in another dynamic dim is served
-    only at the example's shapes (ShapeNotServed otherwise).
+    one row runs in it padded to two rows and cut back; a size of 1 in another dynamic dim (a single step
+    in a dim in steps: below export_low) is served only at the example's shapes (ShapeNotServed otherwise).
     """
 
     def __init__(self, static: Any, static_shapes: list[tuple[int, ...]], dynamic: Any, specs: Sequence[TensorSpec]):
         self.static = static
         self.static_shapes = static_shapes
         self.dynamic = dynamic
-        self.dynamic_dims = [[i for i, d in enumerate(s.shape) if d is None] for s in specs]
+        #: Each input's dynamic dims with the smallest size the dynamic package takes there.
+        self.dynamic_dims = [[(i, 2 if i == 0 else export_low(s, i)) for i, d in enumerate(s.shape) if d is None]
+                             for s in specs]  # fmt: skip
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         shapes = [tuple(t.shape) for t in inputs]
         if shapes == self.static_shapes:
             return self.static(*inputs)
-        ones = {i for shape, dims in zip(shapes, self.dynamic_dims, strict=True) for i in dims if shape[i] < 2}
+        ones = {i for shape, dims in zip(shapes, self.dynamic_dims, strict=True) for i, low in dims if shape[i] < low}
         if ones - {0}:
             raise ShapeNotServed(
-                f"this compiled profile serves a size of 1 in a dynamic dim only at shapes {self.static_shapes}"
+                f"this compiled profile serves a size below the dynamic program's (1, or a single step) in a dynamic "
+                f"dim only at shapes {self.static_shapes}"
             )
         if not ones:
             return self.dynamic(*inputs)

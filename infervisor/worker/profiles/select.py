@@ -41,7 +41,7 @@ from infervisor.worker.profiles.flags import apply_global_flags, reset_global_fl
 from infervisor.worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
 from infervisor.worker.profiles.validate import Tolerance, compare, worst_of
 from infervisor.worker.progress import NoProgress, Progress
-from infervisor.worker.runner import ModelRunner
+from infervisor.worker.runner import FailedAtSize, ModelRunner, failed_at
 from infervisor.worker.synthetic import describe as describe_synthetic
 from infervisor.worker.synthetic import probe_steps, probed_inputs
 
@@ -295,7 +295,7 @@ class _Trial:
         if self._reference is None:
             serving, self.runner.module = self.runner.module, self.eager
             try:
-                named = [self.runner.forward(case) for case in self.cases]
+                named = [self.runner.forward_at(case.inputs, f"the gate's {case.label}") for case in self.golden.cases]
             finally:
                 self.runner.module = serving
             self._reference = [[a for _, a in outputs] for outputs in named]
@@ -361,6 +361,8 @@ class _Trial:
             return [a for _, a in self.runner.forward(case.inputs)]
         except ShapeNotServed:
             return reference
+        except Exception as exc:  # noqa: BLE001 - said with the sizes it failed at (the attempt skips the profile)
+            raise FailedAtSize(failed_at(self.runner.specs, case.inputs, f"the gate's {case.label}", exc)) from exc
 
     def time(self, candidates: Sequence[_Candidate]) -> Decision:
         """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""

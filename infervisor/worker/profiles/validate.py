@@ -63,11 +63,13 @@ class Agreement:
     relative: RelativeError = RelativeError()
     #: Every row's cosine (the spread between samples is taken over these).
     cosines: tuple[float, ...] = ()
+    #: What made the outputs incomparable (which output is not finite or has another shape), "" when none.
+    problem: str = ""
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why this misses the tolerance, or None when it meets it."""
         if not np.isfinite(self.max_abs_error):
-            return "outputs are not finite or change shape"
+            return self.problem or "outputs are not finite or change shape"
         if self.cosine < tolerance.min_cosine:
             return f"cosine {cosine_text(self.cosine, tolerance.min_cosine)} < {tolerance.min_cosine}"
         if _relative_fails(self.relative, tolerance):
@@ -98,11 +100,15 @@ class GoldenResult:
     samples: int = 0
     cosine_spread: float = 0.0
     relative_spread: float = 0.0
+    #: Which output was not finite or changed shape, and how, where the largest error is not finite ("" else).
+    problem: str = ""
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why the worst row misses the tolerance (and where it is), or None when every row meets it."""
         if not np.isfinite(self.max_abs_error):
-            return f"outputs are not finite or change shape on {self.error_at}, over {self.checked}"
+            what = self.problem or "outputs are not finite or change shape"
+            reshaped = _SHAPE_WORDS in what or _COUNT_WORDS in what
+            return f"{what} on {self.error_at}, over {self.checked}{_SHAPE_STEP if reshaped else ''}"
         if self.cosine < tolerance.min_cosine:
             return (
                 f"worst-row cosine {cosine_text(self.cosine, tolerance.min_cosine)} < {tolerance.min_cosine} on "
@@ -159,7 +165,7 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
     Each agreement comes with what names its row `r` (e.g. `validation sample 3 alone`).
     """
     cosine, cosine_at = 1.0, "no row"
-    error, error_at = 0.0, "no row"
+    error, error_at, problem = 0.0, "no row", ""
     top1_at = ""
     relative, relative_at = RelativeError(), ""
     for agreement, where in results:
@@ -168,7 +174,7 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
         if agreement.cosine < cosine or cosine_at == "no row":
             cosine, cosine_at = agreement.cosine, where(worst)
         if not agreement.max_abs_error <= error or error_at == "no row":  # NaN and inf too
-            error, error_at = agreement.max_abs_error, where(largest)
+            error, error_at, problem = agreement.max_abs_error, where(largest), agreement.problem
         if not agreement.top1_agree and not top1_at:
             top1_at = where(-1)
         if agreement.relative.output and (not relative.output or not agreement.relative.error <= relative.error):
@@ -178,7 +184,7 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
     relatives = [e for agreement, _ in results if agreement.relative.output for e in agreement.relative.per_row]
     return GoldenResult(
         cosine, cosine_at, error, error_at, not top1_at, top1_at, checked, relative, relative_at,
-        samples, spread(cosines), spread(relatives),
+        samples, spread(cosines), spread(relatives), problem,
     )  # fmt: skip
 
 
@@ -192,7 +198,7 @@ def compare(
     flattened cosine over a batch would let seven good answers hide a bad eighth.
     """
     if len(reference) != len(candidate) or any(r.shape != c.shape for r, c in zip(reference, candidate, strict=False)):
-        return Agreement(0.0, float("inf"), False)
+        return Agreement(0.0, float("inf"), False, problem=_shape_problem(reference, candidate, names))
     rows = {r.shape[0] for r in reference if r.ndim >= 1}
     per_row = len(rows) == 1 and all(r.ndim >= 1 for r in reference) and rows.pop() > 0
     count = reference[0].shape[0] if per_row else 1
@@ -203,7 +209,8 @@ def compare(
     finite = np.isfinite(got).all(axis=1)
     if not finite.all():
         row = int(np.argmin(finite))
-        return Agreement(0.0, float("inf"), False, row, row, count)
+        problem = _finite_problem(reference, candidate, names)
+        return Agreement(0.0, float("inf"), False, row, row, count, problem=problem)
     norms = np.linalg.norm(want, axis=1) * np.linalg.norm(got, axis=1)
     dots = np.einsum("ij,ij->i", want, got)
     exact = np.array([np.array_equal(w, g) for w, g in zip(want, got, strict=True)], dtype=np.float64)
@@ -222,6 +229,46 @@ def compare(
     worst, largest = int(np.argmin(cosines)), int(np.argmax(errors))
     row_cosines = tuple(float(c) for c in cosines)
     return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative, row_cosines)
+
+
+#: Words of a shape problem (_shape_problem), and the next step such a refusal gives.
+_SHAPE_WORDS = "where eager's is"
+_COUNT_WORDS = "outputs where eager gives"
+_SHAPE_STEP = (
+    " (the profile's program was traced or specialised at other sizes and answers this one with another shape: "
+    "declare only the sizes it serves, a fixed size or sizes in steps [min, max, step], or take the profile out of "
+    "`profiles`)"
+)
+
+
+def _name(names: Sequence[str], index: int) -> str:
+    return repr(names[index]) if index < len(names) else f"{index}"
+
+
+def _shape_problem(
+    reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str]
+) -> str:
+    """Which output changed shape: `output 'boxes' has shape [1, 84, 300] where eager's is [1, 84, 2100]`."""
+    if len(reference) != len(candidate):
+        return f"the profile gives {len(candidate)} {_COUNT_WORDS} {len(reference)}"
+    index = next(i for i, (r, c) in enumerate(zip(reference, candidate, strict=True)) if r.shape != c.shape)
+    return (
+        f"output {_name(names, index)} has shape {list(candidate[index].shape)} {_SHAPE_WORDS} "
+        f"{list(reference[index].shape)}"
+    )
+
+
+def _finite_problem(
+    reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str]
+) -> str:
+    """Which output is not finite: `output 'scores' is not finite: 12 of 8400 values NaN or infinite (eager's: 0)`."""
+    for index, (want, got) in enumerate(zip(reference, candidate, strict=True)):
+        bad = int(got.size - np.count_nonzero(np.isfinite(got)))
+        if bad:
+            eager = int(want.size - np.count_nonzero(np.isfinite(want)))
+            counts = f"{bad} of {got.size} values NaN or infinite (eager's: {eager})"
+            return f"output {_name(names, index)} is not finite: {counts}"
+    return "outputs are not finite"
 
 
 def _relative_error(
