@@ -30,10 +30,14 @@ def _models(names: list[str], data: Path) -> dict[str, tuple[Any, Any, str | Non
     """name -> (source, specs, calibration, validation)."""
     from infervisor.protocol.launch import ModelSource
     from infervisor.protocol.tensors import Synthetic, TensorSpec
+    from bench.camera_box import DETECTOR_SPECS
     from infervisor.worker.bench import BUILTIN_SPECS
 
     models: dict[str, tuple[Any, Any, str | None, str | None]] = {}
     for name in names:
+        if name == "detector":  # the camera-box detector of bench/camera_box.py, on uniform 0..1 images
+            models[name] = (ModelSource("python", "bench.camera_box:detector"), DETECTOR_SPECS, None, None)
+            continue
         if name in BUILTIN_SPECS:
             models[name] = (ModelSource("builtin", name), BUILTIN_SPECS[name], None, None)
             continue
@@ -67,6 +71,8 @@ def measure(
     from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.flags import reset_global_flags
     from infervisor.worker.profiles.select import golden_set
+    from infervisor.common.accuracy import DEFAULT_MAX_CHANNEL_ERROR
+    from infervisor.worker.profiles.parts import parts_verdict
     from infervisor.worker.profiles.validate import compare, worst_of
     from infervisor.worker.runner import ModelRunner
     from infervisor.worker.serve import build_context
@@ -95,10 +101,13 @@ def measure(
             runner.module = built.callable
             with torch.inference_mode():
                 runner.forward(golden.cases[0].inputs)
+            outputs = [[a for _, a in runner.forward(case.inputs)] for case in golden.cases]
             agreements = [
-                (compare(reference, [a for _, a in runner.forward(case.inputs)]), case.where)
-                for case, reference in zip(golden.cases, references, strict=True)
+                (compare(reference, got), case.where)
+                for case, reference, got in zip(golden.cases, references, outputs, strict=True)
             ]
+            names = [f"output {i}" for i in range(len(references[0]))]
+            failure, note = parts_verdict(golden.cases, references, outputs, names, {}, DEFAULT_MAX_CHANNEL_ERROR)
         except ProfileError as exc:
             rows.append({**row, "skipped": str(exc)[:200]})
             continue
@@ -109,8 +118,10 @@ def measure(
         rows.append({
             **row, "cosine": result.cosine, "cosine_at": result.cosine_at, "max_abs_error": result.max_abs_error,
             "error_at": result.error_at, "top1": result.top1_agree, "seconds": round(time.perf_counter() - started, 1),
+            "parts": failure or note.removeprefix("worst part: ") or "-",
         })  # fmt: skip
-        print(f"{name} {profile}: {rows[-1]['cosine']:.9f} ({rows[-1]['cosine_at']})", file=sys.stderr, flush=True)
+        print(f"{name} {profile}: {rows[-1]['cosine']:.9f} ({rows[-1]['cosine_at']}) {rows[-1]['parts']}",
+              file=sys.stderr, flush=True)  # fmt: skip
     return rows
 
 
@@ -136,14 +147,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as data:
         models = _models(args.models.split(","), Path(data))
         rows = [row for name, model in models.items() for row in measure(name, model, args.profiles.split(","), args)]
-    print("| model | profile | worst-row cosine | where | max abs error | top-1 | checked on |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | profile | worst-row cosine | where | max abs error | top-1 | worst channel (max_channel_error) | "
+          "checked on |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "skipped" in row:
             print(f"| {row['model']} | {row['profile']} | - | skipped: {row['skipped'][:90]} | | | |")
             continue
         print(f"| {row['model']} | {row['profile']} | {cosine_text(row['cosine'])} | {row['cosine_at']} | "
-              f"{row['max_abs_error']:.3g} | {'yes' if row['top1'] else 'no'} | {row['checked']} |")  # fmt: skip
+              f"{row['max_abs_error']:.3g} | {'yes' if row['top1'] else 'no'} | {row['parts']} | "
+              f"{row['checked']} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -31,3 +31,13 @@ DEFAULT_MAX_REL_ERROR = 0.02
 #: A profile's build note that starts with this is a warning about the evidence it was judged on (a margin thinner
 #: than the rows' spread, scales fitted on the samples that judge them): status shows it as the accuracy warning.
 ACCURACY_WARNING_NOTE = "accuracy warning: "
+#: The default `tolerance.max_channel_error`: on each output whose rows are matrices or more (a packed detection head
+#: `[batch, 4 + classes, anchors]`, a feature map, a sequence of hidden states), each channel (a slice along the
+#: output's channel axis) is judged by its largest difference from eager over eager's largest magnitude on that
+#: channel, so class scores (0..1) beside box coordinates (hundreds) are judged on their own scale. 0.1: a score
+#: channel moved by 0.15 fails; bf16 autocast and int8 on the repo's conv and transformer models stay under it
+#: (docs/optimization.md, "Parts of an output", has the figures).
+DEFAULT_MAX_CHANNEL_ERROR = 0.1
+#: A channel whose largest magnitude is below this fraction of the output's is judged against that fraction instead:
+#: a channel of near-zeros (a class absent from the image, a dead feature) has no scale of its own to be relative to.
+CHANNEL_FLOOR = 1e-3

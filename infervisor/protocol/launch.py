@@ -75,6 +75,9 @@ class LaunchSpec:
     background: bool = False
     #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.
     served_batches: list[int] = field(default_factory=list)
+    #: Config `typical_shape`: input name -> the full shape pick "fastest" times at (None: the validation set's
+    #: largest shape group, else the declared example).
+    typical_shape: dict[str, list[int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
