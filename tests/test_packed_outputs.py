@@ -108,8 +108,8 @@ def _worker(status: dict[str, Any], model: str) -> dict[str, Any]:
 
 def _serving(daemon: Daemon, models: list[str]) -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
-        status = daemon.status()
-        return status if all(_worker(status, m)["state"] == "serving" for m in models) else None
+        status = daemon.try_status()
+        return status if status is not None and all(_worker(status, m)["state"] == "serving" for m in models) else None
 
     return wait_for(ready, 300, f"{models} serving")  # type: ignore[no-any-return]
 
