@@ -26,17 +26,58 @@ from typing import Any
 DEFAULT_PROFILES = "eager,jit,jit_onednn,aoti,int8_static,int8_dynamic,bf16"
 
 
+def minilm_states() -> Any:
+    """all-MiniLM-L6-v2's last hidden states `[batch, 128, 384]`, before pooling: a dense output judged by channel."""
+    from torch import nn
+
+    from infervisor.worker.models.minilm import minilm
+
+    class States(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = minilm().bert
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    return States().eval()
+
+
+def resnet18_features() -> Any:
+    """resnet18 (the built-in's random weights) up to its last feature map `[batch, 512, 7, 7]`."""
+    import torch
+    from torch import nn
+
+    from infervisor.worker.loader import load_model
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.protocol.launch import ModelSource
+
+    model = load_model(ModelSource("builtin", "resnet18"), BUILTIN_SPECS["resnet18"])
+    torch.manual_seed(0)
+    return nn.Sequential(*list(model.children())[:-2]).eval()
+
+
 def _models(names: list[str], data: Path) -> dict[str, tuple[Any, Any, str | None, str | None]]:
     """name -> (source, specs, calibration, validation)."""
     from infervisor.protocol.launch import ModelSource
     from infervisor.protocol.tensors import Synthetic, TensorSpec
-    from bench.camera_box import DETECTOR_SPECS
     from infervisor.worker.bench import BUILTIN_SPECS
 
     models: dict[str, tuple[Any, Any, str | None, str | None]] = {}
     for name in names:
-        if name == "detector":  # the camera-box detector of bench/camera_box.py, on uniform 0..1 images
-            models[name] = (ModelSource("python", "bench.camera_box:detector"), DETECTOR_SPECS, None, None)
+        if name == "detector":  # the camera-box detector of bench/camera_box.py, on uniform 0..1 images at 256x320
+            fixed = (TensorSpec("image", "float32", (None, 3, 256, 320), synthetic=Synthetic("uniform", 0.0, 1.0)),)
+            models[name] = (ModelSource("python", "bench.camera_box:detector"), fixed, None, None)
+            continue
+        if name == "resnet18-features":
+            models[name] = (ModelSource("python", "bench.gate:resnet18_features"), BUILTIN_SPECS["resnet18"], None, None)
+            continue
+        if name == "minilm-states":
+            from infervisor.worker.models.minilm import write_sets
+
+            calibration, validation = write_sets(data)
+            source = ModelSource("python", "bench.gate:minilm_states")
+            models[name] = (source, BUILTIN_SPECS["encoder"], str(calibration), str(validation))
             continue
         if name in BUILTIN_SPECS:
             models[name] = (ModelSource("builtin", name), BUILTIN_SPECS[name], None, None)

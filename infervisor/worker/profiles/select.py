@@ -467,8 +467,8 @@ def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], toleran
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
         return None
-    notes = [*outcome.built.notes, _built_in(outcome), f"{summary} (decided earlier, {path.name})"]
-    notes += [f"{TIMED_AT_NOTE}{decision['timed_at']}"] if decision.get("timed_at") else []
+    timed = [f"{TIMED_AT_NOTE}{decision['timed_at']}"] if decision.get("timed_at") else []
+    notes = [*outcome.built.notes, _built_in(outcome), *timed, f"{summary} (decided earlier, {path.name})"]
     log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
     return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
 
@@ -529,7 +529,7 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
     trial.install(best)
     record.update(profile=best.name, summary=summary, skipped=skipped)
     remember(decision_path(context, chain, tolerance, batches), record)
-    notes = [*best.built.notes, _built_in(best), summary, *timed]
+    notes = [*best.built.notes, _built_in(best), *timed, summary]
     log.info("profile_selected", profile=best.name, pick="fastest", decision=record.get("reason"), skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)
 

@@ -198,7 +198,7 @@ def describe(decision: Decision, threads: int, size: str = "") -> str:
         for name, by_batch in sorted(decision.per_sample_ms.items(), key=lambda item: decision.ratios[item[0]])
     )
     return (
-        f"fastest pick over {decision.rounds} interleaved rounds at batch {sizes}{f' of {size}' if size else ''}, "
-        f"{threads} thread(s), "
+        f"fastest pick over {decision.rounds} interleaved rounds at batch {sizes}, {threads} thread(s), "
+        f"{f'inputs {size}, ' if size else ''}"
         f"per sample: {figures}; {decision.reason}"
     )
