@@ -35,7 +35,7 @@ def minilm_states() -> Any:
     class States(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bert = minilm().bert
+            self.bert: Any = minilm().bert
 
         def forward(self, input_ids: Any, attention_mask: Any) -> Any:
             return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -48,9 +48,9 @@ def resnet18_features() -> Any:
     import torch
     from torch import nn
 
-    from infervisor.worker.loader import load_model
-    from infervisor.worker.bench import BUILTIN_SPECS
     from infervisor.protocol.launch import ModelSource
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.loader import load_model
 
     model = load_model(ModelSource("builtin", "resnet18"), BUILTIN_SPECS["resnet18"])
     torch.manual_seed(0)
@@ -70,7 +70,8 @@ def _models(names: list[str], data: Path) -> dict[str, tuple[Any, Any, str | Non
             models[name] = (ModelSource("python", "bench.camera_box:detector"), fixed, None, None)
             continue
         if name == "resnet18-features":
-            models[name] = (ModelSource("python", "bench.gate:resnet18_features"), BUILTIN_SPECS["resnet18"], None, None)
+            features = ModelSource("python", "bench.gate:resnet18_features")
+            models[name] = (features, BUILTIN_SPECS["resnet18"], None, None)
             continue
         if name == "minilm-states":
             from infervisor.worker.models.minilm import write_sets
@@ -103,6 +104,7 @@ def measure(
     """Every profile of one model through the gate."""
     import torch
 
+    from infervisor.common.accuracy import DEFAULT_MAX_CHANNEL_ERROR
     from infervisor.common.cpuinfo import read_caps
     from infervisor.common.profiles import cpu_refusal
     from infervisor.protocol.launch import LaunchSpec
@@ -111,9 +113,8 @@ def measure(
     from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.flags import reset_global_flags
-    from infervisor.worker.profiles.select import golden_set
-    from infervisor.common.accuracy import DEFAULT_MAX_CHANNEL_ERROR
     from infervisor.worker.profiles.parts import parts_verdict
+    from infervisor.worker.profiles.select import golden_set
     from infervisor.worker.profiles.validate import compare, worst_of
     from infervisor.worker.runner import ModelRunner
     from infervisor.worker.serve import build_context

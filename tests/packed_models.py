@@ -62,8 +62,9 @@ SIZED_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 3, [16, 40], [
 class SlowerWhenTracedAtLargeSizes(nn.Module):
     """The same answer either way (a 1x1 conv), plus work whose result is exactly 0: eager multiplies a fixed
     192x192 matrix (about 7 M multiply-adds whatever the size), the traced graph a pixels x pixels Gram matrix (0.2 M
-    at 16x16, 7.7 M at 40x40, in a slower kernel). So the traced (`jit`) profile is far faster at the smallest size and far slower at the
-    largest: which one a fastest pick serves depends on the size it times at, by ratios no noise can blur."""
+    at 16x16, 7.7 M at 40x40, in a slower kernel). So the traced (`jit`) profile is far faster at the smallest size
+    and far slower at the largest: which one a fastest pick serves depends on the size it times at, by ratios no noise
+    can blur."""
 
     def __init__(self) -> None:
         super().__init__()
