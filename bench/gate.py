@@ -1,6 +1,7 @@
 """The accuracy gate's figures: every profile's worst row against eager, as a worker's gate measures it.
 
-    .venv/bin/python bench/gate.py [--models tiny,resnet18,resnet50,encoder,minilm,minilm-synthetic]
+    .venv/bin/python bench/gate.py [--models tiny,resnet18,resnet50,encoder,minilm,minilm-synthetic,detector,
+                                            minilm-states,resnet18-features]
                                    [--profiles eager,jit,...] [--threads 2] [--cache-dir D] [--json F]
 
 Each model's golden set is built as a worker builds it (infervisor/worker/profiles/select.py golden_set: every
