@@ -43,7 +43,9 @@ def _int8_static(model: Any, inputs: tuple[Any, ...], calibration: list[tuple[An
 
 
 def _int8_dynamic(model: Any, inputs: tuple[Any, ...]) -> Any:
-    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    quantized = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
+        model, {torch.nn.Linear}, dtype=torch.qint8
+    )
     with torch.inference_mode():
         return quantized(*inputs).numpy()
 

@@ -236,8 +236,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         f"{FEW_VALUES_PER_ROW} values per row (a score, a probability, a box), where a cosine cannot fail, the "
         "largest difference as a fraction of eager's largest magnitude on that output; on each output whose rows "
         "are matrices (a packed detection head, a feature map), each channel's largest difference over eager's "
-        "largest magnitude on that channel; per-output limits and declared slices; an optional task-level check; "
-        "the largest absolute difference; and argmax agreement on every row ([more](#tolerance))."),
+        "largest magnitude on that channel (`max_channel_error`, by default √(10 (1 − min_cosine))); per-output "
+        "limits and declared slices; an optional task-level check; the largest absolute difference; and argmax "
+        "agreement on every row ([more](#tolerance))."),
     Key("typical_shape",
         Custom(read_typical_shape, "object: input name → full shape (batch first) the inputs accept, or null"),
         Applied.ROLLING,

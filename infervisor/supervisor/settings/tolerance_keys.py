@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from infervisor.common.accuracy import DEFAULT_MAX_CHANNEL_ERROR, DEFAULT_MAX_REL_ERROR
+from infervisor.common.accuracy import DEFAULT_MAX_CHANNEL_ERROR, DEFAULT_MAX_REL_ERROR, channel_limit
 from infervisor.supervisor.settings.config_keys import ReadContext
 from infervisor.supervisor.settings.fields import FieldReader
 from infervisor.supervisor.settings.module_lookup import module_missing
@@ -38,7 +38,8 @@ def read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
     cosine = r.number(raw, "min_cosine", path, 0.999, -1.0)
     if cosine > 1.0:
         r.fail(f"{path}.min_cosine", f"must be at most 1, got {cosine}")
-    channel = _limit(r, raw, "max_channel_error", path, DEFAULT_MAX_CHANNEL_ERROR)
+    # Absent: derived from min_cosine (a cosine loosened for int8 loosens it alike); null: off.
+    channel = _limit(r, raw, "max_channel_error", path, channel_limit(cosine))
     task_check = _task_check(ctx, raw.get("task_check"), f"{path}.task_check")
     return {
         "min_cosine": cosine,

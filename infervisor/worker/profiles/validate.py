@@ -15,13 +15,16 @@ from typing import Any
 import numpy as np
 
 from infervisor.common.accuracy import (
-    DEFAULT_MAX_CHANNEL_ERROR,
     DEFAULT_MAX_REL_ERROR,
     FEW_VALUES_PER_ROW,
+    channel_limit,
     cosine_text,
 )
 from infervisor.worker.profiles.evidence import Evidence, spread
 from infervisor.worker.profiles.parts import OutputRule, output_rules
+
+#: Tolerance.max_channel_error's default: derived from min_cosine (common.accuracy.channel_limit).
+FROM_COSINE = -1.0
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,18 @@ class Tolerance:
     max_abs_error: float | None = None
     top1: bool = False
     max_rel_error: float | None = DEFAULT_MAX_REL_ERROR
-    max_channel_error: float | None = DEFAULT_MAX_CHANNEL_ERROR
+    #: Default (FROM_COSINE): common.accuracy.channel_limit(min_cosine); None: not checked.
+    max_channel_error: float | None = FROM_COSINE
     #: Output name -> its own limits and declared slices.
     outputs: Mapping[str, OutputRule] = field(default_factory=dict)
     #: `module:function` given eager's and the profile's outputs by name, returning (passed, reason).
     task_check: str | None = None
     #: The config's folder: searched for the task check's module after PYTHONPATH and site-packages.
     task_check_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_channel_error == FROM_COSINE:  # frozen: the derived default is set once, here
+            object.__setattr__(self, "max_channel_error", channel_limit(self.min_cosine))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Tolerance:
