@@ -15,6 +15,7 @@ import torch
 from infervisor.supervisor.settings.config import ConfigError, parse_config
 from infervisor.worker.profiles.parts import OutputRule, RuleError, SliceRule, judge_parts
 from infervisor.worker.profiles.task_check import TaskCheck
+from infervisor.worker.profiles.validate import Tolerance
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.packed_models import PACKED_INPUTS, SCORE_SHIFT, SIZED_INPUTS, scores_off_when_traced
 
@@ -38,6 +39,9 @@ def test_channels_on_their_own_scale_catch_scores_a_packed_row_hides() -> None:
     assert worst.fails and worst.measure == "channel error" and worst.part.endswith("along axis 1"), worst
     assert worst.text("sample 0").startswith(f"channel error {worst.error:.3g} > 0.1 on output 'pred', channel ")
     assert all(not e.fails for e in judge_parts([want], [want * 1.004], ["pred"], {}, 0.1))
+    # The default follows min_cosine: 0.1 at 0.999, loosened alike where the cosine was loosened for int8.
+    assert (Tolerance().max_channel_error, Tolerance(0.98).max_channel_error) == (0.1, 0.4472)
+    assert Tolerance(max_channel_error=None).max_channel_error is None
     scores = OutputRule(None, slices=(SliceRule("scores", 1, 4, 8),))
     (sliced,) = judge_parts([want], [moved], ["pred"], {"pred": scores}, None)
     assert sliced.fails and sliced.part.startswith("slice 'scores' (axis 1, 4:8) at index "), sliced
