@@ -1,6 +1,7 @@
 """The accuracy gate's figures: every profile's worst row against eager, as a worker's gate measures it.
 
-    .venv/bin/python bench/gate.py [--models tiny,resnet18,resnet50,encoder,minilm,minilm-synthetic]
+    .venv/bin/python bench/gate.py [--models tiny,resnet18,resnet50,encoder,minilm,minilm-synthetic,detector,
+                                            minilm-states,resnet18-features]
                                    [--profiles eager,jit,...] [--threads 2] [--cache-dir D] [--json F]
 
 Each model's golden set is built as a worker builds it (infervisor/worker/profiles/select.py golden_set: every
@@ -26,6 +27,37 @@ from typing import Any
 DEFAULT_PROFILES = "eager,jit,jit_onednn,aoti,int8_static,int8_dynamic,bf16"
 
 
+def minilm_states() -> Any:
+    """all-MiniLM-L6-v2's last hidden states `[batch, 128, 384]`, before pooling: a dense output judged by channel."""
+    from torch import nn
+
+    from infervisor.worker.models.minilm import minilm
+
+    class States(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert: Any = minilm().bert
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    return States().eval()
+
+
+def resnet18_features() -> Any:
+    """resnet18 (the built-in's random weights) up to its last feature map `[batch, 512, 7, 7]`."""
+    import torch
+    from torch import nn
+
+    from infervisor.protocol.launch import ModelSource
+    from infervisor.worker.bench import BUILTIN_SPECS
+    from infervisor.worker.loader import load_model
+
+    model = load_model(ModelSource("builtin", "resnet18"), BUILTIN_SPECS["resnet18"])
+    torch.manual_seed(0)
+    return nn.Sequential(*list(model.children())[:-2]).eval()
+
+
 def _models(names: list[str], data: Path) -> dict[str, tuple[Any, Any, str | None, str | None]]:
     """name -> (source, specs, calibration, validation)."""
     from infervisor.protocol.launch import ModelSource
@@ -34,6 +66,21 @@ def _models(names: list[str], data: Path) -> dict[str, tuple[Any, Any, str | Non
 
     models: dict[str, tuple[Any, Any, str | None, str | None]] = {}
     for name in names:
+        if name == "detector":  # the camera-box detector of bench/camera_box.py, on uniform 0..1 images at 256x320
+            fixed = (TensorSpec("image", "float32", (None, 3, 256, 320), synthetic=Synthetic("uniform", 0.0, 1.0)),)
+            models[name] = (ModelSource("python", "bench.camera_box:detector"), fixed, None, None)
+            continue
+        if name == "resnet18-features":
+            features = ModelSource("python", "bench.gate:resnet18_features")
+            models[name] = (features, BUILTIN_SPECS["resnet18"], None, None)
+            continue
+        if name == "minilm-states":
+            from infervisor.worker.models.minilm import write_sets
+
+            calibration, validation = write_sets(data)
+            source = ModelSource("python", "bench.gate:minilm_states")
+            models[name] = (source, BUILTIN_SPECS["encoder"], str(calibration), str(validation))
+            continue
         if name in BUILTIN_SPECS:
             models[name] = (ModelSource("builtin", name), BUILTIN_SPECS[name], None, None)
             continue
@@ -58,6 +105,7 @@ def measure(
     """Every profile of one model through the gate."""
     import torch
 
+    from infervisor.common.accuracy import DEFAULT_MAX_CHANNEL_ERROR
     from infervisor.common.cpuinfo import read_caps
     from infervisor.common.profiles import cpu_refusal
     from infervisor.protocol.launch import LaunchSpec
@@ -66,6 +114,7 @@ def measure(
     from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.flags import reset_global_flags
+    from infervisor.worker.profiles.parts import parts_verdict
     from infervisor.worker.profiles.select import golden_set
     from infervisor.worker.profiles.validate import compare, worst_of
     from infervisor.worker.runner import ModelRunner
@@ -95,10 +144,13 @@ def measure(
             runner.module = built.callable
             with torch.inference_mode():
                 runner.forward(golden.cases[0].inputs)
+            outputs = [[a for _, a in runner.forward(case.inputs)] for case in golden.cases]
             agreements = [
-                (compare(reference, [a for _, a in runner.forward(case.inputs)]), case.where)
-                for case, reference in zip(golden.cases, references, strict=True)
+                (compare(reference, got), case.where)
+                for case, reference, got in zip(golden.cases, references, outputs, strict=True)
             ]
+            names = [f"output {i}" for i in range(len(references[0]))]
+            failure, note = parts_verdict(golden.cases, references, outputs, names, {}, DEFAULT_MAX_CHANNEL_ERROR)
         except ProfileError as exc:
             rows.append({**row, "skipped": str(exc)[:200]})
             continue
@@ -109,8 +161,10 @@ def measure(
         rows.append({
             **row, "cosine": result.cosine, "cosine_at": result.cosine_at, "max_abs_error": result.max_abs_error,
             "error_at": result.error_at, "top1": result.top1_agree, "seconds": round(time.perf_counter() - started, 1),
+            "parts": failure or note.removeprefix("worst part: ") or "-",
         })  # fmt: skip
-        print(f"{name} {profile}: {rows[-1]['cosine']:.9f} ({rows[-1]['cosine_at']})", file=sys.stderr, flush=True)
+        print(f"{name} {profile}: {rows[-1]['cosine']:.9f} ({rows[-1]['cosine_at']}) {rows[-1]['parts']}",
+              file=sys.stderr, flush=True)  # fmt: skip
     return rows
 
 
@@ -136,14 +190,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as data:
         models = _models(args.models.split(","), Path(data))
         rows = [row for name, model in models.items() for row in measure(name, model, args.profiles.split(","), args)]
-    print("| model | profile | worst-row cosine | where | max abs error | top-1 | checked on |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | profile | worst-row cosine | where | max abs error | top-1 | worst channel (max_channel_error) | "
+          "checked on |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "skipped" in row:
             print(f"| {row['model']} | {row['profile']} | - | skipped: {row['skipped'][:90]} | | | |")
             continue
         print(f"| {row['model']} | {row['profile']} | {cosine_text(row['cosine'])} | {row['cosine_at']} | "
-              f"{row['max_abs_error']:.3g} | {'yes' if row['top1'] else 'no'} | {row['checked']} |")  # fmt: skip
+              f"{row['max_abs_error']:.3g} | {'yes' if row['top1'] else 'no'} | {row['parts']} | "
+              f"{row['checked']} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

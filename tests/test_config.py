@@ -121,7 +121,10 @@ def test_default_config_parses() -> None:
     assert model.inputs == (TensorSpec("image", "float32", (None, 3, 224, 224)),)
     assert (model.workers, model.cores_per_worker, model.queue_size, model.max_retries) == (2, 1, 64, 2)
     assert (model.profiles, model.pick) == (("int8_static", "jit_onednn", "eager"), "fastest")
-    assert model.tolerance == {"min_cosine": 0.98, "max_rel_error": 0.02, "max_abs_error": None, "top1": True}
+    assert model.tolerance == {
+        "min_cosine": 0.98, "max_rel_error": 0.02, "max_abs_error": None, "top1": True, "max_channel_error": 0.4472,
+        "outputs": {}, "task_check": None, "task_check_dir": None,
+    }  # fmt: skip
     assert (config.log_level, config.heartbeat_interval_ms, config.heartbeat_liveness) == ("info", 500, 10)
     assert config.shutdown_grace_s == 10.0
 
@@ -775,6 +778,7 @@ def _another(key: Key, folder: Path) -> object:
         "calibration": "samples.npz",
         "validation": "samples.npz",
         "tolerance": {"min_cosine": 0.9},
+        "typical_shape": {"x": [2, 16]},
         "batching": {"max_batch_size": 8},
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",

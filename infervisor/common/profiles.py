@@ -169,3 +169,8 @@ def cpu_refusal(name: str, caps: CpuCaps) -> str | None:
     """Why profile `name` is not worth trying on `caps`; None when it is, or when no such profile is declared."""
     profile = PROFILES.get(name)
     return profile.refusal(caps) if profile is not None else None
+
+
+#: A build note of a fastest pick that starts with this says at which input size its candidates were timed: status
+#: shows it as the worker's and the background build's `timed_at`.
+TIMED_AT_NOTE = "pick timed at "

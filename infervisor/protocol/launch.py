@@ -78,6 +78,9 @@ class LaunchSpec:
     served_batches: list[int] = field(default_factory=list)
     #: A stateful model's state pairs (protocol/state.py): what the sequence gate feeds back step by step.
     state: tuple[StateSpec, ...] = ()
+    #: Config `typical_shape`: input name -> the full shape pick "fastest" times at (None: the validation set's
+    #: largest shape group, else the declared example).
+    typical_shape: dict[str, list[int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

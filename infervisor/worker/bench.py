@@ -180,7 +180,7 @@ def auto_pick(launch: LaunchSpec) -> dict[str, Any]:
 
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
     context = build_context(launch, runner)
-    tolerance = Tolerance(**launch.tolerance)
+    tolerance = Tolerance.from_dict(launch.tolerance)
     remembered = remembered_pick(context, launch.profiles, tolerance)
     if remembered is not None:
         # Decided again, and remembered again: a worker of this config would have made the same decision here.

@@ -354,6 +354,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
         served_batches=tuple(launch.served_batches),
+        typical_shape=launch.typical_shape,
     )
 
 
@@ -474,7 +475,7 @@ def _load_and_select(
         context.cache.ready_only = launch.ready_only
     attempts = attempt_log(launch, context)
     validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None
-    tolerance = Tolerance(**launch.tolerance)
+    tolerance = Tolerance.from_dict(launch.tolerance)
     caps = read_caps()
     selection = select_profile(
         runner,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import psutil
 import structlog
 
-from infervisor.common.profiles import PROFILES
+from infervisor.common.profiles import PROFILES, TIMED_AT_NOTE
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import OUTCOME_PHASES, StartPhase
 from infervisor.protocol.errors import ProtocolError
@@ -90,6 +90,8 @@ class ModelBuild:
     outcomes: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: What a worker would serve after this build (the builder's READY), "" until it said.
     picked: str = ""
+    #: At which input size its fastest pick timed the candidates ("" when it timed none).
+    timed_at: str = ""
     error: str = ""
     #: SIGKILLs per profile: the first is retried, the second refuses it.
     kills: dict[str, int] = field(default_factory=dict)
@@ -104,6 +106,7 @@ class ModelBuild:
             "attempts": self.attempts,
             "pid": self.launched.process.pid if self.launched is not None else None,
             "picked": self.picked or None,
+            "timed_at": self.timed_at or None,
             "error": self.error or None,
             "refused": {p: why for p, (outcome, why) in self.outcomes.items() if outcome != StartPhase.PASSED.value},
             "passed": [p for p, (outcome, _) in self.outcomes.items() if outcome == StartPhase.PASSED.value],
@@ -245,6 +248,8 @@ class BackgroundBuilds:
             return
         if isinstance(message, wm.Ready):
             build.picked = message.profile
+            timed = [note for note in message.build_notes if note.startswith(TIMED_AT_NOTE)]
+            build.timed_at = timed[0].removeprefix(TIMED_AT_NOTE) if timed else ""
             return
         if not isinstance(message, wm.Progress):
             return

@@ -9,7 +9,7 @@ from typing import Any
 import psutil
 
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
-from infervisor.common.profiles import PROFILES
+from infervisor.common.profiles import PROFILES, TIMED_AT_NOTE
 from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
 from infervisor.supervisor.observe.stats import percentile
@@ -61,6 +61,10 @@ def slot_status(slot: SlotSample) -> dict[str, Any]:
         "profile": slot.profile,
         "profile_skipped": list(slot.profile_skipped),
         "profile_build": list(slot.profile_build),
+        # At which input size a fastest pick timed the serving profile against the others (None: not timed).
+        "timed_at": next(
+            (n.removeprefix(TIMED_AT_NOTE) for n in slot.profile_build if n.startswith(TIMED_AT_NOTE)), None
+        ),  # fmt: skip
         **accuracy_data(slot),
         "last_profile": slot.last_profile,
         "restarts": slot.restarts,

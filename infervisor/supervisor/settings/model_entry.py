@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW
+from infervisor.common.accuracy import FEW_VALUES_PER_ROW
 from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import PROFILE_NAMES
 from infervisor.protocol.launch import PICK_MODES, ModelSource
@@ -30,6 +30,8 @@ from infervisor.supervisor.settings.config_keys import (
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.state_keys import read_state
 from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
+from infervisor.supervisor.settings.timing_keys import read_typical_shape
+from infervisor.supervisor.settings.tolerance_keys import DEFAULT_TOLERANCE, read_tolerance
 
 #: surge: the replacement warms beside the old worker (capacity stays N); drain_first: the old one
 #: drains and exits before its replacement starts (capacity N-1 for that slot; for boxes whose cores
@@ -78,6 +80,8 @@ class ModelConfig:
     #: "background": serve first, the builder builds behind; "at_start": each worker builds before READY.
     build: str
     tolerance: dict[str, Any]
+    #: Input name -> the full shape pick "fastest" times at (None: the validation set's largest group, or the example).
+    typical_shape: dict[str, list[int]] | None
     channels_last: bool
     #: Absolute path of the int8_static calibration set (.npz), or None for seeded random inputs.
     calibration: str | None
@@ -138,25 +142,6 @@ def _read_profiles(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...]:
     if len(set(raw)) != len(raw):
         r.fail(path, "lists a profile twice")
     return tuple(raw)
-
-
-def _read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
-    r = ctx.fields
-    if not isinstance(raw, dict):
-        r.fail(path, "must be an object with min_cosine, max_rel_error, max_abs_error, top1")
-        return {}
-    r.check_keys(raw, path, {"min_cosine", "max_rel_error", "max_abs_error", "top1"})
-    cosine = r.number(raw, "min_cosine", path, 0.999, -1.0)
-    if cosine > 1.0:
-        r.fail(f"{path}.min_cosine", f"must be at most 1, got {cosine}")
-    # Absent: the default applies; null: switched off (the cosine alone then judges few-value outputs too).
-    relative = raw.get("max_rel_error", DEFAULT_MAX_REL_ERROR)
-    return {
-        "min_cosine": cosine,
-        "max_rel_error": None if relative is None else r.number(raw, "max_rel_error", path, DEFAULT_MAX_REL_ERROR, 0.0),
-        "max_abs_error": r.optional_number(raw, "max_abs_error", path, 0.0),
-        "top1": r.boolean(raw, "top1", path, False),
-    }
 
 
 def _read_batching(ctx: ReadContext, raw: Any, path: str) -> BatchingConfig | None:
@@ -249,15 +234,25 @@ MODEL_KEYS: tuple[Key, ...] = (
         Applied.ROLLING,
         "join requests of this model into one forward pass (off when null) ([more](#batching))."),
     Key("tolerance",
-        Custom(_read_tolerance,
-               "`min_cosine` (-1..1), `max_rel_error` (≥ 0 or null), `max_abs_error` (≥ 0 or null), `top1` (bool)",
-               {"min_cosine": 0.999, "max_rel_error": DEFAULT_MAX_REL_ERROR}),
+        Custom(read_tolerance,
+               "`min_cosine` (-1..1), `max_rel_error` (≥ 0 or null), `max_channel_error` (≥ 0 or null), "
+               "`max_abs_error` (≥ 0 or null), `top1` (bool), `outputs` (name → limits and `slices`), "
+               "`task_check` (`module:function` or null)",
+               DEFAULT_TOLERANCE),
         Applied.ROLLING,
         "how close to eager fp32 a profile must stay on the golden (or validation) inputs: the cosine of the worst "
         "sample (each row of the batch, all outputs joined); on each output with at most "
         f"{FEW_VALUES_PER_ROW} values per row (a score, a probability, a box), where a cosine cannot fail, the "
-        "largest difference as a fraction of eager's largest magnitude on that output; the largest absolute "
-        "difference; and argmax agreement on every row ([more](#tolerance))."),
+        "largest difference as a fraction of eager's largest magnitude on that output; on each output whose rows "
+        "are matrices (a packed detection head, a feature map), each channel's largest difference over eager's "
+        "largest magnitude on that channel (`max_channel_error`, by default √(10 (1 − min_cosine))); per-output "
+        "limits and declared slices; an optional task-level check; the largest absolute difference; and argmax "
+        "agreement on every row ([more](#tolerance))."),
+    Key("typical_shape",
+        Custom(read_typical_shape, "object: input name → full shape (batch first) the inputs accept, or null"),
+        Applied.ROLLING,
+        "the input size that is served: pick `fastest` times its candidates there; null: at the validation set's "
+        "largest shape group, else at the declared example ([more](#typical_shape))."),
     Key("channels_last", Flag(False), Applied.ROLLING,
         "NHWC memory layout for CNNs: the module and every 4-D input are converted (inputs arrive NCHW on the wire "
         "as usual) ([more](#channels_last))."),

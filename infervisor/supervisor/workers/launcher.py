@@ -118,6 +118,7 @@ def launch_spec(
         profiles=model.profiles,
         pick=model.pick,
         tolerance=model.tolerance,
+        typical_shape=model.typical_shape,
         channels_last=model.channels_last,
         cache_dir=str(resolve_cache_dir(config.cache_dir)),
         calibration=model.calibration,

@@ -45,6 +45,8 @@ class BuildContext:
     validation: Path | None = None
     #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
     served_batches: tuple[int, ...] = ()
+    #: Config `typical_shape` (input name -> full shape): the size pick "fastest" times at (timing_size.py).
+    typical_shape: dict[str, list[int]] | None = None
 
 
 @dataclass

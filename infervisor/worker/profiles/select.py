@@ -10,14 +10,10 @@ worker builds only the winner.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,19 +22,24 @@ import torch
 
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.cpuinfo import CpuCaps
-from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE, cpu_refusal
+from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE, TIMED_AT_NOTE, cpu_refusal
 from infervisor.common.text import clip
 from infervisor.protocol.constants import StartPhase
-from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.attempts import AttemptLog
 from infervisor.worker.profiles.build import build_profile
 from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
 from infervisor.worker.profiles.cache import NotBuiltYet, UntrustedCache
 from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.evidence import sample_count
-from infervisor.worker.profiles.export import ShapeNotServed, batch_only, batch_range, buckets_for
+from infervisor.worker.profiles.export import ShapeNotServed
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
+from infervisor.worker.profiles.parts import Array, parts_verdict
+from infervisor.worker.profiles.pick_record import decision_path, remember
+from infervisor.worker.profiles.pick_record import remembered_pick as remembered_pick
+from infervisor.worker.profiles.pick_record import served_batches as served_batches
+from infervisor.worker.profiles.task_check import TaskCheck
 from infervisor.worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
+from infervisor.worker.profiles.timing_size import TimingSize, timing_size
 from infervisor.worker.profiles.validate import Tolerance, compare, worst_of
 from infervisor.worker.progress import NoProgress, Progress
 from infervisor.worker.runner import FailedAtSize, ModelRunner, failed_at
@@ -63,8 +64,6 @@ _MAX_ROUNDS = 60
 NEEDS_BUILD = "needs a build: the background builder builds it"
 #: The summary of eager served first: the reference, neither built nor checked against itself.
 _REFERENCE_SUMMARY = "the reference"
-#: Bumped when what a remembered fastest-pick decision means changes: older ones are then decided again.
-_PICK_FORMAT = 2
 
 
 @dataclass
@@ -283,11 +282,15 @@ class _Trial:
         self.caps = caps
         self.eager = runner.module
         self.golden = golden_set(runner, validation, context.served_batches)
+        self.validation = validation
         self.cases = [case.inputs for case in self.golden.cases]
         #: Eager's outputs on the golden cases, and their names (so the gate can say which one failed), computed
         #: when the first candidate needs them: a worker serving first on eager alone runs none of them.
         self._reference: list[list[np.ndarray[Any, Any]]] | None = None
         self.output_names: list[str] = []
+        #: The worst figure of the parts (parts.py) of the last candidate that passed, for its summary.
+        self.part_note = ""
+        self.task_check = TaskCheck(tolerance.task_check, tolerance.task_check_dir) if tolerance.task_check else None
 
     @property
     def reference(self) -> list[list[np.ndarray[Any, Any]]]:
@@ -329,12 +332,15 @@ class _Trial:
                 self.runner.module = built.callable
                 self.outputs(self.golden.cases[0], references[0])  # first runs compile or specialise a graph
                 self.progress.phase(StartPhase.CHECKING, name)
+                cases = self.golden.cases
+                outputs = [self.outputs(case, reference) for case, reference in zip(cases, references, strict=True)]
+                own = self.tolerance.judged_by_output_rule()
                 agreements = [
-                    (compare(reference, self.outputs(case, reference), self.output_names), case.where)
-                    for case, reference in zip(self.golden.cases, references, strict=True)
+                    (compare(reference, got, self.output_names, own), case.where)
+                    for case, reference, got in zip(cases, references, outputs, strict=True)
                 ]
-                result = worst_of(agreements, self.golden.checked, sample_count(self.golden.cases))
-                failure = result.failure(self.tolerance)
+                result = worst_of(agreements, self.golden.checked, sample_count(cases))
+                failure = result.failure(self.tolerance) or self.beyond_the_cosine(references, outputs)
         except NotBuiltYet as exc:  # serving first: the background builder builds it
             failure, outcome = f"{exc}: the background builder builds it", StartPhase.REFUSED
         except ProfileError as exc:
@@ -346,13 +352,24 @@ class _Trial:
             self.progress.phase(outcome, name, failure)
             self.reset()
             return failure
-        summary = result.summary(self.tolerance.min_cosine, self.tolerance)
+        summary = "; ".join(filter(None, [result.summary(self.tolerance.min_cosine, self.tolerance), self.part_note]))
         warning = result.evidence(self.tolerance).warning()  # a pass by less than the samples spread: status says so
         if warning is not None:
             built.notes.append(f"{ACCURACY_WARNING_NOTE}{warning}")
         candidate = _Candidate(name, built, result.cosine, (time.perf_counter() - started) * 1000.0, summary=summary)
         self.progress.phase(StartPhase.PASSED, name, "; ".join([*built.notes, _built_in(candidate)]))
         return candidate
+
+    def beyond_the_cosine(self, references: list[list[Array]], outputs: list[list[Array]]) -> str | None:
+        """Why the parts of the outputs (parts.py) or the operator's task check refuse the candidate, or None."""
+        tolerance, cases = self.tolerance, self.golden.cases
+        failure, self.part_note = parts_verdict(
+            cases, references, outputs, self.output_names, tolerance.outputs, tolerance.max_channel_error
+        )
+        if failure is None and self.task_check is not None:
+            failure = self.task_check.failure(cases, references, outputs, self.output_names)
+            self.part_note += "; the task check passed on every case" if failure is None else ""
+        return failure
 
     def outputs(self, case: GoldenCase, reference: list[np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
         """The candidate's outputs on a golden input; eager's where the profile does not serve its shapes, as when
@@ -364,13 +381,15 @@ class _Trial:
         except Exception as exc:  # noqa: BLE001 - said with the sizes it failed at (the attempt skips the profile)
             raise FailedAtSize(failed_at(self.runner.specs, case.inputs, f"the gate's {case.label}", exc)) from exc
 
-    def time(self, candidates: Sequence[_Candidate]) -> Decision:
-        """Interleaved rounds of every candidate at each batch size the model serves, and the decision they make."""
+    def time(self, candidates: Sequence[_Candidate]) -> tuple[Decision, TimingSize]:
+        """Interleaved rounds of every candidate at the size that is served (timing_size.py), at each batch size the
+        model serves, and the decision they make."""
         batches = served_batches(self.runner.specs, self.context.served_batches)
-        inputs = {b: self.runner.example_inputs(batch=b) for b in batches}
+        size = timing_size(self.runner.specs, batches, self.validation, self.context.typical_shape)
+        inputs = size.inputs
 
         def contender(candidate: _Candidate) -> Contender:
-            runs = {b: (lambda case=inputs[b]: self.runner.forward(case)) for b in batches}
+            runs = {b: (lambda case=inputs[b]: self.runner.forward(case)) for b in size.batches}
             return Contender(candidate.name, lambda: self.install(candidate), runs)
 
         rounds = run_rounds(
@@ -380,7 +399,7 @@ class _Trial:
             _MAX_ROUNDS,
             guard=lambda name: self.attempts.attempting(name, "being timed"),
         )
-        return decide([c.name for c in candidates], rounds)
+        return decide([c.name for c in candidates], rounds), size
 
     def reset(self) -> None:
         """Back to eager, with every process-wide flag a profile switches off."""
@@ -391,45 +410,6 @@ class _Trial:
         """Serve the candidate."""
         self.runner.module = candidate.built.callable
         apply_global_flags(candidate.name)
-
-
-def served_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) -> tuple[int, ...]:
-    """The batch sizes a fastest pick times: the smallest the model takes, the packages' buckets, and the sizes
-    the broker joins requests into (`configured`), all within the batch's bounds; when the batch is not the only
-    dynamic dim, the example's size alone (other dims would change with it)."""
-    if not batch_only(specs):
-        return (1,)
-    low, high = batch_range(specs)
-    inside = {size for size in configured if low <= size and (high is None or size <= high)}
-    return tuple(sorted({*buckets_for(specs), *inside}))
-
-
-def remembered_pick(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
-    """Where a fastest pick of this chain for this model, machine and thread count is remembered (None: no cache)."""
-    return _decision_path(context, chain, tolerance, served_batches(context.specs, context.served_batches))
-
-
-def _decision_path(
-    context: BuildContext, chain: Sequence[str], tolerance: Tolerance, batches: Sequence[int]
-) -> Path | None:
-    if context.cache is None:
-        return None
-    key = {
-        "format": _PICK_FORMAT,
-        "batches": list(batches),
-        "inputs": [[s.name, s.dtype, s.config_shape()] for s in context.specs],
-        "model": context.digest,
-        "chain": list(chain),
-        "tolerance": asdict(tolerance),
-        "threads": torch.get_num_threads(),
-        "channels_last": context.channels_last,
-        "calibration": str(context.calibration),
-        "validation": str(context.validation),
-        "torch": torch.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    }
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return context.cache.root / f"pick-{name}.json"
 
 
 def select_profile(
@@ -477,7 +457,7 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
-    path = _decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
+    path = decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
     if path is None or context.cache is None or not path.exists():
         return None
     try:
@@ -489,7 +469,8 @@ def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], toleran
     if not isinstance(outcome, _Candidate):
         log.warning("cached_pick_failed", profile=name, reason=outcome)
         return None
-    notes = [*outcome.built.notes, _built_in(outcome), f"{summary} (decided earlier, {path.name})"]
+    timed = [f"{TIMED_AT_NOTE}{decision['timed_at']}"] if decision.get("timed_at") else []
+    notes = [*outcome.built.notes, _built_in(outcome), *timed, f"{summary} (decided earlier, {path.name})"]
     log.info("profile_selected", profile=name, build_ms=round(outcome.build_ms, 1), pick="cached")
     return Selection(name, list(decision.get("skipped", [])), outcome.build_ms, outcome.cosine, notes)
 
@@ -519,14 +500,16 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
         return _last_resort(trial, chain, skipped)
     batches = served_batches(trial.runner.specs, context.served_batches)
     record: dict[str, object] = {"threads": torch.get_num_threads(), "batches": list(batches)}
+    timed: list[str] = []
     if len(passed) == 1:
         (best,) = passed
         summary = f"fastest pick: {best.name} is the only profile of the chain that passed (not timed)"
     else:
         trial.progress.phase(StartPhase.TIMING, ", ".join(c.name for c in passed))
-        decision = trial.time(passed)
+        decision, size = trial.time(passed)
         best = next(c for c in passed if c.name == decision.profile)
-        summary = describe(decision, torch.get_num_threads())
+        summary = describe(decision, torch.get_num_threads(), size.text)
+        timed = [f"{TIMED_AT_NOTE}{size.text}"]
         served = decision.ratios[best.name]
         skipped += [
             f"{c.name}: passed (cosine {c.cosine:.5f}), not picked: x{decision.ratios[c.name] / served:.3f} the "
@@ -541,29 +524,16 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
             ratios={n: round(r, 4) for n, r in decision.ratios.items()},
             noise={n: round(x, 4) for n, x in decision.noise.items()},
             reason=decision.reason,
+            timed_at=size.text,
         )
     passed.clear()  # the losers' weights and packages go with their last reference
     trial.reset()
     trial.install(best)
     record.update(profile=best.name, summary=summary, skipped=skipped)
-    _remember(_decision_path(context, chain, tolerance, batches), record)
-    notes = [*best.built.notes, _built_in(best), summary]
+    remember(decision_path(context, chain, tolerance, batches), record)
+    notes = [*best.built.notes, _built_in(best), *timed, summary]
     log.info("profile_selected", profile=best.name, pick="fastest", decision=record.get("reason"), skipped=skipped)
     return Selection(best.name, skipped, best.build_ms, best.cosine, notes)
-
-
-def _remember(path: Path | None, decision: dict[str, object]) -> None:
-    """Store a fastest-pick decision atomically; siblings may write the same one at once, and losing it is harmless."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        with os.fdopen(handle, "w") as file:
-            json.dump(decision, file)
-        os.replace(temporary, path)
-    except OSError as exc:  # a full or read-only cache only costs the next restart a new pick
-        log.warning("pick_not_remembered", path=str(path), error=str(exc))
 
 
 def check_profiles(

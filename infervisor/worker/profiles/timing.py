@@ -187,7 +187,7 @@ def decide(chain: Sequence[str], rounds: Rounds) -> Decision:
     )
 
 
-def describe(decision: Decision, threads: int) -> str:
+def describe(decision: Decision, threads: int, size: str = "") -> str:
     """One line for the worker's profile_build notes: each candidate's medians and its ratio to the fastest.
 
     The ratio is the geometric mean of the printed medians over the fastest's, so the figures support the decision.
@@ -199,5 +199,6 @@ def describe(decision: Decision, threads: int) -> str:
     )
     return (
         f"fastest pick over {decision.rounds} interleaved rounds at batch {sizes}, {threads} thread(s), "
+        f"{f'inputs {size}, ' if size else ''}"
         f"per sample: {figures}; {decision.reason}"
     )

@@ -8,25 +8,58 @@ off by 0.89 keeps it at 1.0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from infervisor.common.accuracy import DEFAULT_MAX_REL_ERROR, FEW_VALUES_PER_ROW, cosine_text
+from infervisor.common.accuracy import (
+    DEFAULT_MAX_REL_ERROR,
+    FEW_VALUES_PER_ROW,
+    channel_limit,
+    cosine_text,
+)
 from infervisor.worker.profiles.evidence import Evidence, spread
+from infervisor.worker.profiles.parts import OutputRule, output_rules
+
+#: Tolerance.max_channel_error's default: derived from min_cosine (common.accuracy.channel_limit).
+FROM_COSINE = -1.0
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close to eager a profile must stay: cosine, relative error on few-value outputs (None: not checked), and
-    optionally max abs error and top-1 agreement."""
+    """How close to eager a profile must stay: cosine, relative error on few-value outputs (None: not checked), each
+    channel of a matrix-shaped output on its own scale (parts.py), per-output rules, an optional task-level check,
+    and optionally max abs error and top-1 agreement."""
 
     min_cosine: float = 0.999
     max_abs_error: float | None = None
     top1: bool = False
     max_rel_error: float | None = DEFAULT_MAX_REL_ERROR
+    #: Default (FROM_COSINE): common.accuracy.channel_limit(min_cosine); None: not checked.
+    max_channel_error: float | None = FROM_COSINE
+    #: Output name -> its own limits and declared slices.
+    outputs: Mapping[str, OutputRule] = field(default_factory=dict)
+    #: `module:function` given eager's and the profile's outputs by name, returning (passed, reason).
+    task_check: str | None = None
+    #: The config's folder: searched for the task check's module after PYTHONPATH and site-packages.
+    task_check_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_channel_error == FROM_COSINE:  # frozen: the derived default is set once, here
+            object.__setattr__(self, "max_channel_error", channel_limit(self.min_cosine))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Tolerance:
+        """From the LaunchSpec's JSON form (an older spec without the newer keys takes their defaults)."""
+        values = dict(raw)
+        values["outputs"] = output_rules(values.get("outputs") or {})
+        return cls(**values)
+
+    def judged_by_output_rule(self) -> Collection[str]:
+        """Outputs given their own max_rel_error: the default on few-value outputs leaves them to it."""
+        return [name for name, rule in self.outputs.items() if rule.max_rel_error is not None]
 
 
 @dataclass(frozen=True)
@@ -189,10 +222,14 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
 
 
 def compare(
-    reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str] = ()
+    reference: list[np.ndarray[Any, Any]],
+    candidate: list[np.ndarray[Any, Any]],
+    names: Sequence[str] = (),
+    own_rules: Collection[str] = (),
 ) -> Agreement:
     """The worst per-sample cosine, the largest absolute difference, argmax agreement per row, and the worst
-    relative error over the outputs with few values per row (`names` name the outputs; default `output i`).
+    relative error over the outputs with few values per row (`names` name the outputs; default `output i`), except
+    those with a relative error of their own (`own_rules`, judged by parts.py).
 
     Cosine is taken per sample (row of the batch, all outputs joined) and the minimum is kept: one
     flattened cosine over a batch would let seven good answers hide a bad eighth.
@@ -223,7 +260,7 @@ def compare(
         for r, c in zip(reference, candidate, strict=True)
         if r.ndim >= 1 and r.shape[0] > 0 and r.size > 0
     )
-    relative = _relative_error(reference, candidate, names)
+    relative = _relative_error(reference, candidate, names, own_rules)
     if not len(cosines):
         return Agreement(1.0, 0.0, top1, rows=0, relative=relative)
     worst, largest = int(np.argmin(cosines)), int(np.argmax(errors))
@@ -272,7 +309,10 @@ def _finite_problem(
 
 
 def _relative_error(
-    reference: list[np.ndarray[Any, Any]], candidate: list[np.ndarray[Any, Any]], names: Sequence[str]
+    reference: list[np.ndarray[Any, Any]],
+    candidate: list[np.ndarray[Any, Any]],
+    names: Sequence[str],
+    own_rules: Collection[str] = (),
 ) -> RelativeError:
     """The worst, over outputs with at most FEW_VALUES_PER_ROW values per row, of max |eager - profile| divided by
     max |eager| on that output (the absolute difference where eager gives only zeros).
@@ -284,14 +324,14 @@ def _relative_error(
     for index, (want, got) in enumerate(zip(reference, candidate, strict=True)):
         rows = want.shape[0] if want.ndim >= 1 and want.shape[0] > 0 else 1
         values = want.size // rows if want.ndim >= 1 else want.size
-        if not 0 < values <= FEW_VALUES_PER_ROW:
+        name = names[index] if index < len(names) else f"output {index}"
+        if not 0 < values <= FEW_VALUES_PER_ROW or name in own_rules:
             continue
         wanted = want.astype(np.float64).reshape(rows, -1)
         difference = np.abs(wanted - got.astype(np.float64).reshape(rows, -1)).max(axis=1)
         scale = float(np.abs(wanted).max())
         row = int(np.argmax(difference))
         error = float(difference[row]) / scale if scale > 0 else float(difference[row])
-        name = names[index] if index < len(names) else f"output {index}"
         if not worst.output or not error <= worst.error:  # NaN counts as the worst
             per_row = tuple(float(d) / scale if scale > 0 else float(d) for d in difference)
             worst = RelativeError(error, name, values, row, per_row)
