@@ -14,7 +14,8 @@ never sampled: the broker never copies them (the worker reads them), and reading
 the client wrote there since, so a verdict on them could blame the profile for the client's next request.
 
 The budget is spent by an estimate: the audit process reports the CPU time each audit took, and a sample is
-taken when the bucket (filled at `budget` CPU-ms per ms, holding up to 10 s of it) has that much for its rows.
+taken when the bucket (filled at `budget` CPU-ms per ms, holding 1 s of it, or one audit) has that much for its
+rows: a burst after a quiet spell stays one second's share.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ log = structlog.get_logger("supervisor")
 MAX_HELD = 8
 MAX_HELD_BYTES = 64 * 2**20
 #: Seconds of budget the bucket holds: a burst after a quiet spell stays this small.
-_BUCKET_S = 10.0
+_BUCKET_S = 1.0
 #: Before the audit process has timed one row: eager is taken to cost this many times the served service time.
 _FIRST_GUESS_FACTOR = 2.0
 
