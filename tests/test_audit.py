@@ -4,6 +4,7 @@ process is contained (kill -9 restarts it, serving goes on), and nothing is audi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable
@@ -12,9 +13,12 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 
 from infervisor.protocol.client import Client
 from infervisor.supervisor.commands.status import format_status
+from infervisor.supervisor.settings.audit_keys import AuditAction, AuditConfig
+from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.evidence_models import OFF_INPUTS
 
@@ -158,3 +162,26 @@ def test_no_audit_without_budget_nor_on_an_eager_model(start_daemon: Callable[..
     assert status["off"]["audit"] is None and status["off"]["serving"] == ["jit"], status["off"]
     plain = status["plain"]["audit"]
     assert plain["rows_audited"] == 0 and plain["process"]["state"] == "off", plain
+
+
+def _audit_key(value: object, tmp_path: Path) -> AuditConfig:
+    entry: dict[str, object] = {
+        "source": {"builtin": "tiny"},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}],
+    }
+    if value is not None:
+        entry["audit"] = value
+    config = parse_config(json.dumps({"models": {"m": entry}}), tmp_path)
+    return config.models["m"].audit
+
+
+def test_the_audit_key_defaults_on_and_refuses_what_it_cannot_mean(tmp_path: Path) -> None:
+    """Absent: 2% of a core and fallback; a budget past one core, a negative one or an unknown action is refused."""
+    assert _audit_key(None, tmp_path) == AuditConfig(0.02, AuditAction.FALLBACK)
+    assert _audit_key({"budget": 0}, tmp_path).budget == 0
+    assert _audit_key({"action": "report"}, tmp_path) == AuditConfig(0.02, AuditAction.REPORT)
+    for bad, path in (({"budget": 1.5}, "budget"), ({"budget": -0.1}, "budget"), ({"action": "kill"}, "action"),
+                      ({"every": 3}, "every"), ("on", "audit")):  # fmt: skip
+        with pytest.raises(ConfigError) as info:
+            _audit_key(bad, tmp_path)
+        assert any("models.m.audit" in p and path in p for p in info.value.problems), info.value.problems
