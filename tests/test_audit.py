@@ -185,3 +185,42 @@ def test_the_audit_key_defaults_on_and_refuses_what_it_cannot_mean(tmp_path: Pat
         with pytest.raises(ConfigError) as info:
             _audit_key(bad, tmp_path)
         assert any("models.m.audit" in p and path in p for p in info.value.problems), info.value.problems
+
+
+def _write_scripted(path: Path, seed: int) -> None:
+    """A TorchScript file of Linear(8, 16) + tanh with weights drawn from `seed`."""
+    import torch
+
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()).eval()
+    torch.jit.script(module).save(str(path))  # type: ignore[no-untyped-call]
+
+
+def test_a_changed_model_file_is_audited_against_its_new_weights(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """New weights on disk: the workers and the audit process both load them, and the old weights' eager never
+    judges the new answers (no row below tolerance, no fallback)."""
+    path = tmp_path / "model.pt"
+    _write_scripted(path, seed=1)
+    entry = model_entry({"torchscript": str(path)}, OFF_INPUTS, profiles=["jit", "eager"], audit=FAST)
+    daemon = start_daemon({"models": {"m": entry}})
+    worker = daemon.wait_ready(240)["models"]["m"]["workers"][0]["pid"]
+    with daemon.client() as client:
+        first = _send_until(daemon, client, "m", -1.0, lambda s: s["models"]["m"]["audit"]["rows_audited"] >= 2,
+                            120, "audits of the first weights")  # fmt: skip
+        audit_pid = first["models"]["m"]["audit"]["process"]["pid"]
+        _write_scripted(path, seed=2)
+        os.utime(path)
+
+        def new_weights_audited(status: dict[str, Any]) -> bool:
+            model = status["models"]["m"]
+            pids = [w["pid"] for w in model["workers"] if w["state"] == "serving"]
+            audit = model["audit"]
+            return bool(pids and worker not in pids and audit["process"]["pid"] not in (None, audit_pid)
+                        and audit["rows_audited"] >= first["models"]["m"]["audit"]["rows_audited"] + 3)  # fmt: skip
+
+        after = _send_until(daemon, client, "m", -1.0, new_weights_audited, 180, "the new weights audited")
+    model = after["models"]["m"]
+    assert model["audit"]["rows_below_tolerance"] == 0 and model.get("fallback") is None, model["audit"]
+    assert model["serving"] == ["jit"], model

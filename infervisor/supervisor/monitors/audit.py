@@ -77,9 +77,24 @@ class ModelAudit:
     filled_at: float = 0.0
     #: Profiles a finding already moved down from (one fallback per profile; cleared once it serves nowhere).
     acted_on: set[str] = field(default_factory=set)
+    #: What the audit process loads and judges by (model_fingerprint), and when it last changed (monotonic).
+    fingerprint: tuple[object, ...] | None = None
+    changed_at: float = 0.0
 
     def held_bytes(self) -> int:
         return sum(s.nbytes for s in self.waiting) + sum(s.nbytes for s in self.sent.values())
+
+
+def model_fingerprint(model: ModelConfig) -> tuple[object, ...]:
+    """What eager fp32 and the verdict depend on: the source (and its file's size and mtime), specs, tolerance."""
+    stat: tuple[int, int] | None = None
+    if model.source.path is not None:
+        try:
+            found = os.stat(model.source.path)
+            stat = (found.st_mtime_ns, found.st_size)
+        except OSError:
+            stat = None
+    return (model.source, stat, model.inputs, model.outputs, tuple(sorted(model.tolerance.items())))
 
 
 def audited(model: ModelConfig | None, profile: str | None) -> bool:
@@ -110,6 +125,8 @@ class AuditWatch:
             audit = self.audits[model.name] = ModelAudit(AuditProcess(model.name))
         if audit.process.state is not AuditState.READY and (audit.waiting or audit.sent):
             return  # one sample waits for the process to (re)start: nothing more is held, and nothing is dropped
+        if slot.proc.ready_at < audit.changed_at:
+            return  # a worker of the model as it was before its file or config changed: eager is the new one
         now = time.monotonic()
         cost = self.cost_ms(audit, slot, request.rows)
         cap = max(model.audit.budget * _BUCKET_S * 1000.0, cost)
@@ -159,6 +176,7 @@ class AuditWatch:
                 self.audits.pop(name).process.stop()
         for name, audit in self.audits.items():
             model = view.config.models[name]
+            self.follow_changes(audit, model, now)
             serving = view.serving.get(name, ())
             served = {s.proc.profile for s in serving if s.proc.profile}
             audit.acted_on &= served
@@ -178,6 +196,19 @@ class AuditWatch:
             finding = self.judge(audit, model, result)
             if finding is not None:
                 self.found.append(finding)
+
+    def follow_changes(self, audit: ModelAudit, model: ModelConfig, now: float) -> None:
+        """A changed model file, source, spec or tolerance: the process loads it afresh, and answers of workers
+        ready before the change are not judged against it (a rollout replaces them), lest the old weights'
+        answers be called wrong by the new weights' eager."""
+        fingerprint = model_fingerprint(model)
+        if audit.fingerprint is None:
+            audit.fingerprint = fingerprint
+        elif fingerprint != audit.fingerprint:
+            audit.fingerprint, audit.changed_at = fingerprint, now
+            self.forget_samples(audit, dropped=False)
+            audit.acted_on.clear()
+            audit.process.stop()
 
     def keep_process(self, audit: ModelAudit, model: ModelConfig, view: MonitorView, now: float) -> None:
         """Start the process when samples wait, restart it after its back-off, end it when it hangs."""
