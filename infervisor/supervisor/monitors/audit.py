@@ -47,6 +47,9 @@ MAX_HELD = 8
 MAX_HELD_BYTES = 64 * 2**20
 #: Seconds of budget the bucket holds: a burst after a quiet spell stays this small.
 _BUCKET_S = 1.0
+#: A profile still served this long after a finding acted on it (its fallback refused, rolled back or undone by
+#: the operator's reset) is acted on again at its next row below tolerance.
+ACT_AGAIN_S = 600.0
 #: Before the audit process has timed one row: eager is taken to cost this many times the served service time.
 _FIRST_GUESS_FACTOR = 2.0
 
@@ -75,8 +78,9 @@ class ModelAudit:
     sent: dict[int, Sample] = field(default_factory=dict)
     tokens_ms: float | None = None
     filled_at: float = 0.0
-    #: Profiles a finding already moved down from (one fallback per profile; cleared once it serves nowhere).
-    acted_on: set[str] = field(default_factory=set)
+    #: Profile -> when a finding acted on it (monotonic): one action per profile while its fallback rolls out;
+    #: forgotten once it serves nowhere, or after ACT_AGAIN_S if it still serves (that fallback did not take).
+    acted_on: dict[str, float] = field(default_factory=dict)
     #: What the audit process loads and judges by (model_fingerprint), and when it last changed (monotonic).
     fingerprint: tuple[object, ...] | None = None
     changed_at: float = 0.0
@@ -179,7 +183,7 @@ class AuditWatch:
             self.follow_changes(audit, model, now)
             serving = view.serving.get(name, ())
             served = {s.proc.profile for s in serving if s.proc.profile}
-            audit.acted_on &= served
+            audit.acted_on = {p: at for p, at in audit.acted_on.items() if p in served and now - at < ACT_AGAIN_S}
             if not any(audited(model, p) for p in served) or model.audit.budget <= 0:
                 self.forget_samples(audit, dropped=False)
                 audit.process.stop()
@@ -246,7 +250,7 @@ class AuditWatch:
         slot = sample.slot
         if slot.state is not SlotState.SERVING or slot.proc.profile != sample.profile:
             return None  # the profile already left this worker (a rollout); the next sample of it will say
-        audit.acted_on.add(sample.profile)
+        audit.acted_on[sample.profile] = time.monotonic()
         reason = found.reason(float(model.tolerance.get("min_cosine", 0.999)))
         detail: dict[str, object] = {"reason": reason, **found.report()}
         action = Action.FALLBACK if model.audit.action is AuditAction.FALLBACK else Action.NOTE
