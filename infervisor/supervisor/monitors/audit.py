@@ -119,7 +119,14 @@ class AuditWatch:
     # ---- the broker's side: one call per successful answer --------------------------------------
 
     def offer(self, slot: WorkerSlot, request: PendingRequest, answer: list[Any]) -> None:
-        """Hold this answer for the audit if its model is audited and the budget has room (never blocks)."""
+        """Hold this answer for the audit if its model is audited and the budget has room (never blocks, never
+        raises: a bug here costs a sample, never the reply the broker sends next)."""
+        try:
+            self.take(slot, request, answer)
+        except Exception:  # noqa: BLE001 - the audit must not reach serving
+            log.exception("audit_offer_failed", model=slot.model.name)
+
+    def take(self, slot: WorkerSlot, request: PendingRequest, answer: list[Any]) -> None:
         model = self.config.models.get(slot.model.name) if self.config is not None else None
         profile = slot.proc.profile
         if model is None or not audited(model, profile) or request.reader is not None or profile is None:
