@@ -780,6 +780,7 @@ def _another(key: Key, folder: Path) -> object:
         "tolerance": {"min_cosine": 0.9},
         "typical_shape": {"x": [2, 16]},
         "batching": {"max_batch_size": 8},
+        "audit": {"budget": 0.1, "action": "report"},
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",
         "metrics_listen": "127.0.0.1:9464",

@@ -181,15 +181,52 @@ class Batch:
     frame_counts: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class Audit:
+    """Supervisor -> audit process: re-run a served request on eager fp32 and compare with the answer it got.
+
+    `input_frames` frames follow first (the client's infer header and tensor frames, as the worker got them),
+    then the client result header and output frames the worker answered with.
+    """
+
+    TYPE: ClassVar = WorkerMessageType.AUDIT
+    seq: int
+    input_frames: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuditResult:
+    """Audit process -> supervisor: the served answer against eager fp32, by the gate's measures, per row."""
+
+    TYPE: ClassVar = WorkerMessageType.AUDIT_RESULT
+    seq: int
+    #: Rows compared, and how many of them miss the model's tolerance.
+    rows: int
+    rows_below: int
+    #: The worst row's cosine and its index; the worst relative error on a few-value output ("" when none is judged).
+    cosine: float
+    worst_row: int
+    relative_error: float
+    relative_output: str
+    max_abs_error: float
+    top1_agree: bool
+    #: Why the worst row misses the tolerance, in the gate's words; None when every row meets it.
+    failure: str | None
+    #: The inputs' shapes, e.g. `x[4, 8]`.
+    shapes: str
+    #: CPU time the audit took in its process (decode, eager forward, compare): what the budget is spent on.
+    cpu_ms: float
+
+
 WorkerMessage = (
     Ready | Heartbeat | Request | Reply | Stats | Drain | Stop | Canary | CanaryResult | Profile | ProfileResult
-    | Progress | Batch | LoadError
+    | Progress | Batch | LoadError | Audit | AuditResult
 )  # fmt: skip
 _CLASSES: dict[int, type[Any]] = {
     cls.TYPE: cls
     for cls in (
         Ready, Heartbeat, Request, Reply, Stats, Drain, Stop, Canary, CanaryResult, Profile, ProfileResult, Progress,
-        Batch, LoadError,
+        Batch, LoadError, Audit, AuditResult,
     )
 }  # fmt: skip
 

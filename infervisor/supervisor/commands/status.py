@@ -51,6 +51,20 @@ def describe_fallback(name: str, fallback: dict[str, Any]) -> str:
     return line + (f"; {fallback['note']}" if fallback.get("note") else "")
 
 
+def describe_audit(audit: dict[str, Any]) -> str:
+    """`412 rows audited, 3 below tolerance, worst cosine 0.9987 (x[1, 8]); process ready pid 812 (budget 0.02)`."""
+    process = audit.get("process") or {}
+    state = process.get("state", "off")
+    where = f"process {state}" + (f" pid {process['pid']}" if process.get("pid") else "")
+    if process.get("restarts"):
+        where += f", {process['restarts']} restarts (last: {process.get('last_exit')})"
+    line = f"{audit.get('summary')}; {where} (budget {audit.get('budget')}, {audit.get('action')})"
+    finding = audit.get("last_finding")
+    if finding:
+        line += f"; last finding: {finding.get('failure')} on row {finding.get('row')} of {finding.get('input_shape')}"
+    return line
+
+
 def format_status(status: dict[str, Any], notes: bool = True) -> str:
     """Human table of a status document (`notes`: with why each worker serves its profile, under the table)."""
     config = status["config"]
@@ -98,6 +112,8 @@ def format_status(status: dict[str, Any], notes: bool = True) -> str:
         build = model.get("build") or {}
         serving = ", ".join(model.get("serving") or []) or "nothing yet"
         lines.append(f"  serves {serving}" + (f"; {build['summary']}" if build.get("summary") else ""))
+        if model.get("audit"):
+            lines.append(f"  audit: {describe_audit(model['audit'])}")
         lines.append(header)
         for w in model["workers"]:
             cores = ",".join(str(c) for c in w["cores"])

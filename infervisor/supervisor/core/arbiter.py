@@ -178,8 +178,10 @@ class Arbiter:
         """Take a snapshot and hand it to the metrics endpoint (which never reads the loop's state itself)."""
         parts = self.parts
         memory, thermal = parts.monitors.memory, parts.monitors.thermal
+        audit, models = parts.monitors.audit, self.config.models
+        audits = {name: r for name in models if (r := audit.report(name, models[name])) is not None}
         readings = Readings(
-            memory.rss_mb(), memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts
+            memory.rss_mb(), memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts, audits
         )
         snapshot = take_snapshot(
             self.pool, self.broker, readings, self.fallback.fallbacks, time.time(), time.monotonic()
@@ -199,6 +201,7 @@ class Arbiter:
     def shutdown(self) -> None:
         """Kill anything still alive, then close sockets so no file is left behind."""
         self.parts.metrics.close()
+        self.parts.monitors.audit.stop_all()
         self.pool.stop.shutdown()
         self.broker.close()
         self.control.close()

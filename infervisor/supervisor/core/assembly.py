@@ -113,6 +113,7 @@ def assemble(
     broker = Broker(endpoints, loop, links, serving, anomalies)
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
+    broker.audit_tap = monitors.audit.offer
     fallback = FallbackControl(serving, pool)
     responses = Responses(serving, pool, broker, links, fallback, monitors.canaries)
     # Each worker message goes straight to its owner; a link that lost its framing, to the pool.

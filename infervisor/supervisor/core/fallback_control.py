@@ -1,4 +1,5 @@
-"""The live fallback's steps: `infervisor fallback` and a repeated canary mismatch roll a model down its chain.
+"""The live fallback's steps: `infervisor fallback`, a repeated canary mismatch and the live audit's finding of a row
+below tolerance roll a model down its chain.
 
 infervisor/supervisor/settings/fallback.py decides the chains and keeps what is in force; this module turns a decision
 into a readiness-gated rollout of the model's pool (the rollout target, then one worker at a time).
@@ -42,11 +43,19 @@ class FallbackControl:
         return self.fall_back(model, (reason or "operator command")[:200], FallbackOrigin.OPERATOR)
 
     def for_finding(self, slot: WorkerSlot, finding: Finding) -> bool:
-        """A monitor's repeated evidence against the slot's profile moves its model down; False when it cannot."""
-        earlier = finding.detail.get("earlier_pids")
-        pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
-        reason = f"{finding.monitor} on {slot.proc.profile} repeated in pids {pids}"
-        answer = self.fall_back(slot.model.name, reason, FallbackOrigin.CANARY)
+        """A monitor's evidence against the slot's profile moves its model down; False when it cannot.
+
+        The audit's finding says why itself (`reason`: the row, its figures, the tolerance, the input shape);
+        a canary's is its mismatch repeated in other processes of the profile.
+        """
+        said = finding.detail.get("reason")
+        if isinstance(said, str):
+            reason, origin = said, FallbackOrigin.AUDIT
+        else:
+            earlier = finding.detail.get("earlier_pids")
+            pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
+            reason, origin = f"{finding.monitor} on {slot.proc.profile} repeated in pids {pids}", FallbackOrigin.CANARY
+        answer = self.fall_back(slot.model.name, reason, origin)
         if not answer["ok"]:
             log.warning("fallback_not_possible", slot=slot.name, reason=reason, why=answer["error"])
         return bool(answer["ok"])

@@ -3,7 +3,8 @@
 core/assembly.py builds the monitors from `MONITORS` once at start, the arbiter runs every one each turn;
 adding a monitor is one module in this package and one entry here. A few monitors keep readings the
 daemon uses beyond their findings (heat for the idle-polling hold and load shedding, memory samples
-for the metrics, canary verdicts for worker replies): `Monitors` names those, typed, by their class.
+for the metrics, canary verdicts for worker replies, the audit's sampler for the broker): `Monitors`
+names those, typed, by their class.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from infervisor.supervisor.monitors.age import AgeWatch
+from infervisor.supervisor.monitors.audit import AuditWatch
 from infervisor.supervisor.monitors.canary import CanaryWatch
 from infervisor.supervisor.monitors.drift import DriftWatch
 from infervisor.supervisor.monitors.findings import Finding
@@ -39,6 +41,9 @@ MONITORS: tuple[MonitorEntry, ...] = (
     MonitorEntry("drift", "a worker slower than its own warm baseline while its siblings are not", DriftWatch),
     MonitorEntry("canary", "golden inputs rerun periodically must match the worker's warm-up outputs", CanaryWatch),
     MonitorEntry("thermal", "zone temperatures, throttle counters and clock from sysfs", ThermalWatch),
+    MonitorEntry(
+        "audit", "served answers of optimised profiles, sampled within a CPU budget, rerun on eager fp32", AuditWatch
+    ),
 )
 
 
@@ -50,6 +55,7 @@ class Monitors:
         self.memory = self.one(MemoryWatch)
         self.canaries = self.one(CanaryWatch)
         self.thermal = self.one(ThermalWatch)
+        self.audit = self.one(AuditWatch)
 
     def one(self, kind: type[Watch]) -> Watch:
         """The one monitor of this class (the daemon reads its readings, so the table must hold exactly one)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from infervisor.supervisor.instruments.recorders import ModelTimes, ReloadStats
@@ -39,6 +39,8 @@ class Readings:
     thermal: Mapping[str, Any]
     reloads: ReloadStats
     anomalies: Mapping[str, int]
+    #: Per model, the live audit's report (monitors/audit.py: AuditWatch.report); absent when it is not audited.
+    audits: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
 
 
 def take_snapshot(
@@ -51,7 +53,7 @@ def take_snapshot(
     reloads = readings.reloads
     return Snapshot(
         taken_at=now,
-        models=tuple(_models(pool, broker, fallbacks)),
+        models=tuple(_models(pool, broker, fallbacks, readings.audits)),
         slots=tuple(_slot_sample(slot, role, readings, clock, broker.load_of(slot).size) for slot, role in roles),
         refused=tuple(sorted(broker.refused.items())),
         # Every reason of every model, from 0: a first crash then shows in increase().
@@ -78,7 +80,9 @@ def take_snapshot(
     )
 
 
-def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> list[ModelSample]:
+def _models(
+    pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None, audits: Mapping[str, Mapping[str, object]]
+) -> list[ModelSample]:
     """One sample per model of the pool that has a queue."""
     config = pool.serving.current
     errors = pool.roster.model_errors(pool.rollout.failed)
@@ -106,6 +110,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
                 config_state=state,
                 config_error=error,
                 build=build.report(time.monotonic()) if build is not None else None,
+                audit=audits.get(name),
                 **_queue_figures(queue),
             )
         )

@@ -28,6 +28,7 @@ from prometheus_client.metrics_core import (
 from infervisor.common.text import clip
 from infervisor.protocol.constants import PROTOCOL_VERSION, ErrorCode
 from infervisor.supervisor.instruments.recorders import ReloadOutcome
+from infervisor.supervisor.observe.audit_metrics import audit_families
 from infervisor.supervisor.observe.http_endpoint import HttpEndpoint
 from infervisor.supervisor.observe.snapshot import Role, Snapshot
 from infervisor.supervisor.workers.slot import SlotState
@@ -79,6 +80,7 @@ class SnapshotCollector:
         yield from _request_families(snapshot)
         yield from _worker_families(snapshot)
         yield from _build_families(snapshot)
+        yield from audit_families(snapshot)
         yield from _daemon_families(snapshot)
 
 

@@ -109,6 +109,8 @@ class ModelSample:
     config_error: str | None
     #: Its background build (lifecycle/background_build.py: ModelBuild.report), None when it has none.
     build: Mapping[str, object] | None = None
+    #: Its live audit (monitors/audit.py: AuditWatch.report), None when it is not audited.
+    audit: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
                 {s.profile for s in snapshot.slots_of(sample.name) if s.state.value == "serving" and s.profile}
             ),
             "build": sample.build,
+            "audit": sample.audit,
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
             "workers": [

@@ -51,6 +51,8 @@ _ALIVE = (SlotState.SERVING, SlotState.STARTING, SlotState.BACKOFF)
 
 #: The workers a model routes to (the pool's members; None once the model left the config).
 Members = Callable[[str], Sequence[WorkerSlot] | None]
+#: Offered every successful answer (slot, request, the worker's result frames): the live audit's sampler.
+AuditTap = Callable[[WorkerSlot, PendingRequest, list[Any]], None]
 
 
 def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
@@ -117,6 +119,8 @@ class Broker:
         #: Models whose head request waits for batch companions, and until when.
         self.batch_due: dict[str, float] = {}
         self.batches_sent = 0
+        #: The live audit's sampler (monitors/audit.py: AuditWatch.offer), wired by core/assembly.py.
+        self.audit_tap: AuditTap = lambda slot, request, frames: None
         self.sync_queues()
 
     def stop_accepting(self) -> None:
@@ -465,6 +469,7 @@ class Broker:
             self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
         else:
             # The worker wrote the client's result header itself: forwarded as is, never re-encoded.
+            self.audit_tap(slot, request, frames)
             self.replies.finish(request, None, frames[0], frames[1:])
 
     def close(self) -> None:

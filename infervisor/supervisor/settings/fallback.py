@@ -1,4 +1,5 @@
-"""The fallback path that is always there: a model moved down its validated chain, live, and back.
+"""The fallback path that is always there: a model moved down its validated chain, live, and back (by the
+operator, a repeated canary mismatch, or the live audit).
 
 A fallback is an overlay on config.json: the model's workers are rebuilt with the chain that
 starts after the profile they serve now, and every later reload applies the same overlay, so an
@@ -30,6 +31,7 @@ class FallbackOrigin(enum.Enum):
 
     OPERATOR = "operator"  # `infervisor fallback --model M`
     CANARY = "canary"  # a canary mismatch that repeated on another process of the same profile
+    AUDIT = "audit"  # the live audit found a served row below tolerance against eager fp32
 
 
 class FallbackState(enum.Enum):

@@ -16,6 +16,7 @@ from infervisor.common.profiles import PROFILE_NAMES
 from infervisor.protocol.launch import PICK_MODES, ModelSource
 from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorSpec
+from infervisor.supervisor.settings.audit_keys import DEFAULT_AUDIT_BUDGET, AuditConfig, read_audit
 from infervisor.supervisor.settings.config_keys import (
     Applied,
     Choice,
@@ -99,6 +100,7 @@ class ModelConfig:
     canary_interval_s: float | None
     canary_tolerance: float
     batching: BatchingConfig | None
+    audit: AuditConfig
 
 
 def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
@@ -279,5 +281,12 @@ MODEL_KEYS: tuple[Key, ...] = (
         "period of canaries."),
     Key("canary_tolerance", Number(1e-4, 0.0), Applied.LIVE,
         "a canary fails when its largest absolute error exceeds `canary_tolerance × max(1, scale)`."),
+    Key("audit",
+        Custom(read_audit, "`{budget, action}`: `budget` a share of one core in [0, 1] (0 = off), `action` "
+               "`fallback` or `report`", {"budget": DEFAULT_AUDIT_BUDGET, "action": "fallback"}),
+        Applied.LIVE,
+        "the live audit: served answers of a compiled or quantized profile, sampled within `budget` of one core, "
+        "re-run on eager fp32 at the lowest CPU priority and judged by `tolerance`; a row below it makes the model "
+        "fall back one step (`fallback`) or is only reported (`report`) ([more](optimization.md#the-live-audit))."),
 )
 # fmt: on

@@ -25,6 +25,10 @@ _generations = itertools.count(1)
 #: Send buffer asked for on each end of a worker link (Linux doubles it, up to 2 x net.core.wmem_max).
 _LINK_BUFFER_BYTES = 4 * 2**20
 
+#: The module a worker process runs; the live audit's process runs AUDIT_ENTRY instead (same launch spec and link).
+WORKER_ENTRY = "infervisor.worker"
+AUDIT_ENTRY = "infervisor.worker.audit"
+
 #: Read once by the OpenMP/MKL runtimes when torch loads, so they are set at exec, not later.
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -145,15 +149,17 @@ def launch_worker(
     *,
     ready_only: bool = False,
     background: bool = False,
+    entry: str = WORKER_ENTRY,
 ) -> Launched:
     """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now.
 
     `build_only` (infervisor build): the worker fills the cache with its packaged profiles and exits.
     `output`: where its stdout and stderr go (default: the supervisor's, where the daemon logs).
     `ready_only`: it serves first, from what needs no build. `background`: the background builder (with
-    `build_only`), at the lowest CPU priority.
+    `build_only`), at the lowest CPU priority. `entry`: the module the process runs (AUDIT_ENTRY: the live audit).
     """
-    worker_id = f"{model.name}.{'build' if background else assignment.slot}.{next(_generations)}"
+    role = entry.rpartition(".")[2] if entry != WORKER_ENTRY else "build" if background else assignment.slot
+    worker_id = f"{model.name}.{role}.{next(_generations)}"
     cache_dir = resolve_cache_dir(config.cache_dir)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -166,7 +172,7 @@ def launch_worker(
         )
         process = subprocess.Popen(
             # -P: nothing from the working directory (a `common.py` there) may shadow or run in a worker.
-            [sys.executable, "-P", "-m", "infervisor.worker", spec.to_json()],
+            [sys.executable, "-P", "-m", entry, spec.to_json()],
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=output,

@@ -1,0 +1,159 @@
+"""One model's audit process: started, fed, read, and restarted with back-off, never in the way of serving.
+
+The process (`python -P -m infervisor.worker.audit`, worker/audit.py) runs at the lowest CPU priority on the
+model's cores with one thread and its own memory cap. Everything here is non-blocking: a send that does not fit
+waits in the link's outbox, a dead process is noticed by its exit code, a hung one by its oldest sample's age.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import structlog
+
+from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.errors import ProtocolError
+from infervisor.protocol.worker_link import LinkClosed
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.settings.model_entry import ModelConfig
+from infervisor.supervisor.workers.launcher import AUDIT_ENTRY, Launched, launch_worker
+from infervisor.supervisor.workers.slot import describe_exit
+
+log = structlog.get_logger("supervisor")
+
+#: Back-off after the audit process ends unasked: doubled per end in a row, from 1 s up to 5 minutes.
+_FIRST_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 300.0
+#: A sample unanswered this long means the process hangs (at idle priority on a busy box it may be slow, not dead).
+HANG_S = 300.0
+
+
+class AuditState(enum.Enum):
+    """Where a model's audit process stands (status `models.<name>.audit.process`)."""
+
+    OFF = "off"  # not needed: budget 0, or the model serves eager fp32
+    STARTING = "starting"  # spawned, loading eager fp32
+    READY = "ready"  # auditing
+    BACKOFF = "backoff"  # ended unasked (crash, kill, hang, load failure): started again at `next_start`
+
+
+class AuditProcess:
+    """The audit process of one model, with its restarts; the samples it holds are the watch's."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.state = AuditState.OFF
+        self.launched: Launched | None = None
+        self.restarts = 0
+        self.failures_in_row = 0
+        self.next_start = 0.0
+        self.last_exit: str | None = None
+        self.error: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.launched.process.pid if self.launched is not None else None
+
+    def start(self, config: Config, model: ModelConfig, cpus: Sequence[int], now: float) -> None:
+        """Spawn the process for `model` (eager fp32 only, one thread) on `cpus`; on OSError, a back-off."""
+        cap = config.builder_memory_mb or model.max_memory_mb or int(psutil.virtual_memory().total // 2**20 // 4)
+        eager = dataclasses.replace(model, profiles=("eager",), channels_last=False, max_memory_mb=max(512, cap))
+        assignment = Assignment(model.name, 0, tuple(sorted(set(cpus) | os.sched_getaffinity(0))), 0, 1, True)
+        try:
+            self.launched = launch_worker(eager, assignment, config, entry=AUDIT_ENTRY)
+        except OSError as exc:
+            self.ended(f"could not start: {exc}", now)
+            return
+        self.state = AuditState.STARTING
+        log.info("audit_started", model=self.model, pid=self.launched.process.pid)
+
+    def send(self, seq: int, inputs: Sequence[Any], answer: Sequence[Any]) -> bool:
+        """Queue one sample on the link (never blocks); False when the process is gone."""
+        launched = self.launched
+        if launched is None or launched.link is None or self.state is not AuditState.READY:
+            return False
+        try:
+            launched.link.send(wm.encode(wm.Audit(seq, len(inputs)), [*inputs, *answer]))
+            launched.link.flush()
+        except LinkClosed:
+            return False
+        return True
+
+    def receive(self) -> list[wm.AuditResult]:
+        """The results readable now (READY and LOAD_ERROR are taken in on the way)."""
+        launched = self.launched
+        if launched is None or launched.link is None:
+            return []
+        results: list[wm.AuditResult] = []
+        try:
+            launched.link.flush()
+            while launched.link.wait_readable(0.0):
+                messages = launched.link.receive()
+                if not messages:
+                    break
+                for frames in messages:
+                    message = wm.decode(frames[0])
+                    if isinstance(message, wm.Ready):
+                        self.state, self.failures_in_row = AuditState.READY, 0
+                    elif isinstance(message, wm.LoadError):
+                        self.error = f"eager fp32 did not load: {message.error}"
+                    elif isinstance(message, wm.AuditResult):
+                        results.append(message)
+        except (LinkClosed, ProtocolError):
+            launched.link.close()
+            launched.link = None
+        return results
+
+    def settle(self, now: float) -> bool:
+        """Notice an exit (crash, kill -9, load failure): back-off before the next start. True when it ended."""
+        launched = self.launched
+        if launched is None:
+            return False
+        code = launched.process.poll()
+        if code is None and launched.link is not None:
+            return False
+        if code is None:  # the link broke while the process lives: end it, it cannot be talked to
+            launched.process.kill()
+            code = launched.process.wait()
+        self.ended(describe_exit(code), now)
+        return True
+
+    def ended(self, how: str, now: float) -> None:
+        """The process is gone (or never started): count it, and wait longer after each end in a row."""
+        self.close()
+        self.restarts += 1
+        self.failures_in_row += 1
+        self.last_exit = how
+        backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (self.failures_in_row - 1))
+        self.state, self.next_start = AuditState.BACKOFF, now + backoff
+        log.warning("audit_process_ended", model=self.model, how=how, error=self.error, restart_in_s=backoff)
+
+    def kill(self, why: str, now: float) -> None:
+        """End a process that hangs: it is restarted after the back-off."""
+        if self.launched is not None:
+            self.launched.process.kill()
+            self.launched.process.wait()
+        self.ended(why, now)
+
+    def stop(self) -> None:
+        """Not needed any more (budget 0, eager serves, the model left, the daemon stops): ended without a count."""
+        if self.launched is not None:
+            log.info("audit_stopped", model=self.model, pid=self.launched.process.pid)
+        self.close()
+        self.state, self.failures_in_row = AuditState.OFF, 0
+
+    def close(self) -> None:
+        launched, self.launched = self.launched, None
+        if launched is None:
+            return
+        if launched.process.poll() is None:
+            launched.process.kill()
+        launched.process.wait()
+        if launched.link is not None:
+            launched.link.close()
