@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infervisor.protocol.client_messages import RequestId
 from infervisor.protocol.tensors import TensorSpec
+
+if TYPE_CHECKING:
+    from infervisor.supervisor.routing.streams import StreamStep
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]
@@ -40,6 +43,8 @@ class PendingRequest:
     batch_limit: int | None = None
     #: With a shared-memory input: `[uid, gid, *groups]` of the client (the worker checks it may read the object).
     reader: list[int] | None = None
+    #: A step of a stream (routing/streams.py): its state is committed when its result comes back.
+    step: StreamStep | None = None
 
     def expired(self, now: float) -> bool:
         """True once its deadline passed: it gets DEADLINE_EXCEEDED, never a late result."""
