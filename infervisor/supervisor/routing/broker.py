@@ -66,6 +66,36 @@ def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
     return wm.encode(wm.Batch([len(r.frames) + 1 for r in requests]), encoded)
 
 
+def _pending(
+    internal_id: int,
+    client: Peer,
+    request: InferRequest,
+    frames: list[Any],
+    spec: tuple[TensorSpec, ...] | None,
+    cost: int,
+    reader: list[int] | None,
+    model: ModelConfig,
+) -> PendingRequest:
+    """An admitted request as the broker holds it until its final reply (`frames`: its header and tensors)."""
+    now = time.monotonic()
+    pending = PendingRequest(
+        internal_id=internal_id,
+        client=client,
+        request_id=request.request_id,
+        model=request.model,
+        frames=frames,
+        accepted_at=now,
+        deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
+        spec=spec,
+        cost=cost,
+        rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
+        reader=reader,
+    )
+    if model.batching is not None:
+        pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
+    return pending
+
+
 class Broker:
     """Routes client requests to pinned workers with room and their replies back."""
 
@@ -180,7 +210,8 @@ class Broker:
             why = f"model {name!r} has no live worker slot"
             self.replies.refuse(client, request_id, name, ErrorCode.UNAVAILABLE, why)
             return
-        pending = self.pending_request(client, request, frames, spec, cost, reader, model)
+        pending = _pending(self.next_id, client, request, frames[2:], spec, cost, reader, model)
+        self.next_id += 1
         if request.stream is not None:  # streams.py: the stream's state goes in, its steps take turns
             self.ledger.take(client, cost)
             try:
@@ -199,36 +230,6 @@ class Broker:
         self.ledger.take(client, cost)
         queue.waiting.append(pending)
         self.dispatch(name)
-
-    def pending_request(
-        self,
-        client: Peer,
-        request: InferRequest,
-        frames: list[Any],
-        spec: tuple[TensorSpec, ...] | None,
-        cost: int,
-        reader: list[int] | None,
-        model: ModelConfig,
-    ) -> PendingRequest:
-        """An admitted request as the broker holds it until its final reply, with the next internal id."""
-        now = time.monotonic()
-        pending = PendingRequest(
-            internal_id=self.next_id,
-            client=client,
-            request_id=request.request_id,
-            model=request.model,
-            frames=frames[2:],
-            accepted_at=now,
-            deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
-            spec=spec,
-            cost=cost,
-            rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
-            reader=reader,
-        )
-        if model.batching is not None:
-            pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
-        self.next_id += 1
-        return pending
 
     def dispatch_released(self) -> None:
         """Dispatch the models whose line got a stream's next step (streams.py releases one as its last is answered)."""

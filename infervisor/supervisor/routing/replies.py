@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from infervisor.protocol.client_messages import RequestId, encode_error
 from infervisor.protocol.constants import ErrorCode
@@ -13,8 +13,17 @@ from infervisor.supervisor.instruments.recorders import ModelTimes
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 
-if TYPE_CHECKING:
-    from infervisor.supervisor.routing.streams import Streams
+
+class StepSettler(Protocol):
+    """What a stream step's final reply passes through (routing/streams.py: Streams)."""
+
+    def settle(
+        self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]
+    ) -> tuple[ErrorCode | None, Any, list[Any]]:
+        """Commit the state a result returns; the reply the client gets instead."""
+
+    def after_reply(self, request: PendingRequest) -> None:
+        """The reply went: the stream's next step may go."""
 
 
 @dataclass
@@ -49,7 +58,7 @@ class Replies:
         self.queues = queues
         self.refused = refused
         #: Where a stream step's reply commits its state before it goes (routing/streams.py; set by the broker).
-        self.streams: Streams | None = None
+        self.streams: StepSettler | None = None
 
     def error(self, client: Peer, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
         """Send an error reply to a client connection (counted by the caller)."""

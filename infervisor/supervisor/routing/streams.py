@@ -27,46 +27,13 @@ from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admitting_spec
-from infervisor.supervisor.routing.pending import Peer, PendingRequest
+from infervisor.supervisor.routing.pending import OpenStream, PendingRequest, StreamKey, StreamStep
 from infervisor.supervisor.routing.replies import ModelQueue
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.state_keys import load_initial_state
 
-#: A stream is named by the client connection that opened it and the id the client chose.
-StreamKey = tuple[Peer, str]
 #: Streams a model remembers as gone (ended, expired, ended by a config change), to say why a late step fails.
 _GONE_REMEMBERED = 4096
-
-
-@dataclass(eq=False)
-class OpenStream:
-    """One open stream: its committed state and the steps it holds."""
-
-    key: StreamKey
-    model: str
-    #: The state pairs it was started with; a config whose pairs differ ends it.
-    pairs: tuple[StateSpec, ...]
-    #: The last committed state, one raw little-endian buffer per pair (`[1, *shape]` of its dtype).
-    state: list[bytes]
-    nbytes: int
-    last_active: float
-    #: The step a worker runs now (or that waits in the model's queue), at most one.
-    in_flight: PendingRequest | None = None
-    #: Accepted steps (and a bare end) waiting behind it, in order.
-    backlog: collections.deque[PendingRequest] = field(default_factory=collections.deque)
-    #: Ended by the daemon: its step in flight is answered but commits nothing.
-    closed: bool = False
-
-
-@dataclass(slots=True)
-class StreamStep:
-    """What the broker needs of a stream step beyond an ordinary request."""
-
-    stream: OpenStream
-    #: The client's own inputs (the state inputs are added when the step is released).
-    inputs: tuple[TensorDesc, ...]
-    end: bool
-    return_state: bool
 
 
 @dataclass
