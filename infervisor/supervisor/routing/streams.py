@@ -16,13 +16,15 @@ on the way out, plus a copy of the state each way (state bytes, e.g. 1 KiB for a
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from infervisor.protocol.client_messages import InferRequest, decode_reply, encode_error, encode_infer, encode_result
-from infervisor.protocol.constants import MAX_STREAM_BACKLOG, ErrorCode
+from infervisor.protocol.client_messages import InferRequest, encode_error, encode_infer, encode_result
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_STREAM_BACKLOG, ErrorCode
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
@@ -80,6 +82,11 @@ Finish = Callable[[PendingRequest, ErrorCode | None, Any, list[Any]], None]
 def state_descs(pairs: tuple[StateSpec, ...]) -> tuple[TensorDesc, ...]:
     """The descriptors of one stream's state inputs: batch of one."""
     return tuple(TensorDesc(pair.input, pair.dtype, (1, *pair.shape)) for pair in pairs)
+
+
+def _state_sizes(pairs: tuple[StateSpec, ...]) -> list[int]:
+    """Bytes of one stream's state, per pair."""
+    return [math.prod(pair.shape) * DTYPE_ITEMSIZE[pair.dtype] for pair in pairs]
 
 
 def _pairs_change(old: tuple[StateSpec, ...], new: tuple[StateSpec, ...]) -> str:
@@ -277,29 +284,39 @@ class Streams:
     def _commit(
         self, request: PendingRequest, step: StreamStep, header: Any, frames: list[Any]
     ) -> tuple[ErrorCode | None, Any, list[Any]]:
+        """Take the state out of a worker's result: commit it, and the header the client gets.
+
+        The worker wrote the header (and the worker link checked its frames), so it is read as a plain map:
+        a full descriptor check would cost four times the decode, on every step.
+        """
         stream = step.stream
-        result = decode_reply(getattr(header, "buffer", header), [len(frame) for frame in frames])
-        if isinstance(result, ProtocolError):
-            return result.code, header, frames
-        index = {desc.name: i for i, desc in enumerate(result.outputs)}
+        raw = unpack(getattr(header, "buffer", header))
+        outputs = raw.get("outputs") if isinstance(raw, dict) else None
+        if not isinstance(outputs, list) or len(outputs) != len(frames):
+            raise ProtocolError(ErrorCode.INTERNAL, "the worker's result header does not describe its frames")
+        position = {entry.get("name"): i for i, entry in enumerate(outputs) if isinstance(entry, dict)}
         new_state: list[bytes] = []
-        for pair in stream.pairs:
-            position = index.get(pair.output)
-            desc = result.outputs[position] if position is not None else None
-            if desc is None or desc.dtype != pair.dtype or desc.shape != (1, *pair.shape):
-                got = "nothing" if desc is None else f"{desc.dtype}{list(desc.shape)}"
-                why = f"the model returned {got} as state output {pair.output!r}, not {pair.dtype}{[1, *pair.shape]}"
+        for pair, nbytes in zip(stream.pairs, _state_sizes(stream.pairs), strict=True):
+            index = position.get(pair.output)
+            entry = outputs[index] if index is not None else None
+            shape = [1, *pair.shape]
+            if not isinstance(entry, dict) or entry.get("dtype") != pair.dtype or entry.get("shape") != shape:
+                got = "nothing" if entry is None else f"{entry.get('dtype')}{entry.get('shape')}"
+                why = f"the model returned {got} as state output {pair.output!r}, not {pair.dtype}{shape}"
                 raise ProtocolError(ErrorCode.INTERNAL, why)
-            frame = frames[index[pair.output]]
+            frame = frames[position[pair.output]]
+            if len(frame) != nbytes:
+                raise ProtocolError(ErrorCode.INTERNAL, f"state output {pair.output!r} is not {nbytes} bytes")
             new_state.append(frame.bytes if hasattr(frame, "bytes") else bytes(frame))
         if stream.in_flight is request and not stream.closed:
             stream.state = new_state
-        state_names = {pair.output for pair in stream.pairs}
-        keep = [i for i, desc in enumerate(result.outputs) if step.return_state or desc.name not in state_names]
-        shown = [result.outputs[i] for i in keep]
-        state = [pair.output for pair in stream.pairs] if step.return_state else []
-        header = encode_result(result.request_id, result.model, shown, result.timing, state)
-        return None, header, [frames[i] for i in keep]
+        if step.return_state:
+            raw["state"] = [pair.output for pair in stream.pairs]
+            return None, pack(raw), frames
+        names = {pair.output for pair in stream.pairs}
+        keep = [i for i, entry in enumerate(outputs) if not (isinstance(entry, dict) and entry.get("name") in names)]
+        raw["outputs"] = [outputs[i] for i in keep]
+        return None, pack(raw), [frames[i] for i in keep]
 
     def finish_error(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
         """End one stream request with an error (through the broker's replies, which settles it)."""
