@@ -285,10 +285,12 @@ def run_streams(daemon: Daemon, count: int, steps: int, during: Callable[[list[l
 
 
 def test_a_worker_killed_mid_stream_costs_no_step_and_changes_no_answer(start_daemon: Callable[..., Daemon]) -> None:
-    """Eight streams of 150 steps, batched, while the worker is killed -9 twice: every answer is the reference's,
-    none fails, the steps re-run are counted as resumed, and steps of several streams were joined."""
+    """Eight streams of 150 steps, batched, while the worker is killed -9 twice and recycled after every 400 replies:
+    every answer is the reference's, none fails, the steps re-run are counted as resumed, and steps of several
+    streams were joined."""
     batching = {"max_batch_size": 8, "max_queue_delay_us": 2000}
-    daemon = start_daemon({"models": {"leaky": leaky_entry(batching=batching)}}, env=ENV)
+    entry = leaky_entry(batching=batching, max_requests=400, recycle_jitter=0.0)
+    daemon = start_daemon({"models": {"leaky": entry}}, env=ENV)
     daemon.wait_ready(180)
 
     def kill_twice(results: list[list[Any]]) -> None:
@@ -301,6 +303,8 @@ def test_a_worker_killed_mid_stream_costs_no_step_and_changes_no_answer(start_da
 
     run_streams(daemon, 8, 150, kill_twice)
     model = daemon.status()["models"]["leaky"]
+    recycled = [e for e in daemon.log_events() if e["event"] == "rollout_step_started"]
+    assert recycled, "a worker was recycled mid-stream"
     assert model["streams"]["open"] == 0 and model["streams"]["opened"] == 8
     assert model["streams"]["resumed"] >= 1, "the steps in flight at the kills were re-run"
     assert any(int(size) > 1 for size in model["batching"]["batch_sizes"]), model["batching"]
