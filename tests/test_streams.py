@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -94,7 +95,7 @@ class Wire:
     """A raw DEALER speaking the protocol with msgpack, without the Client class."""
 
     def __init__(self, daemon: Daemon) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(daemon.endpoint)
         self.next_id = 1
@@ -111,7 +112,8 @@ class Wire:
             "inputs": [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in inputs.items()],
             **fields,
         }
-        self.socket.send_multipart([b"", msgpack.packb(header), *[np.ascontiguousarray(a) for a in inputs.values()]])
+        tensors = [np.ascontiguousarray(a).tobytes() for a in inputs.values()]
+        self.socket.send_multipart([b"", msgpack.packb(header), *tensors])
         return request_id
 
     def reply(self) -> tuple[dict[str, Any], list[bytes]]:
@@ -295,11 +297,11 @@ def test_a_worker_killed_mid_stream_costs_no_step_and_changes_no_answer(start_da
 
     def kill_twice(results: list[list[Any]]) -> None:
         for answers in (300, 600):
-            wait_for(lambda n=answers: sum(len(r) for r in results) > n, 120, "streams under way")
+            wait_for(functools.partial(_answered_over, results, answers), 120, "streams under way")
             pid = _serving_pid(daemon)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda pid=pid: _serving_pid(daemon) not in (None, pid), 120, "a new worker serving")
+            wait_for(functools.partial(_replaced, daemon, pid), 120, "a new worker serving")
 
     run_streams(daemon, 8, 150, kill_twice)
     model = daemon.status()["models"]["leaky"]
@@ -308,6 +310,14 @@ def test_a_worker_killed_mid_stream_costs_no_step_and_changes_no_answer(start_da
     assert model["streams"]["open"] == 0 and model["streams"]["opened"] == 8
     assert model["streams"]["resumed"] >= 1, "the steps in flight at the kills were re-run"
     assert any(int(size) > 1 for size in model["batching"]["batch_sizes"]), model["batching"]
+
+
+def _answered_over(results: list[list[Any]], count: int) -> bool:
+    return sum(len(r) for r in results) > count
+
+
+def _replaced(daemon: Daemon, pid: int) -> bool:
+    return _serving_pid(daemon) not in (None, pid)
 
 
 def _serving_pid(daemon: Daemon) -> int | None:
