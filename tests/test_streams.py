@@ -357,3 +357,17 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
         with client.stream("leaky") as new:
             for chunk, want in zip(inputs, expected, strict=True):
                 np.testing.assert_array_equal(new.infer({"x": chunk})["y"], want)
+
+
+def test_a_failed_step_commits_nothing(daemon: Daemon) -> None:
+    """A step the worker refuses (NaN input) changes no state: the next steps answer as if it was never sent."""
+    inputs = chunks(12, 4)
+    expected, _ = reference(inputs)
+    bad = np.full((1, FEATURES), np.nan, np.float32)
+    with daemon.client() as client, client.stream("leaky") as stream:
+        np.testing.assert_array_equal(stream.infer({"x": inputs[0]})["y"], expected[0])
+        with pytest.raises(InferenceError) as caught:
+            stream.infer({"x": bad})
+        assert caught.value.code is ErrorCode.INVALID_INPUT
+        for chunk, want in zip(inputs[1:], expected[1:], strict=True):
+            np.testing.assert_array_equal(stream.infer({"x": chunk})["y"], want)
