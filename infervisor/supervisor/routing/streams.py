@@ -34,6 +34,8 @@ from infervisor.supervisor.routing.replies import ModelQueue
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.state_keys import load_initial_state
 
+#: How often open streams are checked for idleness and for a change of their model's state pairs.
+UPKEEP_S = 0.25
 #: Streams a model remembers as gone (ended, expired, ended by a config change), to say why a late step fails.
 _GONE_REMEMBERED = 4096
 
@@ -106,6 +108,7 @@ class Streams:
         #: Models whose queue got a released step since the broker last dispatched them.
         self.released: set[str] = set()
         self._initial: dict[tuple[StateSpec, ...], list[bytes]] = {}
+        self.next_upkeep = 0.0
 
     def table(self, model: str) -> StreamTable:
         """The model's stream table (made on first use)."""
@@ -343,7 +346,13 @@ class Streams:
             self.finish_error(stream.backlog.popleft(), code, f"stream {stream.key[1]!r} ended: {why}")
 
     def upkeep(self, now: float, desired: Callable[[str], ModelConfig | None]) -> None:
-        """Drop idle streams, and end those whose model's state pairs changed (or that left the config)."""
+        """Drop idle streams, and end those whose model's state pairs changed (or that left the config).
+
+        At most every UPKEEP_S: a pass reads every open stream, and the broker's housekeeping runs every 20 ms.
+        """
+        if now < self.next_upkeep:
+            return
+        self.next_upkeep = now + UPKEEP_S
         for name, table in list(self.tables.items()):
             config = desired(name)
             for stream in list(table.streams.values()):
