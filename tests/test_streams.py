@@ -371,3 +371,20 @@ def test_a_failed_step_commits_nothing(daemon: Daemon) -> None:
         assert caught.value.code is ErrorCode.INVALID_INPUT
         for chunk, want in zip(inputs[1:], expected[1:], strict=True):
             np.testing.assert_array_equal(stream.infer({"x": chunk})["y"], want)
+
+
+def test_a_waiting_step_past_its_deadline_is_answered_before_the_step_ahead_of_it(daemon: Daemon) -> None:
+    """A step queued behind a slow one, with a short deadline, gets DEADLINE_EXCEEDED while the slow one still runs."""
+    wire = Wire(daemon)
+    held = np.array([[SLEEP, 1.5, *[0.0] * (FEATURES - 2)]], np.float32)
+    try:
+        slow = wire.send({"x": held}, stream="late", start=True)
+        late = wire.send({"x": chunks(13, 1)[0]}, stream="late", deadline_ms=100)
+        first, _ = wire.reply()
+        assert first["id"] == late and first["code"] == "DEADLINE_EXCEEDED", first
+        second, _ = wire.reply()
+        assert second["id"] == slow and second["type"] == "result", second
+        wire.send({}, stream="late", end=True)
+        assert wire.reply()[0]["type"] == "result"
+    finally:
+        wire.close()

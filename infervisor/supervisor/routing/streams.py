@@ -356,6 +356,7 @@ class Streams:
         for name, table in list(self.tables.items()):
             config = desired(name)
             for stream in list(table.streams.values()):
+                self._expire_waiting(stream, now)
                 if config is None:
                     self._end(table, stream, ErrorCode.STREAM_ENDED, f"model {name!r} was removed from the config")
                 elif stream.pairs != config.state:
@@ -367,6 +368,15 @@ class Streams:
                     self._end(table, stream, ErrorCode.UNKNOWN_STREAM, why)
             if config is None:
                 del self.tables[name]
+
+    def _expire_waiting(self, stream: OpenStream, now: float) -> None:
+        """Answer the steps waiting behind the stream's step in flight whose deadline passed (they commit nothing)."""
+        if any(pending.expired(now) for pending in stream.backlog):
+            late = [pending for pending in stream.backlog if pending.expired(now)]
+            stream.backlog = collections.deque(pending for pending in stream.backlog if not pending.expired(now))
+            for pending in late:
+                why = "deadline passed while waiting behind its stream's step in flight"
+                self.finish_error(pending, ErrorCode.DEADLINE_EXCEEDED, why)
 
     @staticmethod
     def _idle(stream: OpenStream, now: float, limit_s: float) -> bool:
