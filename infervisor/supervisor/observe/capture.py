@@ -111,6 +111,7 @@ def _models(
                 config_error=error,
                 build=build.report(time.monotonic()) if build is not None else None,
                 audit=audits.get(name),
+                streams=broker.streams.report(pool.serving.desired(name) or model),
                 **_queue_figures(queue),
             )
         )

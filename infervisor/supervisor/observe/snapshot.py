@@ -111,6 +111,8 @@ class ModelSample:
     build: Mapping[str, object] | None = None
     #: Its live audit (monitors/audit.py: AuditWatch.report), None when it is not audited.
     audit: Mapping[str, object] | None = None
+    #: A stateful model's streams (routing/streams.py: StreamTable.report), None for a stateless one.
+    streams: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

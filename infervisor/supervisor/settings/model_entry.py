@@ -30,6 +30,7 @@ from infervisor.supervisor.settings.config_keys import (
 )
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.state_keys import read_state
+from infervisor.supervisor.settings.stream_keys import STREAM_KEYS
 from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
 from infervisor.supervisor.settings.timing_keys import read_typical_shape
 from infervisor.supervisor.settings.tolerance_keys import DEFAULT_TOLERANCE, read_tolerance
@@ -66,6 +67,10 @@ class ModelConfig:
     outputs: tuple[str, ...] | None
     #: State pairs of a stateful model (protocol/state.py); empty for a stateless one.
     state: tuple[StateSpec, ...]
+    #: Bounds of the streams of a stateful model (settings/stream_keys.py).
+    max_streams: int
+    max_state_bytes: int
+    stream_idle_s: float
     workers: int
     cores_per_worker: int
     use_smt: bool
@@ -190,6 +195,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "a stateful model's state pairs: the declared input (batch first, every other dim fixed) a stream's state "
         "is fed to, the output that returns the next state, and its initial value (`\"zeros\"` or a `.npy` "
         "file); the daemon keeps each stream's state between its steps ([more](#stateful-models))."),
+    *STREAM_KEYS,
     Key("workers", Integer(1, 1, 256), Applied.SCALED,
         "worker processes for this model."),
     Key("cores_per_worker", Integer(1, 1, 1024), Applied.ROLLING,
