@@ -31,3 +31,6 @@ DEFAULT_MAX_REL_ERROR = 0.02
 #: A profile's build note that starts with this is a warning about the evidence it was judged on (a margin thinner
 #: than the rows' spread, scales fitted on the samples that judge them): status shows it as the accuracy warning.
 ACCURACY_WARNING_NOTE = "accuracy warning: "
+#: A profile's build note that starts with this is the sequence gate's verdict on a stateful model (what it walked,
+#: the worst step): status shows it as the worker's `sequence_check`.
+SEQUENCE_NOTE = "sequence gate: "

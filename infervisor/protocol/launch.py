@@ -78,6 +78,8 @@ class LaunchSpec:
     served_batches: list[int] = field(default_factory=list)
     #: A stateful model's state pairs (protocol/state.py): what the sequence gate feeds back step by step.
     state: tuple[StateSpec, ...] = ()
+    #: Steps of each sequence the sequence gate walks (config `sequence_steps`).
+    sequence_steps: int = 200
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -29,7 +29,12 @@ from infervisor.supervisor.settings.config_keys import (
 )
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.state_keys import read_state
-from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
+from infervisor.supervisor.settings.tensor_keys import (
+    read_data_file,
+    read_inputs,
+    read_outputs,
+    read_validation_file,
+)
 
 #: surge: the replacement warms beside the old worker (capacity stays N); drain_first: the old one
 #: drains and exits before its replacement starts (capacity N-1 for that slot; for boxes whose cores
@@ -63,6 +68,8 @@ class ModelConfig:
     outputs: tuple[str, ...] | None
     #: State pairs of a stateful model (protocol/state.py); empty for a stateless one.
     state: tuple[StateSpec, ...]
+    #: Steps of each sequence the sequence gate walks a stateful model's profiles over.
+    sequence_steps: int
     workers: int
     cores_per_worker: int
     use_smt: bool
@@ -203,6 +210,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         "a stateful model's state pairs: the declared input (batch first, every other dim fixed) a stream's state "
         "is fed to, the output that returns the next state, and its initial value (`\"zeros\"` or a `.npy` "
         "file); the daemon keeps each stream's state between its steps ([more](#stateful-models))."),
+    Key("sequence_steps", Integer(200, 1, 100_000), Applied.ROLLING,
+        "with `state`: steps of each sequence every profile is checked on against eager, each feeding back its own "
+        "state (the validation file's sequences are cut to it) ([more](optimization.md#the-sequence-gate))."),
     Key("workers", Integer(1, 1, 256), Applied.SCALED,
         "worker processes for this model."),
     Key("cores_per_worker", Integer(1, 1, 1024), Applied.ROLLING,
@@ -241,8 +251,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("calibration", Custom(read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
         "an `.npz` that `int8_static` observes to set activation scales; null: seeded random inputs "
         "([more](#calibration-and-validation))."),
-    Key("validation", Custom(read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
-        "an `.npz` of the inputs every profile is checked on against eager fp32; null: seeded random inputs "
+    Key("validation", Custom(read_validation_file, "path (relative to config.json) or null"), Applied.ROLLING,
+        "an `.npz` of the inputs every profile is checked on against eager fp32, and for a model with `state` "
+        "sequences of them (`seq:` keys); null: seeded random inputs "
         "([more](#calibration-and-validation))."),
     Key("batching",
         Custom(_read_batching, "`{max_batch_size, max_queue_delay_us, preferred_batch_sizes}` or null"),

@@ -10,13 +10,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.profiles import PROFILES
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.cache import ArtifactCache, file_digest
 from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+
+if TYPE_CHECKING:  # the gate imports the runner and the comparison, which need nothing from here
+    from infervisor.worker.profiles.sequence_gate import SequenceGate
 
 
 class ProfileError(Exception):
@@ -43,6 +46,8 @@ class BuildContext:
     validation: Path | None = None
     #: Batch sizes (rows) the broker joins requests into for this model: the gate checks them too.
     served_batches: tuple[int, ...] = ()
+    #: A stateful model's sequence gate: every profile that passes the single-call gate is walked over it too.
+    sequences: SequenceGate | None = None
 
 
 @dataclass
