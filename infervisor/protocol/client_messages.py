@@ -11,6 +11,7 @@ from infervisor.protocol.constants import (
     MAX_DEADLINE_MS,
     MAX_NAME_LEN,
     MAX_REQUEST_ID_LEN,
+    MAX_STREAM_ID_LEN,
     PROTOCOL_VERSION,
     ClientMessageType,
     ErrorCode,
@@ -29,6 +30,14 @@ class InferRequest:
     model: str
     inputs: tuple[TensorDesc, ...]
     deadline_ms: int | None = None
+    #: A stream of a stateful model (docs/protocol.md section 4.1): the client's id for it, or None.
+    stream: str | None = None
+    #: This step starts the stream (from the model's initial state).
+    start: bool = False
+    #: The stream ends with this message (a last step, or a bare end without inputs).
+    end: bool = False
+    #: Answer the state the step returns beside the other outputs.
+    return_state: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +48,8 @@ class InferResult:
     model: str
     outputs: tuple[TensorDesc, ...]
     timing: dict[str, float] = field(default_factory=dict)
+    #: Of a stream step asked with `return_state`: which outputs are the stream's state.
+    state: tuple[str, ...] = ()
 
 
 def _valid_id(raw: object) -> RequestId | None:
@@ -64,7 +75,33 @@ def encode_infer(request: InferRequest) -> bytes:
     }
     if request.deadline_ms is not None:
         header["deadline_ms"] = request.deadline_ms
+    if request.stream is not None:
+        header["stream"] = request.stream
+        for flag in _STREAM_FLAGS:
+            if getattr(request, flag):
+                header[flag] = True
     return pack(header)
+
+
+#: The boolean keys of a stream step (each absent or nil = false).
+_STREAM_FLAGS = ("start", "end", "return_state")
+
+
+def _stream_fields(raw: dict[Any, Any]) -> tuple[str | None, bool, bool, bool]:
+    """The stream id and its flags; ProtocolError(BAD_REQUEST) for a wrong type, a bad length or a flag alone."""
+    stream = raw.get("stream")
+    if stream is not None and (not isinstance(stream, str) or not 0 < len(stream.encode()) <= MAX_STREAM_ID_LEN):
+        why = f"stream must be a string of 1..{MAX_STREAM_ID_LEN} bytes once UTF-8 encoded, got {shown(stream)}"
+        raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+    flags = []
+    for flag in _STREAM_FLAGS:
+        value = raw.get(flag)
+        if value is not None and type(value) is not bool:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{flag} must be true or false, got {shown(value)}")
+        if value and stream is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{flag} needs a stream")
+        flags.append(bool(value))
+    return stream, flags[0], flags[1], flags[2]
 
 
 def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_frame_bytes: int) -> InferRequest:
@@ -92,26 +129,34 @@ def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_f
         deadline = raw.get("deadline_ms")
         if deadline is not None and (type(deadline) is not int or not 0 < deadline <= MAX_DEADLINE_MS):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "deadline_ms must be a positive integer of milliseconds")
+        stream, start, end, return_state = _stream_fields(raw)
         inputs = parse_descs(raw.get("inputs"), allow_shm=True)
         check_frames(inputs, frame_lengths, max_frame_bytes)
     except ProtocolError as exc:
         exc.request_id = request_id
         raise
-    return InferRequest(request_id, model, inputs, deadline)
+    return InferRequest(request_id, model, inputs, deadline, stream, start, end, return_state)
 
 
-def encode_result(request_id: RequestId, model: str, outputs: Sequence[TensorDesc], timing: dict[str, float]) -> bytes:
-    """Header bytes of a successful reply."""
-    return pack(
-        {
-            "v": PROTOCOL_VERSION,
-            "type": ClientMessageType.RESULT.value,
-            "id": request_id,
-            "model": model,
-            "outputs": [d.to_wire() for d in outputs],
-            "timing": timing,
-        }
-    )
+def encode_result(
+    request_id: RequestId,
+    model: str,
+    outputs: Sequence[TensorDesc],
+    timing: dict[str, float],
+    state: Sequence[str] = (),
+) -> bytes:
+    """Header bytes of a successful reply (`state`: the outputs that are a stream's state, when it asked for them)."""
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "type": ClientMessageType.RESULT.value,
+        "id": request_id,
+        "model": model,
+        "outputs": [d.to_wire() for d in outputs],
+        "timing": timing,
+    }
+    if state:
+        header["state"] = list(state)
+    return pack(header)
 
 
 def encode_error(request_id: RequestId | None, code: ErrorCode, message: str) -> bytes:
@@ -153,4 +198,6 @@ def decode_reply(header: bytes | memoryview, frame_lengths: Sequence[int]) -> In
         if isinstance(timing_raw, dict)
         else {}
     )
-    return InferResult(request_id, str(raw.get("model", "")), outputs, timing)
+    state_raw = raw.get("state")
+    state = tuple(n for n in state_raw if isinstance(n, str)) if isinstance(state_raw, list) else ()
+    return InferResult(request_id, str(raw.get("model", "")), outputs, timing, state)

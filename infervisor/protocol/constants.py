@@ -50,6 +50,10 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
     UNAVAILABLE = "UNAVAILABLE"
     TIMEOUT = "TIMEOUT"  # raised by the Python client only: no reply within its own timeout
+    UNKNOWN_STREAM = "UNKNOWN_STREAM"  # no such stream on this connection: never started, ended, or expired
+    STREAM_EXISTS = "STREAM_EXISTS"  # a start on a stream this connection already has open
+    TOO_MANY_STREAMS = "TOO_MANY_STREAMS"  # the model's max_streams or max_state_bytes is reached
+    STREAM_ENDED = "STREAM_ENDED"  # the daemon ended the stream: its model's state pairs changed in the config
 
 
 class WorkerMessageType(enum.IntEnum):
@@ -127,6 +131,10 @@ MAX_TENSORS: Final = 64
 MAX_RANK: Final = 8
 MAX_NAME_LEN: Final = 128
 MAX_REQUEST_ID_LEN: Final = 64
+#: A stream id: a string of 1..128 bytes once UTF-8 encoded, unique per client connection.
+MAX_STREAM_ID_LEN: Final = 128
+#: Steps of one stream waiting behind its step in flight; one more is answered OVERLOADED.
+MAX_STREAM_BACKLOG: Final = 16
 MAX_MESSAGE_LEN: Final = 4096
 MAX_DEADLINE_MS: Final = 2**31 - 1
 DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024

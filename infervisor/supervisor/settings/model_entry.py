@@ -29,6 +29,7 @@ from infervisor.supervisor.settings.config_keys import (
 )
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.state_keys import read_state
+from infervisor.supervisor.settings.stream_keys import STREAM_KEYS
 from infervisor.supervisor.settings.tensor_keys import (
     read_data_file,
     read_inputs,
@@ -68,6 +69,10 @@ class ModelConfig:
     outputs: tuple[str, ...] | None
     #: State pairs of a stateful model (protocol/state.py); empty for a stateless one.
     state: tuple[StateSpec, ...]
+    #: Bounds of the streams of a stateful model (settings/stream_keys.py).
+    max_streams: int
+    max_state_bytes: int
+    stream_idle_s: float
     #: Steps of each sequence the sequence gate walks a stateful model's profiles over.
     sequence_steps: int
     workers: int
@@ -210,6 +215,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "a stateful model's state pairs: the declared input (batch first, every other dim fixed) a stream's state "
         "is fed to, the output that returns the next state, and its initial value (`\"zeros\"` or a `.npy` "
         "file); the daemon keeps each stream's state between its steps ([more](#stateful-models))."),
+    *STREAM_KEYS,
     Key("sequence_steps", Integer(200, 1, 100_000), Applied.ROLLING,
         "with `state`: steps of each sequence every profile is checked on against eager, each feeding back its own "
         "state (the validation file's sequences are cut to it) ([more](optimization.md#the-sequence-gate))."),
