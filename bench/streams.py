@@ -92,12 +92,18 @@ def chunk(stream: int, step: int) -> np.ndarray:
 # client processes
 
 
-def _step_loop(endpoint: str, model: str, carried: bool, start_at: float, stop_at: float, out: list[Any]) -> None:
-    """One stream stepping until `stop_at`: steps finished in [start_at, stop_at] and their latencies (ms)."""
+def _step_loop(endpoint: str, model: str, carried: bool, ready: Any, window: Any, out: list[Any]) -> None:
+    """One stream: connected, counted in `ready`, stepping from when `window` is set (its warm-up first) until its
+    end; keeps the latencies (ms) of the steps that began and finished inside the window."""
     chunks = [np.random.default_rng(i).standard_normal((1, FEATURES)).astype(np.float32) for i in range(_CHUNKS)]
     latencies: list[float] = []
     errors = 0
     with Client(endpoint) as client, client.stream(model) as stream:
+        with ready.get_lock():
+            ready.value += 1
+        while window[1] == 0.0:
+            time.sleep(0.005)
+        start_at, stop_at = window[0], window[1]
         h = np.zeros((1, HIDDEN), np.float32)
         step = 0
         while (now := time.time()) < stop_at:
@@ -117,13 +123,12 @@ def _step_loop(endpoint: str, model: str, carried: bool, start_at: float, stop_a
     out.append((latencies, errors))
 
 
-def _throughput_process(endpoint: str, model: str, carried: bool, count: int, start_at: float, stop_at: float,
+def _throughput_process(endpoint: str, model: str, carried: bool, count: int, ready: Any, window: Any,
                         queue: Any) -> None:  # fmt: skip
     """`count` streams on threads of this process; puts (latencies of every counted step, errors)."""
     out: list[Any] = []
     threads = [
-        threading.Thread(target=_step_loop, args=(endpoint, model, carried, start_at, stop_at, out))
-        for _ in range(count)
+        threading.Thread(target=_step_loop, args=(endpoint, model, carried, ready, window, out)) for _ in range(count)
     ]
     for thread in threads:
         thread.start()
@@ -187,29 +192,28 @@ def _survive_process(endpoint: str, model: str, first: int, count: int, steps: i
     queue.put(results)
 
 
-def _spawn(target: Any, jobs: list[tuple[Any, ...]]) -> list[Any]:
-    """Run `target(*job, queue)` in a spawned process per job; what each put on the queue."""
+def throughput(endpoint: str, model: str, carried: bool, streams: int, seconds: float, procs: int) -> dict[str, Any]:
+    """Steps/s, P50 and P99 per step of `streams` concurrent streams over `seconds`, counted from a second after
+    every stream is connected."""
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=target, args=(*job, queue)) for job in jobs]
+    queue, ready, window = context.Queue(), context.Value("i", 0), context.Array("d", [0.0, 0.0])
+    counts = [streams // procs + (1 if i < streams % procs else 0) for i in range(min(procs, streams))]
+    processes = [
+        context.Process(target=_throughput_process, args=(endpoint, model, carried, n, ready, window, queue))
+        for n in counts
+    ]
     for process in processes:
         process.start()
-    results = [queue.get(timeout=900) for _ in processes]
+    deadline = time.monotonic() + 300
+    while ready.value < streams:
+        if time.monotonic() > deadline or not all(p.is_alive() for p in processes):
+            raise SystemExit(f"only {ready.value} of {streams} streams connected")
+        time.sleep(0.01)
+    start_at = time.time() + 1.0  # the warm-up: every stream stepping before the window opens
+    window[0], window[1] = start_at, start_at + seconds
+    results = [queue.get(timeout=300 + seconds) for _ in processes]
     for process in processes:
         process.join(60)
-    return results
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the three measurements
-
-
-def throughput(endpoint: str, model: str, carried: bool, streams: int, seconds: float, procs: int) -> dict[str, Any]:
-    """Steps/s, P50 and P99 per step of `streams` concurrent streams over `seconds` (after a second of warm-up)."""
-    start_at = time.time() + 2.0 + 0.05 * streams  # every client connected and stepping before the window
-    stop_at = start_at + seconds
-    counts = [streams // procs + (1 if i < streams % procs else 0) for i in range(min(procs, streams))]
-    results = _spawn(_throughput_process, [(endpoint, model, carried, n, start_at, stop_at) for n in counts if n])
     latencies = [ms for found, _ in results for ms in found]
     return {
         "steps_per_s": len(latencies) / seconds,
