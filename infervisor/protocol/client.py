@@ -252,6 +252,8 @@ class Stream:
             # A start the daemon refused opened nothing; a start it may have taken (no reply yet) did.
             if exc.code is ErrorCode.TIMEOUT:
                 self.started = True
+            elif exc.code in _GONE and self.started:  # the daemon dropped it (expired, or ended by a config change)
+                self.ended = True
             raise
         self.started = True
         self.timing = reply.timing

@@ -105,6 +105,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
                 config_state=state,
                 config_error=error,
                 build=build.report(time.monotonic()) if build is not None else None,
+                streams=broker.streams.report(pool.serving.desired(name) or model),
                 **_queue_figures(queue),
             )
         )

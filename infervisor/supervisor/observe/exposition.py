@@ -163,6 +163,37 @@ def _request_families(snapshot: Snapshot) -> Iterator[Metric]:
         requests.add_metric(["", "error", code], count)
     yield from (requests, queued, capacity, in_flight, *histograms.values())
     yield _batch_sizes(snapshot)
+    yield from _stream_families(snapshot)
+
+
+#: A stateful model's stream figures: (status key, metric name, help, a counter rather than a gauge).
+_STREAM_FIGURES = (
+    ("open", "infervisor_streams_open", "streams of a stateful model open now", False),
+    ("state_bytes", "infervisor_stream_state_bytes", "bytes of state the supervisor holds for its open streams", False),
+    ("opened", "infervisor_streams_opened", "streams started", True),
+    ("expired", "infervisor_streams_expired", "streams dropped after stream_idle_s without a step", True),
+    (
+        "resumed",
+        "infervisor_stream_steps_resumed",
+        "stream steps re-run from the committed state after a worker loss",
+        True,
+    ),
+    ("ended_by_config", "infervisor_streams_ended_by_config", "streams ended because the state pairs changed", True),
+)
+
+
+def _stream_families(snapshot: Snapshot) -> Iterator[Metric]:
+    """Streams per stateful model: open, state held, and the counters of how they ended or resumed."""
+    for key, name, documentation, counter in _STREAM_FIGURES:
+        family: CounterMetricFamily | GaugeMetricFamily = (
+            CounterMetricFamily(name, documentation, labels=["model"])
+            if counter
+            else GaugeMetricFamily(name, documentation, labels=["model"])
+        )
+        for model in snapshot.models:
+            if model.streams is not None:
+                family.add_metric([model.name], float(model.streams[key]))
+        yield family
 
 
 def _batch_sizes(snapshot: Snapshot) -> HistogramMetricFamily:

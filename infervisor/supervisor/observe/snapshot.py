@@ -109,6 +109,8 @@ class ModelSample:
     config_error: str | None
     #: Its background build (lifecycle/background_build.py: ModelBuild.report), None when it has none.
     build: Mapping[str, object] | None = None
+    #: A stateful model's streams (routing/streams.py: StreamTable.report), None for a stateless one.
+    streams: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

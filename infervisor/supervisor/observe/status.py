@@ -131,6 +131,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
             "build": sample.build,
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
+            "streams": None if sample.streams is None else dict(sample.streams),
             "workers": [
                 slot_status(s) | ({} if s.role is Role.MEMBER else {"role": s.role.value})
                 for s in snapshot.slots_of(sample.name)

@@ -56,6 +56,8 @@ def admit(
     if model is None:
         why = f"no model {request.model!r}; serving {sorted(config.models)}"
         raise _refused(ProtocolError(ErrorCode.UNKNOWN_MODEL, why), request.request_id, None)
+    if request.stream is not None:
+        return request, model, None  # a stream step's inputs are checked with its state added (routing/streams.py)
     try:
         # NaN/Inf are the worker's to find: it reads the frames anyway, right before the model.
         spec = admitting_spec(serving.target(request.model), model, request.inputs, spec_served)

@@ -20,6 +20,7 @@ import structlog
 import zmq
 
 from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.client_messages import InferRequest
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from infervisor.protocol.tensors import TensorSpec
@@ -33,6 +34,7 @@ from infervisor.supervisor.routing.peer_credentials import peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 from infervisor.supervisor.routing.pipeline import Pipelines
 from infervisor.supervisor.routing.replies import ModelQueue, Replies
+from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
@@ -62,6 +64,36 @@ def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
     if len(requests) == 1:
         return encoded
     return wm.encode(wm.Batch([len(r.frames) + 1 for r in requests]), encoded)
+
+
+def _pending(
+    internal_id: int,
+    client: Peer,
+    request: InferRequest,
+    frames: list[Any],
+    spec: tuple[TensorSpec, ...] | None,
+    cost: int,
+    reader: list[int] | None,
+    model: ModelConfig,
+) -> PendingRequest:
+    """An admitted request as the broker holds it until its final reply (`frames`: its header and tensors)."""
+    now = time.monotonic()
+    pending = PendingRequest(
+        internal_id=internal_id,
+        client=client,
+        request_id=request.request_id,
+        model=request.model,
+        frames=frames,
+        accepted_at=now,
+        deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
+        spec=spec,
+        cost=cost,
+        rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
+        reader=reader,
+    )
+    if model.batching is not None:
+        pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
+    return pending
 
 
 class Broker:
@@ -94,6 +126,9 @@ class Broker:
         self.refused: collections.Counter[str] = collections.Counter()
         #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
         self.replies = Replies(self.ledger, self.queues, self.refused)
+        #: Streams of stateful models: their committed state, and their steps waiting their turn (streams.py).
+        self.streams = Streams(self.queues, self.replies.finish)
+        self.replies.streams = self.streams
         #: What each worker process holds; the pool asks it whether a worker is busy or hung.
         self.pipelines = Pipelines()
         self.next_id = 1
@@ -175,30 +210,31 @@ class Broker:
             why = f"model {name!r} has no live worker slot"
             self.replies.refuse(client, request_id, name, ErrorCode.UNAVAILABLE, why)
             return
+        pending = _pending(self.next_id, client, request, frames[2:], spec, cost, reader, model)
+        self.next_id += 1
+        if request.stream is not None:  # streams.py: the stream's state goes in, its steps take turns
+            self.ledger.take(client, cost)
+            try:
+                self.streams.admit(pending, request, model, self.serving.target(name), self.spec_served)
+            except Refused as refused:
+                self.ledger.give_back(client, cost)
+                self.anomalies.count(refused.anomaly, refused.message)
+                self.replies.refuse(client, request_id, name, refused.code, refused.message)
+                return
+            self.dispatch_released()
+            return
         if len(queue.waiting) >= queue.capacity:
             why = f"queue of {name!r} is full ({queue.capacity})"
             self.replies.refuse(client, request_id, name, ErrorCode.OVERLOADED, why)
             return
-        now = time.monotonic()
-        pending = PendingRequest(
-            internal_id=self.next_id,
-            client=client,
-            request_id=request_id,
-            model=name,
-            frames=frames[2:],
-            accepted_at=now,
-            deadline=now + request.deadline_ms / 1000.0 if request.deadline_ms else None,
-            spec=spec,
-            cost=cost,
-            rows=request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1,
-            reader=reader,
-        )
-        if model.batching is not None:
-            pending.shape_key = tuple((d.name, d.dtype, d.shape[1:]) for d in request.inputs)
-        self.next_id += 1
         self.ledger.take(client, cost)
         queue.waiting.append(pending)
         self.dispatch(name)
+
+    def dispatch_released(self) -> None:
+        """Dispatch the models whose line got a stream's next step (streams.py releases one as its last is answered)."""
+        while self.streams.released:
+            self.dispatch(self.streams.released.pop())
 
     def has_capacity(self, model: str) -> bool:
         """False when every slot of the model has FAILED: queueing would only delay an error.
@@ -336,6 +372,7 @@ class Broker:
             charged = index == 0 and len(running) <= 1
             self.requeue_or_fail(held[index], model.max_retries, reason, charged=charged)
         self.dispatch(slot.model.name)
+        self.dispatch_released()
 
     def requeue_or_fail(self, request: PendingRequest, max_retries: int, reason: str, charged: bool = True) -> None:
         """Put a request whose worker was lost back at the head of its queue, unless it has lost too many."""
@@ -363,9 +400,14 @@ class Broker:
             charged=charged,
         )
         queue.waiting.appendleft(request)
+        self.streams.requeued(request)  # streams.py: counted as resumed; its state was never committed
 
     def expire(self, now: float) -> None:
-        """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more."""
+        """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more.
+
+        Streams idle past their model's `stream_idle_s`, or whose model's state pairs changed, end here too.
+        """
+        self.streams.upkeep(now, self.serving.desired)
         for name, queue in self.queues.items():
             expired = any(r.expired(now) for r in queue.waiting)
             specs = {r.spec for r in queue.waiting if r.spec is not None}
@@ -383,6 +425,7 @@ class Broker:
                 else:
                     keep.append(request)
             queue.waiting = keep
+        self.dispatch_released()
 
     def fail_queued(self, model: str, code: ErrorCode, message: str) -> None:
         """Answer every queued request of one model with `code`."""
@@ -392,6 +435,7 @@ class Broker:
 
     def fail_all(self, code: ErrorCode, message: str, slots: Sequence[WorkerSlot]) -> None:
         """Answer every queued request, and every request these workers hold, with `code` (end of a bounded stop)."""
+        self.streams.fail_waiting(code, message)
         for model in self.queues:
             self.fail_queued(model, code, message)
         for slot in slots:
@@ -422,6 +466,7 @@ class Broker:
             self.replies.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {why}")
         else:
             self.answer(slot, request, reply, frames, now)
+        self.dispatch_released()
         if slot.state is SlotState.DRAINING:
             return not pipeline.held
         self.dispatch(slot.model.name)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 from typing import Any
 
 from infervisor.protocol.client_messages import RequestId
-from infervisor.protocol.tensors import TensorSpec
+from infervisor.protocol.state import StateSpec
+from infervisor.protocol.tensors import TensorDesc, TensorSpec
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]
+#: A stream is named by the client connection that opened it and the id the client chose.
+StreamKey = tuple[Peer, str]
 
 
 @dataclass(slots=True)
@@ -40,7 +44,40 @@ class PendingRequest:
     batch_limit: int | None = None
     #: With a shared-memory input: `[uid, gid, *groups]` of the client (the worker checks it may read the object).
     reader: list[int] | None = None
+    #: A step of a stream (routing/streams.py): its state is committed when its result comes back.
+    step: StreamStep | None = None
 
     def expired(self, now: float) -> bool:
         """True once its deadline passed: it gets DEADLINE_EXCEEDED, never a late result."""
         return self.deadline is not None and now >= self.deadline
+
+
+@dataclass(eq=False)
+class OpenStream:
+    """One open stream: its committed state and the steps it holds."""
+
+    key: StreamKey
+    model: str
+    #: The state pairs it was started with; a config whose pairs differ ends it.
+    pairs: tuple[StateSpec, ...]
+    #: The last committed state, one raw little-endian buffer per pair (`[1, *shape]` of its dtype).
+    state: list[bytes]
+    nbytes: int
+    last_active: float
+    #: The step a worker runs now (or that waits in the model's queue), at most one.
+    in_flight: PendingRequest | None = None
+    #: Accepted steps (and a bare end) waiting behind it, in order.
+    backlog: collections.deque[PendingRequest] = field(default_factory=collections.deque)
+    #: Ended by the daemon: its step in flight is answered but commits nothing.
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class StreamStep:
+    """What the broker needs of a stream step beyond an ordinary request."""
+
+    stream: OpenStream
+    #: The client's own inputs (the state inputs are added when the step is released).
+    inputs: tuple[TensorDesc, ...]
+    end: bool
+    return_state: bool

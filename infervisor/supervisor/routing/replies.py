@@ -5,13 +5,25 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from infervisor.protocol.client_messages import RequestId, encode_error
 from infervisor.protocol.constants import ErrorCode
 from infervisor.supervisor.instruments.recorders import ModelTimes
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
+
+
+class StepSettler(Protocol):
+    """What a stream step's final reply passes through (routing/streams.py: Streams)."""
+
+    def settle(
+        self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]
+    ) -> tuple[ErrorCode | None, Any, list[Any]]:
+        """Commit the state a result returns; the reply the client gets instead."""
+
+    def after_reply(self, request: PendingRequest) -> None:
+        """The reply went: the stream's next step may go."""
 
 
 @dataclass
@@ -45,6 +57,8 @@ class Replies:
         self.ledger = ledger
         self.queues = queues
         self.refused = refused
+        #: Where a stream step's reply commits its state before it goes (routing/streams.py; set by the broker).
+        self.streams: StepSettler | None = None
 
     def error(self, client: Peer, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
         """Send an error reply to a client connection (counted by the caller)."""
@@ -61,6 +75,9 @@ class Replies:
 
     def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
         """Send the one final reply of an accepted request, give back its budget, and count it."""
+        streams = self.streams if request.step is not None else None
+        if streams is not None:  # a stream step: its state is committed, the client gets the other outputs
+            code, header, frames = streams.settle(request, code, header, frames)
         queue = self.queues.get(request.model)  # None once a reload removed the model
         if queue is not None and code is None:
             queue.times.request_done(request.accepted_at, request.dispatched_at, time.monotonic())
@@ -68,6 +85,8 @@ class Replies:
             queue.errors[code.value] += 1
         self.ledger.give_back(request.client, request.cost)
         self.ledger.send(request.client, [header, *frames])
+        if streams is not None:  # only now, so the stream's next reply goes after this one
+            streams.after_reply(request)
 
     def fail(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
         """Finish an accepted request with an error."""
