@@ -21,8 +21,8 @@ thread a worker) as four models, which differ only in these keys:
 2. Per-step overhead: one stream on `single` against stateless calls of the same model on `carried` (the client
    carrying the state), in alternating blocks of `--overhead-steps`: the ratio of the medians (target: <= 10%).
 3. Survival: `--survive-streams` streams of `--survive-steps` steps each on `survive`, one step every
-   `--survive-pace-ms` (an audio chunk's pace); at a quarter of the steps one worker is killed (-9), at half a
-   rolling restart of the model begins. Every answer (the scores and the returned state) is compared with the
+   `--survive-pace-ms` (an audio chunk's pace); at an eighth of the steps one worker is killed (-9), at a quarter
+   a rolling restart of the model begins (the table says at which step it was done). Every answer (the scores and the returned state) is compared with the
    reference run of the same stream step by step in one process (eager, one thread: exact), and every error
    counts (target: every answer equal, 0 errors).
 
@@ -256,7 +256,8 @@ def _serving_pid(runtime_dir: Path, model: str) -> int | None:
 
 
 def survive(endpoint: str, runtime_dir: Path, streams: int, steps: int, pace_s: float, procs: int) -> dict[str, Any]:
-    """The survival run: a worker killed at a quarter of the steps, a rolling restart begun at half."""
+    """The survival run: a worker killed at an eighth of the steps, a rolling restart begun at a quarter (early
+    enough that the rollout, several seconds, ends inside the run)."""
     context = multiprocessing.get_context("spawn")
     progress = context.Value("q", 0)
     queue = context.Queue()
@@ -274,12 +275,12 @@ def survive(endpoint: str, runtime_dir: Path, streams: int, steps: int, pace_s: 
     # Until every step was tried (the processes then run their references and put their results, which must be
     # taken before they can exit).
     while (done := progress.value) < total and time.monotonic() - began < 900:
-        if "killed" not in events and done >= total // 4:
+        if "killed" not in events and done >= total // 8:
             pid = _serving_pid(runtime_dir, "survive")
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 events["killed"] = done
-        if "killed" in events and "restart" not in events and done >= total // 2:
+        if "killed" in events and "restart" not in events and done >= total // 4:
             control_request(runtime_dir, {"cmd": "restart", "model": "survive"})
             events["restart"] = done
         if "restart" in events and "restarted" not in events:
