@@ -11,22 +11,24 @@ thread a worker) as four models, which differ only in these keys:
            the steps of different streams together
   carried  no `state`, batching off: each client sends its `h` and takes `h_out` back on every call, as before
            streams (docs/configuration.md, "Stateful models")
-  single   `state` declared, batching off: one stream's per-step cost against a `carried` call
+  single   `state` declared, batching off: one stream's per-step cost against a stateless call of it
   survive  `state` declared, batching off, 2 workers: the survival run
 
 1. Batching across streams: `--streams` concurrent streams (one client connection each, in `--procs` client
    processes) step for `--seconds` on `stream`, then as many client-carried streams on `carried`, in alternating
    order over `--rounds` rounds; the ratio of steps/s is taken per round (target: at least 4x at 64 streams).
    P99 per step on `stream` at 1, 8 and `--streams` streams.
-2. Per-step overhead: one stream on `single` against stateless calls of the same model on `carried` (the client
-   carrying the state), in alternating blocks of `--overhead-steps`: the ratio of the medians (target: <= 10%).
+2. Per-step overhead: one stream on `single` against stateless calls of the same model and worker (the client
+   sending `h` and keeping `h_out`), interleaved one for one over `--overhead-steps` x `--rounds` steps each
+   (after as many of warm-up): the ratio of the medians (target: <= 10%).
 3. Survival: `--survive-streams` streams of `--survive-steps` steps each on `survive`, one step every
    `--survive-pace-ms` (an audio chunk's pace); at an eighth of the steps one worker is killed (-9), at a quarter
-   a rolling restart of the model begins (the table says at which step it was done). Every answer (the scores and the returned state) is compared with the
-   reference run of the same stream step by step in one process (eager, one thread: exact), and every error
-   counts (target: every answer equal, 0 errors).
+   a rolling restart of the model begins (the table says at which step it was done). Every answer (the scores
+   and the returned state) is compared with the reference run of the same stream step by step in one process
+   (eager, one thread: exact), and every error counts (target: every answer equal, 0 errors).
 
-`--quick` is a CI-safe run of about a minute: 1.5 s windows, one round, 20 streams x 60 steps to survive.
+`--quick` is a CI-safe run (about 5 minutes on a loaded 2-vCPU box): 1.5 s windows, one round, 20 streams x
+60 steps to survive.
 """
 
 from __future__ import annotations
@@ -224,28 +226,27 @@ def throughput(endpoint: str, model: str, carried: bool, streams: int, seconds: 
 
 
 def overhead(endpoint: str, steps: int, rounds: int) -> dict[str, Any]:
-    """Median per-step latency of one stream on `single` against stateless calls on `carried`, in alternating
-    blocks."""
+    """Median per-step latency of one stream on `single` against stateless calls of `single` (the client sending h),
+    interleaved one for one in alternating order, so both take the same worker and see the same phases of a shared
+    box; the first `steps` of each are warm-up."""
     chunks = [np.random.default_rng(i).standard_normal((1, FEATURES)).astype(np.float32) for i in range(_CHUNKS)]
     stream_ms: list[float] = []
     call_ms: list[float] = []
-    with Client(endpoint) as client:
-        for block in range(2 * rounds + 2):  # the first two blocks warm both paths up
-            kept = block >= 2
-            if (block % 2 == 0) == (block // 2 % 2 == 0):
-                with client.stream("single") as stream:
-                    for step in range(steps):
-                        began = time.perf_counter()
-                        stream.infer({"x": chunks[step % _CHUNKS]})
-                        if kept:
-                            stream_ms.append((time.perf_counter() - began) * 1000.0)
-            else:
-                h = np.zeros((1, HIDDEN), np.float32)
-                for step in range(steps):
-                    began = time.perf_counter()
-                    h = client.infer("carried", {"x": chunks[step % _CHUNKS], "h": h})["h_out"]
-                    if kept:
-                        call_ms.append((time.perf_counter() - began) * 1000.0)
+    h = np.zeros((1, HIDDEN), np.float32)
+
+    def call(x: np.ndarray) -> None:
+        nonlocal h
+        h = client.infer("single", {"x": x, "h": h})["h_out"]
+
+    with Client(endpoint) as client, client.stream("single") as stream:
+        for step in range(steps * (rounds + 1)):
+            x = chunks[step % _CHUNKS]
+            order = [(stream_ms, lambda x=x: stream.infer({"x": x})), (call_ms, lambda x=x: call(x))]
+            for kept, run in order[:: 1 if step % 2 == 0 else -1]:
+                began = time.perf_counter()
+                run()
+                if step >= steps:
+                    kept.append((time.perf_counter() - began) * 1000.0)
     stream_median, call_median = statistics.median(stream_ms), statistics.median(call_ms)
     return {"stream_ms": stream_median, "call_ms": call_median, "overhead": stream_median / call_median - 1.0}
 

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import Daemon, model_entry
-from tests.sequence_models import STATE, STATE_INPUTS
+from tests.sequence_models import STATE, STATE_INPUTS, small_gru
 
 #: Steps the validation sequences of the GRU are cut to (the file holds more).
 GRU_STEPS = 40
@@ -22,7 +23,7 @@ def test_a_profile_whose_state_drifts_is_refused_at_its_step_and_an_exact_one_se
 ) -> None:
     """Through real workers: jit of a model whose traced graph nudges its state each step passes the single-call
     gate but is refused by the sequence gate with the step that crossed, so eager serves; jit of a GRU, checked
-    on the validation file's sequences (cut to sequence_steps), serves with that verdict in status."""
+    on the validation file's sequences (cut to sequence_steps), serves a stream with that verdict in status."""
     sequences = tmp_path / "sequences.npz"
     np.savez(sequences, **{"seq:x": np.random.default_rng(7).standard_normal((60, 3, 8)).astype(np.float32)})
     stateful = {"outputs": ["y", "h_out"], "state": STATE, "profiles": ["jit", "eager"]}
@@ -55,12 +56,15 @@ def test_a_profile_whose_state_drifts_is_refused_at_its_step_and_an_exact_one_se
     assert verdict.startswith(f"over 3 validation streams x {GRU_STEPS} steps, each feeding back"), verdict
     assert "every step within the tolerance: worst cosine" in verdict and " at step " in verdict, verdict
     assert drift["sequence_check"] is None, drift  # eager is the reference: nothing to walk
-    h = np.zeros((1, 16), np.float32)
-    with daemon.client() as client:
-        for step in range(3):  # the client carries the state: what it gets back is what it feeds next
-            out = client.infer("gru", {"x": np.full((1, 8), 0.1 * step, np.float32), "h": h})
-            assert out["h_out"].shape == (1, 16)
-            h = out["h_out"]
+    module, h = small_gru(), torch.zeros(1, 16)
+    with daemon.client() as client, client.stream("gru", return_state=True) as stream:
+        for step in range(3):  # jit serves the stream: each step within the tolerance of eager's, state and all
+            x = np.full((1, 8), 0.1 * step, np.float32)
+            got = stream.infer({"x": x})["y"]
+            with torch.no_grad():
+                want, h = module(torch.from_numpy(x), h)
+            np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
+            np.testing.assert_allclose(stream.state["h_out"], h.numpy(), atol=1e-5)
 
 
 def _validation_problems(tmp_path: Path, arrays: dict[str, np.ndarray], state: bool = True) -> list[str]:
