@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -94,7 +95,7 @@ class Wire:
     """A raw DEALER speaking the protocol with msgpack, without the Client class."""
 
     def __init__(self, daemon: Daemon) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(daemon.endpoint)
         self.next_id = 1
@@ -111,7 +112,8 @@ class Wire:
             "inputs": [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in inputs.items()],
             **fields,
         }
-        self.socket.send_multipart([b"", msgpack.packb(header), *[np.ascontiguousarray(a) for a in inputs.values()]])
+        tensors = [np.ascontiguousarray(a).tobytes() for a in inputs.values()]
+        self.socket.send_multipart([b"", msgpack.packb(header), *tensors])
         return request_id
 
     def reply(self) -> tuple[dict[str, Any], list[bytes]]:
@@ -285,25 +287,37 @@ def run_streams(daemon: Daemon, count: int, steps: int, during: Callable[[list[l
 
 
 def test_a_worker_killed_mid_stream_costs_no_step_and_changes_no_answer(start_daemon: Callable[..., Daemon]) -> None:
-    """Eight streams of 150 steps, batched, while the worker is killed -9 twice: every answer is the reference's,
-    none fails, the steps re-run are counted as resumed, and steps of several streams were joined."""
+    """Eight streams of 150 steps, batched, while the worker is killed -9 twice and recycled after every 400 replies:
+    every answer is the reference's, none fails, the steps re-run are counted as resumed, and steps of several
+    streams were joined."""
     batching = {"max_batch_size": 8, "max_queue_delay_us": 2000}
-    daemon = start_daemon({"models": {"leaky": leaky_entry(batching=batching)}}, env=ENV)
+    entry = leaky_entry(batching=batching, max_requests=400, recycle_jitter=0.0)
+    daemon = start_daemon({"models": {"leaky": entry}}, env=ENV)
     daemon.wait_ready(180)
 
     def kill_twice(results: list[list[Any]]) -> None:
         for answers in (300, 600):
-            wait_for(lambda n=answers: sum(len(r) for r in results) > n, 120, "streams under way")
+            wait_for(functools.partial(_answered_over, results, answers), 120, "streams under way")
             pid = _serving_pid(daemon)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda pid=pid: _serving_pid(daemon) not in (None, pid), 120, "a new worker serving")
+            wait_for(functools.partial(_replaced, daemon, pid), 120, "a new worker serving")
 
     run_streams(daemon, 8, 150, kill_twice)
     model = daemon.status()["models"]["leaky"]
+    recycled = [e for e in daemon.log_events() if e["event"] == "rollout_step_started"]
+    assert recycled, "a worker was recycled mid-stream"
     assert model["streams"]["open"] == 0 and model["streams"]["opened"] == 8
     assert model["streams"]["resumed"] >= 1, "the steps in flight at the kills were re-run"
     assert any(int(size) > 1 for size in model["batching"]["batch_sizes"]), model["batching"]
+
+
+def _answered_over(results: list[list[Any]], count: int) -> bool:
+    return sum(len(r) for r in results) > count
+
+
+def _replaced(daemon: Daemon, pid: int) -> bool:
+    return _serving_pid(daemon) not in (None, pid)
 
 
 def _serving_pid(daemon: Daemon) -> int | None:
@@ -343,3 +357,34 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
         with client.stream("leaky") as new:
             for chunk, want in zip(inputs, expected, strict=True):
                 np.testing.assert_array_equal(new.infer({"x": chunk})["y"], want)
+
+
+def test_a_failed_step_commits_nothing(daemon: Daemon) -> None:
+    """A step the worker refuses (NaN input) changes no state: the next steps answer as if it was never sent."""
+    inputs = chunks(12, 4)
+    expected, _ = reference(inputs)
+    bad = np.full((1, FEATURES), np.nan, np.float32)
+    with daemon.client() as client, client.stream("leaky") as stream:
+        np.testing.assert_array_equal(stream.infer({"x": inputs[0]})["y"], expected[0])
+        with pytest.raises(InferenceError) as caught:
+            stream.infer({"x": bad})
+        assert caught.value.code is ErrorCode.INVALID_INPUT
+        for chunk, want in zip(inputs[1:], expected[1:], strict=True):
+            np.testing.assert_array_equal(stream.infer({"x": chunk})["y"], want)
+
+
+def test_a_waiting_step_past_its_deadline_is_answered_before_the_step_ahead_of_it(daemon: Daemon) -> None:
+    """A step queued behind a slow one, with a short deadline, gets DEADLINE_EXCEEDED while the slow one still runs."""
+    wire = Wire(daemon)
+    held = np.array([[SLEEP, 1.5, *[0.0] * (FEATURES - 2)]], np.float32)
+    try:
+        slow = wire.send({"x": held}, stream="late", start=True)
+        late = wire.send({"x": chunks(13, 1)[0]}, stream="late", deadline_ms=100)
+        first, _ = wire.reply()
+        assert first["id"] == late and first["code"] == "DEADLINE_EXCEEDED", first
+        second, _ = wire.reply()
+        assert second["id"] == slow and second["type"] == "result", second
+        wire.send({}, stream="late", end=True)
+        assert wire.reply()[0]["type"] == "result"
+    finally:
+        wire.close()

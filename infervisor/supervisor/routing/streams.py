@@ -16,13 +16,15 @@ on the way out, plus a copy of the state each way (state bytes, e.g. 1 KiB for a
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from infervisor.protocol.client_messages import InferRequest, decode_reply, encode_error, encode_infer, encode_result
-from infervisor.protocol.constants import MAX_STREAM_BACKLOG, ErrorCode
+from infervisor.protocol.client_messages import InferRequest, encode_error, encode_infer, encode_result
+from infervisor.protocol.codec import pack, unpack
+from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_STREAM_BACKLOG, ErrorCode
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
@@ -32,6 +34,8 @@ from infervisor.supervisor.routing.replies import ModelQueue
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.state_keys import load_initial_state
 
+#: How often open streams are checked for idleness and for a change of their model's state pairs.
+UPKEEP_S = 0.25
 #: Streams a model remembers as gone (ended, expired, ended by a config change), to say why a late step fails.
 _GONE_REMEMBERED = 4096
 
@@ -82,6 +86,11 @@ def state_descs(pairs: tuple[StateSpec, ...]) -> tuple[TensorDesc, ...]:
     return tuple(TensorDesc(pair.input, pair.dtype, (1, *pair.shape)) for pair in pairs)
 
 
+def _state_sizes(pairs: tuple[StateSpec, ...]) -> list[int]:
+    """Bytes of one stream's state, per pair."""
+    return [math.prod(pair.shape) * DTYPE_ITEMSIZE[pair.dtype] for pair in pairs]
+
+
 def _pairs_change(old: tuple[StateSpec, ...], new: tuple[StateSpec, ...]) -> str:
     def shown(pairs: tuple[StateSpec, ...]) -> str:
         return ", ".join(f"{p.input}->{p.output} {p.dtype}{list(p.shape)} init {p.initial or 'zeros'}" for p in pairs)
@@ -99,6 +108,7 @@ class Streams:
         #: Models whose queue got a released step since the broker last dispatched them.
         self.released: set[str] = set()
         self._initial: dict[tuple[StateSpec, ...], list[bytes]] = {}
+        self.next_upkeep = 0.0
 
     def table(self, model: str) -> StreamTable:
         """The model's stream table (made on first use)."""
@@ -277,29 +287,39 @@ class Streams:
     def _commit(
         self, request: PendingRequest, step: StreamStep, header: Any, frames: list[Any]
     ) -> tuple[ErrorCode | None, Any, list[Any]]:
+        """Take the state out of a worker's result: commit it, and the header the client gets.
+
+        The worker wrote the header (and the worker link checked its frames), so it is read as a plain map:
+        a full descriptor check would cost four times the decode, on every step.
+        """
         stream = step.stream
-        result = decode_reply(getattr(header, "buffer", header), [len(frame) for frame in frames])
-        if isinstance(result, ProtocolError):
-            return result.code, header, frames
-        index = {desc.name: i for i, desc in enumerate(result.outputs)}
+        raw = unpack(getattr(header, "buffer", header))
+        outputs = raw.get("outputs") if isinstance(raw, dict) else None
+        if not isinstance(outputs, list) or len(outputs) != len(frames):
+            raise ProtocolError(ErrorCode.INTERNAL, "the worker's result header does not describe its frames")
+        position = {entry.get("name"): i for i, entry in enumerate(outputs) if isinstance(entry, dict)}
         new_state: list[bytes] = []
-        for pair in stream.pairs:
-            position = index.get(pair.output)
-            desc = result.outputs[position] if position is not None else None
-            if desc is None or desc.dtype != pair.dtype or desc.shape != (1, *pair.shape):
-                got = "nothing" if desc is None else f"{desc.dtype}{list(desc.shape)}"
-                why = f"the model returned {got} as state output {pair.output!r}, not {pair.dtype}{[1, *pair.shape]}"
+        for pair, nbytes in zip(stream.pairs, _state_sizes(stream.pairs), strict=True):
+            index = position.get(pair.output)
+            entry = outputs[index] if index is not None else None
+            shape = [1, *pair.shape]
+            if not isinstance(entry, dict) or entry.get("dtype") != pair.dtype or entry.get("shape") != shape:
+                got = "nothing" if entry is None else f"{entry.get('dtype')}{entry.get('shape')}"
+                why = f"the model returned {got} as state output {pair.output!r}, not {pair.dtype}{shape}"
                 raise ProtocolError(ErrorCode.INTERNAL, why)
-            frame = frames[index[pair.output]]
+            frame = frames[position[pair.output]]
+            if len(frame) != nbytes:
+                raise ProtocolError(ErrorCode.INTERNAL, f"state output {pair.output!r} is not {nbytes} bytes")
             new_state.append(frame.bytes if hasattr(frame, "bytes") else bytes(frame))
         if stream.in_flight is request and not stream.closed:
             stream.state = new_state
-        state_names = {pair.output for pair in stream.pairs}
-        keep = [i for i, desc in enumerate(result.outputs) if step.return_state or desc.name not in state_names]
-        shown = [result.outputs[i] for i in keep]
-        state = [pair.output for pair in stream.pairs] if step.return_state else []
-        header = encode_result(result.request_id, result.model, shown, result.timing, state)
-        return None, header, [frames[i] for i in keep]
+        if step.return_state:
+            raw["state"] = [pair.output for pair in stream.pairs]
+            return None, pack(raw), frames
+        names = {pair.output for pair in stream.pairs}
+        keep = [i for i, entry in enumerate(outputs) if not (isinstance(entry, dict) and entry.get("name") in names)]
+        raw["outputs"] = [outputs[i] for i in keep]
+        return None, pack(raw), [frames[i] for i in keep]
 
     def finish_error(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
         """End one stream request with an error (through the broker's replies, which settles it)."""
@@ -326,10 +346,17 @@ class Streams:
             self.finish_error(stream.backlog.popleft(), code, f"stream {stream.key[1]!r} ended: {why}")
 
     def upkeep(self, now: float, desired: Callable[[str], ModelConfig | None]) -> None:
-        """Drop idle streams, and end those whose model's state pairs changed (or that left the config)."""
+        """Drop idle streams, and end those whose model's state pairs changed (or that left the config).
+
+        At most every UPKEEP_S: a pass reads every open stream, and the broker's housekeeping runs every 20 ms.
+        """
+        if now < self.next_upkeep:
+            return
+        self.next_upkeep = now + UPKEEP_S
         for name, table in list(self.tables.items()):
             config = desired(name)
             for stream in list(table.streams.values()):
+                self._expire_waiting(stream, now)
                 if config is None:
                     self._end(table, stream, ErrorCode.STREAM_ENDED, f"model {name!r} was removed from the config")
                 elif stream.pairs != config.state:
@@ -341,6 +368,15 @@ class Streams:
                     self._end(table, stream, ErrorCode.UNKNOWN_STREAM, why)
             if config is None:
                 del self.tables[name]
+
+    def _expire_waiting(self, stream: OpenStream, now: float) -> None:
+        """Answer the steps waiting behind the stream's step in flight whose deadline passed (they commit nothing)."""
+        if any(pending.expired(now) for pending in stream.backlog):
+            late = [pending for pending in stream.backlog if pending.expired(now)]
+            stream.backlog = collections.deque(pending for pending in stream.backlog if not pending.expired(now))
+            for pending in late:
+                why = "deadline passed while waiting behind its stream's step in flight"
+                self.finish_error(pending, ErrorCode.DEADLINE_EXCEEDED, why)
 
     @staticmethod
     def _idle(stream: OpenStream, now: float, limit_s: float) -> bool:
