@@ -241,12 +241,14 @@ def overhead(endpoint: str, steps: int, rounds: int) -> dict[str, Any]:
     with Client(endpoint) as client, client.stream("single") as stream:
         for step in range(steps * (rounds + 1)):
             x = chunks[step % _CHUNKS]
-            order = [(stream_ms, lambda x=x: stream.infer({"x": x})), (call_ms, lambda x=x: call(x))]
-            for kept, run in order[:: 1 if step % 2 == 0 else -1]:
+            for as_stream in (True, False) if step % 2 == 0 else (False, True):
                 began = time.perf_counter()
-                run()
+                if as_stream:
+                    stream.infer({"x": x})
+                else:
+                    call(x)
                 if step >= steps:
-                    kept.append((time.perf_counter() - began) * 1000.0)
+                    (stream_ms if as_stream else call_ms).append((time.perf_counter() - began) * 1000.0)
     stream_median, call_median = statistics.median(stream_ms), statistics.median(call_ms)
     return {"stream_ms": stream_median, "call_ms": call_median, "overhead": stream_median / call_median - 1.0}
 
