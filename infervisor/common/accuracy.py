@@ -53,3 +53,6 @@ DEFAULT_MAX_CHANNEL_ERROR = channel_limit(0.999)
 #: A channel whose largest magnitude is below this fraction of the output's is judged against that fraction instead:
 #: a channel of near-zeros (a class absent from the image, a dead feature) has no scale of its own to be relative to.
 CHANNEL_FLOOR = 1e-3
+#: A profile's build note that starts with this is the sequence gate's verdict on a stateful model (what it walked,
+#: the worst step): status shows it as the worker's `sequence_check`.
+SEQUENCE_NOTE = "sequence gate: "

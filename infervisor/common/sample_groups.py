@@ -61,3 +61,29 @@ def round_robin(counts: Sequence[int], limit: int) -> list[tuple[int, int]]:
             if index < count and len(taken) < limit:
                 taken.append((group, index))
     return taken
+
+
+#: A validation file's key `seq:NAME` (or `seq:NAME@LABEL`, one set of sequences per label) holds sequences of
+#: input NAME, shaped [steps, streams, *one sample's dims]: the sequence gate feeds them step by step to a stateful
+#: model (its state inputs have no key: every stream starts from the declared initial state).
+SEQUENCE_PREFIX = "seq:"
+
+
+def sequence_groups(keys: Iterable[str], inputs: Sequence[str]) -> dict[str, dict[str, str]]:
+    """label -> input name -> the file's key, over the `seq:` keys only ({} when the file holds no sequence).
+
+    Raises GroupError when a set of sequences lacks one of `inputs` (the model's inputs other than its state).
+    """
+    stripped = {key[len(SEQUENCE_PREFIX) :]: key for key in keys if key.startswith(SEQUENCE_PREFIX)}
+    if not stripped:
+        return {}
+    try:
+        groups = sample_groups(stripped, inputs)
+    except GroupError as exc:
+        raise GroupError(f"sequences ({SEQUENCE_PREFIX}* keys): {exc}") from exc
+    return {label: {name: stripped[key] for name, key in members.items()} for label, members in groups.items()}
+
+
+def holds_samples(keys: Iterable[str]) -> bool:
+    """Whether the file has any key besides sequences (a file of sequences alone holds no single sample)."""
+    return any(not key.startswith(SEQUENCE_PREFIX) for key in keys)

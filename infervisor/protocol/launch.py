@@ -81,6 +81,8 @@ class LaunchSpec:
     #: Config `typical_shape`: input name -> the full shape pick "fastest" times at (None: the validation set's
     #: largest shape group, else the declared example).
     typical_shape: dict[str, list[int]] | None = None
+    #: Steps of each sequence the sequence gate walks (config `sequence_steps`).
+    sequence_steps: int = 200
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -35,9 +35,9 @@ from infervisor.worker.profiles.attempts import AttemptLog
 from infervisor.worker.profiles.build import package_options
 from infervisor.worker.profiles.builders import REJECTED_NOTE, BuildContext
 from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, model_digest
-from infervisor.worker.profiles.calibration import load_calibration
 from infervisor.worker.profiles.coverage import Covered, Reloaded
 from infervisor.worker.profiles.select import Selection, check_profiles, select_profile
+from infervisor.worker.profiles.sequence_gate import sequence_gate_for, validation_samples
 from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.progress import LinkProgress
 from infervisor.worker.request_path import Prepared, prepare
@@ -355,6 +355,7 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
         validation=Path(launch.validation) if launch.validation else None,
         served_batches=tuple(launch.served_batches),
         typical_shape=launch.typical_shape,
+        sequences=sequence_gate_for(launch, runner),
     )
 
 
@@ -474,7 +475,7 @@ def _load_and_select(
     if context.cache is not None:
         context.cache.ready_only = launch.ready_only
     attempts = attempt_log(launch, context)
-    validation = load_calibration(Path(launch.validation), runner.specs) if launch.validation else None
+    validation = validation_samples(launch, runner, context.sequences)
     tolerance = Tolerance.from_dict(launch.tolerance)
     caps = read_caps()
     selection = select_profile(

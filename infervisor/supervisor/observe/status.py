@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
+from infervisor.common.accuracy import ACCURACY_WARNING_NOTE, SEQUENCE_NOTE
 from infervisor.common.profiles import PROFILES, TIMED_AT_NOTE
 from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
 from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
@@ -78,8 +78,14 @@ def slot_status(slot: SlotSample) -> dict[str, Any]:
 
 
 def accuracy_data(slot: SlotSample) -> dict[str, str | None]:
-    """What the serving profile was judged on, and a warning when that was synthetic data for one that changes
-    numerics (int8, bf16): agreement with eager on drawn inputs says little about real ones."""
+    """What the serving profile was judged on, the sequence gate's verdict on a stateful model, and a warning when
+    that was synthetic data for one that changes numerics (int8, bf16): agreement with eager on drawn inputs says
+    little about real ones."""
+    sequence = next((n.removeprefix(SEQUENCE_NOTE) for n in slot.profile_build if n.startswith(SEQUENCE_NOTE)), None)
+    return {**_judged_on(slot), "sequence_check": sequence}
+
+
+def _judged_on(slot: SlotSample) -> dict[str, str | None]:
     if slot.profile is None:
         return {"checked_on": None, "accuracy_warning": None}
     # The worker's own warnings on its evidence: a pass thinner than the samples' spread, scales fitted on the

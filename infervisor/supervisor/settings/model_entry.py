@@ -31,7 +31,7 @@ from infervisor.supervisor.settings.config_keys import (
 from infervisor.supervisor.settings.module_lookup import module_missing
 from infervisor.supervisor.settings.state_keys import read_state
 from infervisor.supervisor.settings.stream_keys import STREAM_KEYS
-from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs
+from infervisor.supervisor.settings.tensor_keys import read_data_file, read_inputs, read_outputs, read_validation_file
 from infervisor.supervisor.settings.timing_keys import read_typical_shape
 from infervisor.supervisor.settings.tolerance_keys import DEFAULT_TOLERANCE, read_tolerance
 
@@ -71,6 +71,8 @@ class ModelConfig:
     max_streams: int
     max_state_bytes: int
     stream_idle_s: float
+    #: Steps of each sequence the sequence gate walks a stateful model's profiles over.
+    sequence_steps: int
     workers: int
     cores_per_worker: int
     use_smt: bool
@@ -196,6 +198,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         "is fed to, the output that returns the next state, and its initial value (`\"zeros\"` or a `.npy` "
         "file); the daemon keeps each stream's state between its steps ([more](#stateful-models))."),
     *STREAM_KEYS,
+    Key("sequence_steps", Integer(200, 1, 100_000), Applied.ROLLING,
+        "with `state`: steps of each sequence every profile is checked on against eager, each feeding back its own "
+        "state (the validation file's sequences are cut to it) ([more](optimization.md#the-sequence-gate))."),
     Key("workers", Integer(1, 1, 256), Applied.SCALED,
         "worker processes for this model."),
     Key("cores_per_worker", Integer(1, 1, 1024), Applied.ROLLING,
@@ -234,8 +239,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("calibration", Custom(read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
         "an `.npz` that `int8_static` observes to set activation scales; null: seeded random inputs "
         "([more](#calibration-and-validation))."),
-    Key("validation", Custom(read_data_file, "path (relative to config.json) or null"), Applied.ROLLING,
-        "an `.npz` of the inputs every profile is checked on against eager fp32; null: seeded random inputs "
+    Key("validation", Custom(read_validation_file, "path (relative to config.json) or null"), Applied.ROLLING,
+        "an `.npz` of the inputs every profile is checked on against eager fp32, and for a model with `state` "
+        "sequences of them (`seq:` keys); null: seeded random inputs "
         "([more](#calibration-and-validation))."),
     Key("batching",
         Custom(_read_batching, "`{max_batch_size, max_queue_delay_us, preferred_batch_sizes}` or null"),

@@ -9,8 +9,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from infervisor.common.sample_groups import PLAIN, GroupError, group_name, sample_groups
+from infervisor.common.sample_groups import (
+    PLAIN,
+    SEPARATOR,
+    SEQUENCE_PREFIX,
+    GroupError,
+    group_name,
+    holds_samples,
+    sample_groups,
+    sequence_groups,
+)
 from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_NAME_LEN, MAX_RANK
+from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import SYNTHETIC_DISTRIBUTIONS, DimRange, Synthetic, TensorSpec
 from infervisor.supervisor.settings.config_keys import ReadContext
 from infervisor.supervisor.settings.fields import FieldReader, join_path
@@ -161,6 +171,16 @@ def read_outputs(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...] | Non
 
 def read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
     """An .npz path (relative to config.json's folder) that must exist and fit the inputs, as an absolute path."""
+    return _data_file(ctx, raw, path, sequences=False)
+
+
+def read_validation_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    """A validation .npz: samples as a calibration file holds them, and for a stateful model sequences too
+    (`seq:` keys, common/sample_groups.py), or sequences alone."""
+    return _data_file(ctx, raw, path, sequences=True)
+
+
+def _data_file(ctx: ReadContext, raw: Any, path: str, sequences: bool) -> str | None:
     value = ctx.fields.string_or_null(raw, path)
     if value is None:
         return None
@@ -168,13 +188,17 @@ def read_data_file(ctx: ReadContext, raw: Any, path: str) -> str | None:
     if not file.is_file():
         ctx.fields.fail(path, f"no such file: {file}")
     else:
-        _check_data_file(ctx.fields, str(file), ctx.earlier["inputs"], path)
+        state = ctx.earlier.get("state") or () if sequences else None
+        _check_data_file(ctx.fields, str(file), ctx.earlier["inputs"], path, state)
     return str(file)
 
 
-def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], where: str) -> None:
+def _check_data_file(
+    r: FieldReader, file: str, specs: tuple[TensorSpec, ...], where: str, state: tuple[StateSpec, ...] | None = None
+) -> None:
     """A calibration/validation .npz holds one array per input and shape group (common/sample_groups.py), samples
-    along dim 0, each sample fitting the spec; the arrays of a group share their sample count."""
+    along dim 0, each sample fitting the spec; the arrays of a group share their sample count. A validation file
+    (`state` not None) may hold sequences for a stateful model besides, or instead of, the samples."""
     import numpy as np  # only when a data file is configured: validating a config needs no numpy otherwise
 
     if any(s.shape and s.shape[0] not in (None, 1) for s in specs):
@@ -183,8 +207,13 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
     try:
         with np.load(file, allow_pickle=False) as archive:
             keys = list(archive.files)
-            groups = sample_groups(keys, [spec.name for spec in specs])
+            if state is not None and not holds_samples(keys):
+                groups = {}
+            else:
+                groups = sample_groups(keys, [spec.name for spec in specs])
             arrays = {key: archive[key] for members in groups.values() for key in members.values()}
+            if state is not None:
+                _check_sequences(r, file, specs, where, state, archive)
     except GroupError as exc:
         r.fail(where, f"{file} {exc}")
         return
@@ -209,3 +238,40 @@ def _check_data_file(r: FieldReader, file: str, specs: tuple[TensorSpec, ...], w
             samples.add(array.shape[0] if array.ndim else 0)
         if len(samples) > 1 or 0 in samples:
             r.fail(where, f"{group}its arrays must share a non-empty first (sample) dimension")
+
+
+def _check_sequences(
+    r: FieldReader, file: str, specs: tuple[TensorSpec, ...], where: str, state: tuple[StateSpec, ...], archive: Any
+) -> None:
+    """Each set of sequences holds every input but the state as [steps, streams, *one sample's dims]; the state
+    starts from its declared initial value, so a `seq:` key of a state input is refused rather than ignored."""
+    keys = list(archive.files)
+    held = [key for key in keys if key.startswith(SEQUENCE_PREFIX)]
+    if not held:
+        return
+    if not state:
+        r.fail(where, f"{file} holds sequences ({held[0]!r}) but the model declares no `state` to carry along them")
+        return
+    carried = {pair.input for pair in state}
+    for key in held:
+        if key[len(SEQUENCE_PREFIX) :].partition(SEPARATOR)[0] in carried:
+            r.fail(where, f"{file}: {key!r} is a state input: every sequence starts from the declared initial state")
+            return
+    fed = [spec for spec in specs if spec.name not in carried]
+    for label, members in sequence_groups(keys, [spec.name for spec in fed]).items():
+        named = f"sequences{'' if label == PLAIN else f' ({group_name(label)})'}"
+        leading = set()
+        for spec in fed:
+            array = archive[members[spec.name]]
+            fits = (
+                array.ndim == len(spec.shape) + 1
+                and array.dtype.name == spec.dtype
+                and all(spec.takes(i, got) for i, got in enumerate(array.shape[1:]))
+            )
+            if not fits:
+                r.fail(where, f"{named}: array {members[spec.name]!r} is {array.dtype.name}{list(array.shape)}; "
+                       f"expected [steps, streams, ...] of {spec.describe()}")  # fmt: skip
+            leading.add(tuple(array.shape[:2]) if array.ndim >= 2 else (0,))
+        if len(leading) > 1 or any(0 in dims for dims in leading):
+            r.fail(where, f"{named}: its arrays must share non-empty [steps, streams] dims")
+

@@ -130,6 +130,7 @@ def launch_spec(
         recent_exits=list(recent_exits),
         served_batches=served_batches(model),
         state=model.state,
+        sequence_steps=model.sequence_steps,
         supervisor_pid=os.getpid(),
         client_gid=config.socket_group.gid if config.socket_group is not None else None,
         compile_timeout_s=config.compile_timeout_s,

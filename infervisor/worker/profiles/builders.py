@@ -12,13 +12,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.profiles import PROFILES
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.cache import ArtifactCache, file_digest
 from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
+
+if TYPE_CHECKING:  # the gate imports the runner and the comparison, which need nothing from here
+    from infervisor.worker.profiles.sequence_gate import SequenceGate
 
 
 class ProfileError(Exception):
@@ -47,6 +50,8 @@ class BuildContext:
     served_batches: tuple[int, ...] = ()
     #: Config `typical_shape` (input name -> full shape): the size pick "fastest" times at (timing_size.py).
     typical_shape: dict[str, list[int]] | None = None
+    #: A stateful model's sequence gate: every profile that passes the single-call gate is walked over it too.
+    sequences: SequenceGate | None = None
 
 
 @dataclass

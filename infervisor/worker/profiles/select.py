@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 import torch
 
-from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
+from infervisor.common.accuracy import ACCURACY_WARNING_NOTE, SEQUENCE_NOTE
 from infervisor.common.cpuinfo import CpuCaps
 from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE, TIMED_AT_NOTE, cpu_refusal
 from infervisor.common.text import clip
@@ -341,6 +341,10 @@ class _Trial:
                 ]
                 result = worst_of(agreements, self.golden.checked, sample_count(cases))
                 failure = result.failure(self.tolerance) or self.beyond_the_cosine(references, outputs)
+                if failure is None and self.context.sequences is not None and name != REFERENCE_PROFILE:
+                    self.progress.phase(StartPhase.CHECKING, name, f"over {self.context.sequences.checked}")
+                    over = self.context.sequences.check(self.tolerance)
+                    failure = over.failure
         except NotBuiltYet as exc:  # serving first: the background builder builds it
             failure, outcome = f"{exc}: the background builder builds it", StartPhase.REFUSED
         except ProfileError as exc:
@@ -353,6 +357,8 @@ class _Trial:
             self.reset()
             return failure
         summary = "; ".join(filter(None, [result.summary(self.tolerance.min_cosine, self.tolerance), self.part_note]))
+        if self.context.sequences is not None and name != REFERENCE_PROFILE:
+            built.notes.append(f"{SEQUENCE_NOTE}{over.summary}")
         warning = result.evidence(self.tolerance).warning()  # a pass by less than the samples spread: status says so
         if warning is not None:
             built.notes.append(f"{ACCURACY_WARNING_NOTE}{warning}")
