@@ -214,8 +214,13 @@ def _folder(accounts: Accounts, name: str) -> Path:
     return folder
 
 
-def _env(home: Path | str) -> dict[str, str]:
-    return {"HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
+def _env(home: Path | str, tree: Path | None = None) -> dict[str, str]:
+    """The environment of a test user's process; `tree`: where its workers import the copied packages from.
+
+    Workers run `python -P` (nothing from the working directory), so with the checkout behind a folder other
+    users cannot enter (a clone in a 0700 mktemp folder) the editable install points where they cannot read.
+    """
+    return {"HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1", **({"PYTHONPATH": str(tree)} if tree else {})}
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +228,7 @@ def daemon(accounts: Accounts) -> Iterator[Daemon]:
     """One serving daemon of the daemon's user with `socket_group` set to the client group."""
     folder = _folder(accounts, "served")
     config = {"socket_group": accounts.clients.name, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
-    served = Daemon(folder, config, _env(folder), accounts.command(accounts.daemon), accounts.tree)
+    served = Daemon(folder, config, _env(folder, accounts.tree), accounts.command(accounts.daemon), accounts.tree)
     try:
         served.wait_ready(timeout=180)
         yield served
