@@ -24,8 +24,10 @@ from infervisor.protocol.client import Client
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.instruments.recorders import BUCKETS_S, ModelTimes, ReloadStats
+from infervisor.supervisor.monitors.memory import MEMORY_READINGS
+from infervisor.supervisor.monitors.readings import MonitorReadings, Readings
 from infervisor.supervisor.observe import status
-from infervisor.supervisor.observe.capture import Readings, take_snapshot
+from infervisor.supervisor.observe.capture import Figures, take_snapshot
 from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.routing.pending import PendingRequest
@@ -154,8 +156,8 @@ def _finish_successes(rig: Rig, model: str, count: int) -> None:
 
 
 def _snapshot(rig: Rig) -> Snapshot:
-    readings = Readings({}, {}, {}, ReloadStats(time.time()), {})
-    return take_snapshot(rig.pool, rig.broker, readings, None, time.time(), time.monotonic())
+    figures = Figures((), ReloadStats(time.time()), {})
+    return take_snapshot(rig.pool, rig.broker, figures, None, time.time(), time.monotonic())
 
 
 def test_status_and_the_exposition_render_one_snapshot_that_changes_nothing(rig: Rig) -> None:
@@ -190,8 +192,9 @@ def test_status_shows_the_memory_sample_the_metrics_show(rig: Rig) -> None:
     rig.ready(slot)
     pid = slot.pid
     assert pid is not None
-    readings = Readings({pid: 123.0}, {pid: 45.0}, {}, ReloadStats(time.time()), {})
-    snapshot = take_snapshot(rig.pool, rig.broker, readings, None, time.time(), time.monotonic())
+    memory = Readings(workers={pid: {"rss": 123 * 2**20, "pss": 45 * 2**20}})
+    figures = Figures((MonitorReadings("memory", MEMORY_READINGS, memory),), ReloadStats(time.time()), {})
+    snapshot = take_snapshot(rig.pool, rig.broker, figures, None, time.time(), time.monotonic())
     metrics = Metrics()
     metrics.publish(snapshot)
     samples = _samples(metrics.render())
