@@ -40,10 +40,20 @@ def box_readings(snapshot: Snapshot, taken: set[str]) -> dict[str, dict[str, Val
     return sections
 
 
+def with_readings(row: dict[str, Any], readings: dict[str, Value], after: str) -> dict[str, Any]:
+    """`row` with the readings' keys placed after its key `after`; a reading named like a key of the row (or
+    `role`, added to a worker outside the pool) is a ValueError: it would hide a figure the daemon shows."""
+    if clash := sorted(readings.keys() & {*row, "role"}):
+        raise ValueError(f"monitor readings {clash} name status keys the daemon already has")
+    keys = list(row)
+    cut = keys.index(after) + 1
+    return {**{k: row[k] for k in keys[:cut]}, **readings, **{k: row[k] for k in keys[cut:]}}
+
+
 def slot_status(slot: SlotSample, snapshot: Snapshot) -> dict[str, Any]:
     """One worker's row; its readings (memory, ...) as the snapshot holds them, the figures /metrics shows."""
     pid = slot.pid
-    return {
+    row = {
         "slot": slot.slot,
         "pid": pid,
         "state": slot.state.value,
@@ -54,7 +64,6 @@ def slot_status(slot: SlotSample, snapshot: Snapshot) -> dict[str, Any]:
         "node": slot.node,
         "shared_cores": slot.shared_cores,
         "threads": slot.threads,
-        **worker_readings(snapshot, pid),
         "requests": slot.requests,
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),
@@ -76,6 +85,7 @@ def slot_status(slot: SlotSample, snapshot: Snapshot) -> dict[str, Any]:
         # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
         "starting": slot.starting,
     }
+    return with_readings(row, worker_readings(snapshot, pid), after="threads")
 
 
 def accuracy_data(slot: SlotSample) -> dict[str, str | None]:
@@ -109,7 +119,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
     models: dict[str, Any] = {}
     for sample in snapshot.models:
         model = sample.config
-        models[sample.name] = {
+        row = {
             "health": sample.report.health.value,
             "reason": sample.report.reason,
             # Why it cannot serve or did not take a change (roster.model_errors; docs/protocol.md, Error fields).
@@ -136,7 +146,6 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
                 {s.profile for s in snapshot.slots_of(sample.name) if s.state.value == "serving" and s.profile}
             ),
             "build": sample.build,
-            **{reading.key: value for reading, value in snapshot.model_readings(sample.name)},
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
             "streams": None if sample.streams is None else dict(sample.streams),
@@ -145,6 +154,8 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
                 for s in snapshot.slots_of(sample.name)
             ],
         }
+        readings = {reading.key: value for reading, value in snapshot.model_readings(sample.name)}
+        models[sample.name] = with_readings(row, readings, after="build")
     return models
 
 
