@@ -1,5 +1,7 @@
 """A monitor, a control command and a CLI command are each one table entry: fakes registered at run time work whole.
 
+A monitor shown in status and /metrics is its module (here, this file) plus one entry that declares its readings.
+
 The daemon runs in its own process, so the fake monitor and control command are registered there:
 this module, run as `python -m tests.test_extension_tables serve ...`, patches the tables and then
 runs the real `infervisor serve` in the same process.
@@ -8,13 +10,16 @@ runs the real `infervisor serve` in the same process.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from infervisor.supervisor import cli
 from infervisor.supervisor.commands import registry as cli_registry
@@ -23,9 +28,11 @@ from infervisor.supervisor.core import control_commands
 from infervisor.supervisor.core.control_commands import ControlCommand, ControlHost
 from infervisor.supervisor.monitors import registry
 from infervisor.supervisor.monitors.findings import Action, Finding
-from infervisor.supervisor.monitors.registry import MonitorEntry
+from infervisor.supervisor.monitors.readings import Reading, Readings, Scope
+from infervisor.supervisor.monitors.registry import MonitorEntry, build_monitors
 from infervisor.supervisor.monitors.view import MonitorView
-from tests.conftest import TINY_INPUTS, Daemon, model_entry, wait_for
+from infervisor.supervisor.settings.config import Config, parse_config
+from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
 
 
 class FirstWorkerWatch:
@@ -43,6 +50,52 @@ class FirstWorkerWatch:
         return [Finding("first_worker", Action.RECYCLE, serving[0], {"reason": "the fake monitor's one finding"})]
 
 
+class TurnWatch:
+    """A fake monitor with readings and no findings: its turns, each model's serving workers, each worker's turns."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.serving: dict[str, int] = {}
+        self.seen: dict[int, int] = {}
+
+    def check(self, now: float, view: MonitorView) -> list[Finding]:
+        """Count; never a finding."""
+        self.turns += 1
+        self.serving = {name: len(slots) for name, slots in view.serving.items()}
+        for slot in view.all_serving():
+            if slot.pid is not None:
+                self.seen[slot.pid] = self.seen.get(slot.pid, 0) + 1
+        self.seen = {pid: turns for pid, turns in self.seen.items() if pid in view.live_pids}
+        return []
+
+    def readings(self, config: Config) -> Readings:
+        """One value of each scope."""
+        return Readings(
+            box={"turns": self.turns},
+            models={name: {"serving_workers": count} for name, count in self.serving.items()},
+            workers={pid: {"turns_seen": turns} for pid, turns in self.seen.items()},
+        )
+
+
+#: One reading of each scope, each with a metric family.
+TURN_READINGS = (
+    Reading("turns", Scope.BOX, "monitor turns the fake monitor ran", metric="infervisor_fake_turns", counter=True),
+    Reading(
+        "serving_workers",
+        Scope.MODEL,
+        "serving workers the fake monitor saw",
+        metric="infervisor_fake_serving_workers",
+    ),
+    Reading(
+        "turns_seen",
+        Scope.WORKER,
+        "monitor turns the fake monitor saw this worker serve",
+        metric="infervisor_fake_worker_turns",
+        counter=True,
+    ),
+)
+
+
 def served_models(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
     """A fake control command: the names of the models the pool serves."""
     return {"ok": True, "models": sorted(host.pool.roster.members)}
@@ -51,7 +104,8 @@ def served_models(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
 def register_fakes(patch: pytest.MonkeyPatch) -> None:
     """The one monitor entry and the one control-command entry the fakes need, added to the live tables."""
     entry = MonitorEntry("first_worker", "recycles the first serving worker once", FirstWorkerWatch)
-    patch.setattr(registry, "MONITORS", (*registry.MONITORS, entry))
+    turns = MonitorEntry("turns", "counts turns and serving workers (readings only)", TurnWatch, TURN_READINGS)
+    patch.setattr(registry, "MONITORS", (*registry.MONITORS, entry, turns))
     command = ControlCommand("served_models", True, "the models the pool serves", served_models)
     patch.setattr(control_commands, "CONTROL_COMMANDS", {**control_commands.CONTROL_COMMANDS, command.name: command})
 
@@ -62,6 +116,7 @@ def daemon_with_fakes(tmp_path: Path) -> Iterator[Daemon]:
     config = {
         "monitor_interval_s": 0.2,
         "oversubscribe": True,
+        "metrics_listen": f"127.0.0.1:{free_loopback_port()}",
         "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)},
     }
     daemon = Daemon(tmp_path, config, command_prefix=[sys.executable, "-m", __name__])
@@ -89,6 +144,62 @@ def test_a_monitor_added_to_the_table_runs_in_the_daemon_and_its_finding_is_acte
         return all(w["state"] == "serving" and w["pid"] not in (None, event["pid"]) for w in pool)
 
     wait_for(replaced, 120, "the named worker replaced")
+
+
+def test_a_monitor_s_readings_declared_on_its_entry_show_in_status_and_metrics(daemon_with_fakes: Daemon) -> None:
+    """The fake monitor's box, model and worker readings appear in a real status and in a scrape of /metrics."""
+    daemon = daemon_with_fakes
+    wait_for(daemon.try_status, 60, "the daemon answering")
+
+    def shown() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, str]] | None:
+        status = daemon.status()
+        workers = [w for w in status["models"]["tiny"]["workers"] if "role" not in w and w["turns_seen"]]
+        if not workers:
+            return None
+        families = _scrape(status["endpoints"]["metrics"])
+        labels = {"model": "tiny", "slot": str(workers[0]["slot"]), "pid": str(workers[0]["pid"])}
+        seen = families.get("infervisor_fake_worker_turns")
+        # The worker may have been replaced between the two reads (the other fake recycles one): read again then.
+        if seen is None or not any(sample.labels == labels for sample in seen.samples):
+            return None
+        return status, workers[0], families, labels
+
+    status, worker, families, labels = wait_for(shown, 120, "a worker the fake monitor saw serve, in both")
+    assert status["turns"] == {"turns": status["turns"]["turns"]} and status["turns"]["turns"] >= 1
+    assert status["models"]["tiny"]["serving_workers"] >= 1
+    assert worker["turns_seen"] >= 1 and worker["rss"] and worker["pss"]
+    turns, serving, seen = (families[name] for name in TURN_READINGS_METRICS)
+    assert (turns.type, turns.documentation) == ("counter", "monitor turns the fake monitor ran")
+    assert [s.value for s in turns.samples if s.name == "infervisor_fake_turns_total"][0] >= 1
+    assert (serving.type, serving.documentation) == ("gauge", "serving workers the fake monitor saw")
+    assert [s.labels for s in serving.samples] == [{"model": "tiny"}] and serving.samples[0].value >= 1
+    assert [s.value for s in seen.samples if s.labels == labels and s.name.endswith("_total")][0] >= 1
+
+
+#: The families of TURN_READINGS, as prometheus_client's parser names them (a counter without `_total`).
+TURN_READINGS_METRICS = ("infervisor_fake_turns", "infervisor_fake_serving_workers", "infervisor_fake_worker_turns")
+
+
+def _scrape(url: str) -> dict[str, Any]:
+    """The metric families a GET of /metrics returns, by name."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+
+
+def test_readings_that_clash_or_a_monitor_without_readings_fail_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two readings with one status key, or an entry declaring readings for a monitor that reports none, refuse."""
+    twice = MonitorEntry("turns_again", "the same readings again", TurnWatch, TURN_READINGS)
+    turns = MonitorEntry("turns", "counts turns", TurnWatch, TURN_READINGS)
+    monkeypatch.setattr(registry, "MONITORS", (*registry.MONITORS, turns, twice))
+    with pytest.raises(ValueError, match="monitor 'turns_again': reading 'turns' clashes with monitor 'turns'"):
+        build_monitors()
+    mute = MonitorEntry("mute", "declares what it cannot report", FirstWorkerWatch, TURN_READINGS)
+    monkeypatch.setattr(registry, "MONITORS", (*registry.MONITORS[:-2], mute))
+    with pytest.raises(ValueError, match="monitor 'mute' declares readings but has no readings"):
+        build_monitors()
+    monkeypatch.setattr(registry, "MONITORS", registry.MONITORS[:-1])
+    config = parse_config(json.dumps({"models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}), ROOT)
+    assert [sample.name for sample in build_monitors().readings(config)] == ["memory", "thermal", "audit"]
 
 
 def test_a_control_command_added_to_the_table_is_answered_over_the_control_socket(

@@ -24,8 +24,11 @@ from infervisor.protocol.client import Client
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.instruments.recorders import BUCKETS_S, ModelTimes, ReloadStats
+from infervisor.supervisor.monitors.audit import AUDIT_READINGS
+from infervisor.supervisor.monitors.memory import MEMORY_READINGS
+from infervisor.supervisor.monitors.readings import MonitorReadings, Readings
 from infervisor.supervisor.observe import status
-from infervisor.supervisor.observe.capture import Readings, take_snapshot
+from infervisor.supervisor.observe.capture import Figures, take_snapshot
 from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.routing.pending import PendingRequest
@@ -154,8 +157,8 @@ def _finish_successes(rig: Rig, model: str, count: int) -> None:
 
 
 def _snapshot(rig: Rig) -> Snapshot:
-    readings = Readings({}, {}, {}, ReloadStats(time.time()), {})
-    return take_snapshot(rig.pool, rig.broker, readings, None, time.time(), time.monotonic())
+    figures = Figures((), ReloadStats(time.time()), {})
+    return take_snapshot(rig.pool, rig.broker, figures, None, time.time(), time.monotonic())
 
 
 def test_status_and_the_exposition_render_one_snapshot_that_changes_nothing(rig: Rig) -> None:
@@ -190,8 +193,9 @@ def test_status_shows_the_memory_sample_the_metrics_show(rig: Rig) -> None:
     rig.ready(slot)
     pid = slot.pid
     assert pid is not None
-    readings = Readings({pid: 123.0}, {pid: 45.0}, {}, ReloadStats(time.time()), {})
-    snapshot = take_snapshot(rig.pool, rig.broker, readings, None, time.time(), time.monotonic())
+    memory = Readings(workers={pid: {"rss": 123 * 2**20, "pss": 45 * 2**20}})
+    figures = Figures((MonitorReadings("memory", MEMORY_READINGS, memory),), ReloadStats(time.time()), {})
+    snapshot = take_snapshot(rig.pool, rig.broker, figures, None, time.time(), time.monotonic())
     metrics = Metrics()
     metrics.publish(snapshot)
     samples = _samples(metrics.render())
@@ -199,6 +203,28 @@ def test_status_shows_the_memory_sample_the_metrics_show(rig: Rig) -> None:
     labels = {"model": "tiny", "slot": "0", "pid": str(pid)}
     assert worker["rss"] == _value(samples, "infervisor_worker_resident_memory_bytes", **labels) == 123 * 2**20
     assert worker["pss"] == _value(samples, "infervisor_worker_proportional_memory_bytes", **labels) == 45 * 2**20
+
+
+def test_the_audit_reading_is_its_status_key_and_its_own_families(rig: Rig) -> None:
+    """The audit's one nested reading shows whole in status, and its families pick their figures out of it."""
+    rig.pool.start()
+    report = {"rows_audited": 5, "rows_below_tolerance": 1, "dropped": 2, "worst": {"cosine": 0.97},
+              "process": {"state": "ready", "restarts": 3}}  # fmt: skip
+    audit = MonitorReadings("audit", AUDIT_READINGS, Readings(models={"tiny": {"audit": report}}))
+    snapshot = take_snapshot(
+        rig.pool, rig.broker, Figures((audit,), ReloadStats(time.time()), {}), None, time.time(), time.monotonic()
+    )
+    assert status.models_status(snapshot)["tiny"]["audit"] == report
+    metrics = Metrics()
+    metrics.publish(snapshot)
+    samples = _samples(metrics.render())
+    assert _value(samples, "infervisor_audit_rows_total", model="tiny") == 5
+    assert _value(samples, "infervisor_audit_rows_below_tolerance_total", model="tiny") == 1
+    assert _value(samples, "infervisor_audit_dropped_total", model="tiny") == 2
+    assert _value(samples, "infervisor_audit_worst_cosine", model="tiny") == 0.97
+    assert _value(samples, "infervisor_audit_process_state", model="tiny", state="ready") == 1
+    assert _value(samples, "infervisor_audit_process_state", model="tiny", state="off") == 0
+    assert _value(samples, "infervisor_audit_process_restarts_total", model="tiny") == 3
 
 
 @pytest.fixture

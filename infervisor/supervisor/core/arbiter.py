@@ -21,9 +21,10 @@ from infervisor.supervisor.core.assembly import Parts, assemble
 from infervisor.supervisor.core.control import ControlServer, status_server
 from infervisor.supervisor.core.control_commands import dispatch
 from infervisor.supervisor.host.event_loop import CONTROL
+from infervisor.supervisor.monitors.memory import rss_now
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.observe import status
-from infervisor.supervisor.observe.capture import Readings, take_snapshot
+from infervisor.supervisor.observe.capture import Figures, take_snapshot
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.workers.health import daemon_state, status_line
@@ -177,14 +178,9 @@ class Arbiter:
     def publish_metrics(self) -> Snapshot:
         """Take a snapshot and hand it to the metrics endpoint (which never reads the loop's state itself)."""
         parts = self.parts
-        memory, thermal = parts.monitors.memory, parts.monitors.thermal
-        audit, models = parts.monitors.audit, self.config.models
-        audits = {name: r for name in models if (r := audit.report(name, models[name])) is not None}
-        readings = Readings(
-            memory.rss_mb(), memory.pss_mb, thermal.reading, self.reloader.stats, parts.anomalies.counts, audits
-        )
+        figures = Figures(parts.monitors.readings(self.config), self.reloader.stats, parts.anomalies.counts)
         snapshot = take_snapshot(
-            self.pool, self.broker, readings, self.fallback.fallbacks, time.time(), time.monotonic()
+            self.pool, self.broker, figures, self.fallback.fallbacks, time.time(), time.monotonic()
         )
         parts.metrics.publish(snapshot)
         return snapshot
@@ -235,13 +231,13 @@ class Arbiter:
         snapshot = self.publish_metrics()
         reports = snapshot.reports()
         state = daemon_state(reports, parts.readiness.announced, snapshot.stopping)
-        return {
+        document = {
             "ok": True,
             "pid": os.getpid(),
             "state": state.value,
             "status": status_line(reports, state),
             "uptime_s": round(snapshot.taken_at - parts.started_at, 3),
-            "rss": status.rss_of(os.getpid()),
+            "rss": rss_now(os.getpid()),
             "cpus": sorted(parts.affinity.current),
             "cpu_latency": parts.cpu_latency.status(config.cpu_latency_us),
             "config": {
@@ -257,6 +253,8 @@ class Arbiter:
                 "metrics_error": parts.metrics.error,
             },
             "counters": dict(snapshot.anomalies),
-            "thermal": {**snapshot.thermal, "shedding": snapshot.shedding},
-            "models": status.models_status(snapshot),
         }
+        # Each monitor's readings about the box under its name (the thermal monitor's: `thermal`), then the models.
+        return (
+            document | status.box_readings(snapshot, {*document, "models"}) | {"models": status.models_status(snapshot)}
+        )

@@ -32,6 +32,7 @@ from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.protocol import worker_messages as wm
 from infervisor.supervisor.monitors.audit_tally import AuditTally
 from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.monitors.readings import Reading, Readings, Scope
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.audit_keys import AuditAction
@@ -104,6 +105,11 @@ def model_fingerprint(model: ModelConfig) -> tuple[object, ...]:
 def audited(model: ModelConfig | None, profile: str | None) -> bool:
     """Whether answers of `profile` for `model` are audited: a budget, and a profile other than eager fp32."""
     return model is not None and model.audit.budget > 0 and profile is not None and profile != REFERENCE_PROFILE
+
+
+#: Status `models.NAME.audit`, nested; its metric families (a 0/1 series per process state, the worst row's
+#: cosine inside `worst`) keep a shape of their own, rendered from this reading by observe/audit_metrics.py.
+AUDIT_READINGS = (Reading("audit", Scope.MODEL, "the model's live audit: what it reran, what it found, its process"),)
 
 
 class AuditWatch:
@@ -264,6 +270,15 @@ class AuditWatch:
         return Finding("audit_below_tolerance", action, slot, detail)
 
     # ---- what operators see -------------------------------------------------------------------
+
+    def readings(self, config: Config) -> Readings:
+        """Each audited model's report (a model not audited and never audited has none)."""
+        models = config.models
+        return Readings(
+            models={
+                name: {"audit": report} for name in models if (report := self.report(name, models[name])) is not None
+            }
+        )
 
     def report(self, name: str, model: ModelConfig | None) -> dict[str, object] | None:
         """The model's `audit` object in status (None when it is not audited and never was)."""

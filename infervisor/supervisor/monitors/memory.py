@@ -3,7 +3,8 @@
 The limits judge RSS: it is what the process itself has resident, so a worker is judged on its own
 growth, not on how many siblings happen to share its libraries right now (PSS of a worker rises
 when a sibling exits, with nothing of its own changed). PSS (each shared page divided among the
-processes that map it) is what the box pays for a worker, and is shown in status and the metrics.
+processes that map it) is what the box pays for a worker. Both are readings (status `rss`, `pss` of a
+worker, and their metric families), from the same sample.
 """
 
 from __future__ import annotations
@@ -13,11 +14,51 @@ import collections
 import psutil
 
 from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.monitors.readings import Reading, Readings, Scope
 from infervisor.supervisor.monitors.view import MonitorView
+from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 MB = 2**20
+
+
+def rss_now(pid: int) -> int | None:
+    """Resident memory of a process in bytes, read now, or None when it is gone."""
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
+
+
+def pss_now(pid: int) -> int | None:
+    """Proportional set size of a process in bytes (its shared pages divided among their users), or None."""
+    try:
+        return int(psutil.Process(pid).memory_full_info().pss)
+    except (psutil.Error, AttributeError):  # gone, or a kernel without smaps
+        return None
+
+
+#: Status shows a worker the monitor has not sampled yet (it samples serving and draining ones) as read now.
+MEMORY_READINGS = (
+    Reading(
+        "rss",
+        Scope.WORKER,
+        "RSS of each serving or draining worker, as the memory monitor last sampled it",
+        metric="infervisor_worker_resident_memory_bytes",
+        unit="bytes",
+        read_now=rss_now,
+    ),
+    Reading(
+        "pss",
+        Scope.WORKER,
+        "PSS of each serving or draining worker (shared pages divided among the processes mapping them): "
+        "what the box pays for it",
+        metric="infervisor_worker_proportional_memory_bytes",
+        unit="bytes",
+        read_now=pss_now,
+    ),
+)
 
 
 def leak_slope_mb_per_min(samples: collections.deque[tuple[float, float]]) -> float:
@@ -42,6 +83,16 @@ class MemoryWatch:
     def rss_mb(self) -> dict[int, float]:
         """Each live worker's last RSS sample in MiB, for status and the metrics."""
         return {pid: samples[-1][1] for pid, samples in self.history.items() if samples}
+
+    def readings(self, config: Config) -> Readings:
+        """Each sampled worker's last RSS and PSS, in bytes (one sample: the figures judged and shown agree)."""
+        rss = self.rss_mb()
+        return Readings(
+            workers={
+                pid: {"rss": round(rss_mb * MB), "pss": round(self.pss_mb[pid] * MB) if pid in self.pss_mb else None}
+                for pid, rss_mb in rss.items()
+            }
+        )
 
     def check(self, now: float, view: MonitorView) -> list[Finding]:
         """Serving workers against every limit of their model; draining ones against the hard limit only.

@@ -8,7 +8,9 @@ from typing import Any
 import psutil
 
 from infervisor.supervisor.monitors.findings import Action, Finding
+from infervisor.supervisor.monitors.readings import Reading, Readings, Scope
 from infervisor.supervisor.monitors.view import MonitorView
+from infervisor.supervisor.settings.config import Config
 
 
 def _read_int(path: Path) -> int | None:
@@ -16,6 +18,33 @@ def _read_int(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+#: Status `thermal`: the sensors' figures from the first read on; `throttled` and `shedding` from the start.
+THERMAL_READINGS = (
+    Reading("max_temp_c", Scope.BOX, "hottest thermal zone", metric="infervisor_cpu_temperature_celsius"),
+    Reading(
+        "throttle_events",
+        Scope.BOX,
+        "the kernel's core and package throttle counts, summed",
+        metric="infervisor_cpu_throttle_events",
+        counter=True,
+    ),
+    Reading(
+        "min_freq_ratio",
+        Scope.BOX,
+        "lowest current/maximum clock over the CPUs",
+        metric="infervisor_cpu_frequency_ratio",
+    ),
+    Reading("throttled", Scope.BOX, "1 while the CPU throttles or runs too hot", metric="infervisor_thermal_throttled"),
+    # Asked for by its SHED finding, which the responses table acts on in the same turn, before the snapshot.
+    Reading(
+        "shedding",
+        Scope.BOX,
+        "1 while throttling routes to half of each model's workers",
+        metric="infervisor_thermal_shedding",
+    ),
+)
 
 
 class ThermalWatch:
@@ -55,6 +84,10 @@ class ThermalWatch:
             "throttle_events": sum(counts) if counts else None,
             "min_freq_ratio": round(min(ratios), 3) if ratios else None,
         }
+
+    def readings(self, config: Config) -> Readings:
+        """The last sensor read (none before the first), whether it judged the box throttled, and asked to shed."""
+        return Readings(box={**self.reading, "throttled": self.throttled, "shedding": self.shedding})
 
     def check(self, now: float, view: MonitorView) -> list[Finding]:
         """A finding when throttling starts or ends, and one when load shedding should start or end."""

@@ -1,8 +1,12 @@
-"""The live audit's metric families (monitors/audit.py; docs/operations.md lists them)."""
+"""The live audit's metric families (docs/operations.md lists them), from its `audit` reading (monitors/audit.py).
+
+The reading is one nested status key; its families keep a shape the generic renderer (exposition.py) has not:
+figures picked out of the nesting, and a 0/1 series per process state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -32,8 +36,8 @@ def audit_families(snapshot: Snapshot) -> Iterator[Metric]:
         labels=["model"],
     )  # fmt: skip
     for model in snapshot.models:
-        audit = model.audit
-        if audit is None:
+        audit = next((value for reading, value in snapshot.model_readings(model.name) if reading.key == "audit"), None)
+        if not isinstance(audit, Mapping):
             continue
         name = [model.name]
         rows.add_metric(name, float(audit.get("rows_audited") or 0))  # type: ignore[arg-type]

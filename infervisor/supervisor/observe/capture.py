@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from infervisor.supervisor.instruments.recorders import ModelTimes, ReloadStats
 from infervisor.supervisor.lifecycle.pool import WorkerPool
+from infervisor.supervisor.monitors.readings import MonitorReadings
 from infervisor.supervisor.observe.snapshot import (
     Histogram,
     ModelSample,
@@ -26,35 +27,28 @@ from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.settings.fallback import Fallbacks
 from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 
-MB = 2**20
-
 
 @dataclass(frozen=True)
-class Readings:
-    """What the monitors, the reloader and the anomaly counter know, beside the broker and the pool."""
+class Figures:
+    """What the monitors (their readings), the reloader and the anomaly counter report, beside the broker and pool."""
 
-    #: The memory monitor's last RSS and PSS sample per pid, in MiB.
-    rss_mb: Mapping[int, float]
-    pss_mb: Mapping[int, float]
-    thermal: Mapping[str, Any]
+    monitors: tuple[MonitorReadings, ...]
     reloads: ReloadStats
     anomalies: Mapping[str, int]
-    #: Per model, the live audit's report (monitors/audit.py: AuditWatch.report); absent when it is not audited.
-    audits: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
 
 
 def take_snapshot(
-    pool: WorkerPool, broker: Broker, readings: Readings, fallbacks: Fallbacks | None, now: float, clock: float
+    pool: WorkerPool, broker: Broker, figures: Figures, fallbacks: Fallbacks | None, now: float, clock: float
 ) -> Snapshot:
     """Copy what the loop knows now (`now` Unix time, `clock` monotonic) into a Snapshot; nothing read is changed."""
     roles = [(s, Role.MEMBER) for s in pool.roster.member_slots()]
     roles += [(s, Role.SUCCESSOR if s.state is SlotState.STARTING else Role.RETIRING) for s in pool.roster.extra]
     rollout = pool.rollout
-    reloads = readings.reloads
+    reloads = figures.reloads
     return Snapshot(
         taken_at=now,
-        models=tuple(_models(pool, broker, fallbacks, readings.audits)),
-        slots=tuple(_slot_sample(slot, role, readings, clock, broker.load_of(slot).size) for slot, role in roles),
+        models=tuple(_models(pool, broker, fallbacks)),
+        slots=tuple(_slot_sample(slot, role, clock, broker.load_of(slot).size) for slot, role in roles),
         refused=tuple(sorted(broker.refused.items())),
         # Every reason of every model, from 0: a first crash then shows in increase().
         restarts=tuple(
@@ -74,15 +68,12 @@ def take_snapshot(
         last_reload_ok=reloads.last_ok,
         last_reload_success_at=reloads.last_success_at,
         config_digest=pool.serving.current.digest,
-        thermal=dict(readings.thermal),
-        shedding=broker.shed,
-        anomalies=tuple(readings.anomalies.items()),
+        anomalies=tuple(figures.anomalies.items()),
+        monitors=figures.monitors,
     )
 
 
-def _models(
-    pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None, audits: Mapping[str, Mapping[str, object]]
-) -> list[ModelSample]:
+def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> list[ModelSample]:
     """One sample per model of the pool that has a queue."""
     config = pool.serving.current
     errors = pool.roster.model_errors(pool.rollout.failed)
@@ -110,7 +101,6 @@ def _models(
                 config_state=state,
                 config_error=error,
                 build=build.report(time.monotonic()) if build is not None else None,
-                audit=audits.get(name),
                 streams=broker.streams.report(pool.serving.desired(name) or model),
                 **_queue_figures(queue),
             )
@@ -135,15 +125,13 @@ def _queue_figures(queue: ModelQueue) -> dict[str, Any]:
     }
 
 
-def _slot_sample(slot: WorkerSlot, role: Role, readings: Readings, clock: float, held: int) -> SlotSample:
+def _slot_sample(slot: WorkerSlot, role: Role, clock: float, held: int) -> SlotSample:
     """One slot, copied."""
-    pid = slot.pid
-    rss_mb, pss_mb = readings.rss_mb, readings.pss_mb
     return SlotSample(
         model=slot.model.name,
         slot=slot.assignment.slot,
         role=role,
-        pid=pid,
+        pid=slot.pid,
         state=slot.state,
         reason=slot.reason,
         inflight=held,
@@ -164,6 +152,4 @@ def _slot_sample(slot: WorkerSlot, role: Role, readings: Readings, clock: float,
         load_error=slot.notes.last_load_error,
         last_event=slot.notes.last_event,
         starting=slot.proc.start.status(clock) if slot.state is SlotState.STARTING else None,
-        sampled_rss_bytes=round(rss_mb[pid] * MB) if pid is not None and pid in rss_mb else None,
-        sampled_pss_bytes=round(pss_mb[pid] * MB) if pid is not None and pid in pss_mb else None,
     )

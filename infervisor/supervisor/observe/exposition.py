@@ -28,6 +28,7 @@ from prometheus_client.metrics_core import (
 from infervisor.common.text import clip
 from infervisor.protocol.constants import PROTOCOL_VERSION, ErrorCode
 from infervisor.supervisor.instruments.recorders import ReloadOutcome
+from infervisor.supervisor.monitors.readings import Scope, Value
 from infervisor.supervisor.observe.audit_metrics import audit_families
 from infervisor.supervisor.observe.http_endpoint import HttpEndpoint
 from infervisor.supervisor.observe.snapshot import Role, Snapshot
@@ -81,6 +82,7 @@ class SnapshotCollector:
         yield from _worker_families(snapshot)
         yield from _build_families(snapshot)
         yield from audit_families(snapshot)
+        yield from reading_families(snapshot)
         yield from _daemon_families(snapshot)
 
 
@@ -221,29 +223,12 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
             counts[slot.state.value] += 1
         for state, count in counts.items():
             states.add_metric([model.name, state], count)
-    rss = GaugeMetricFamily(
-        "infervisor_worker_resident_memory_bytes",
-        "RSS of each serving or draining worker, as the memory monitor last sampled it",
-        labels=["model", "slot", "pid"],
-        unit="bytes",
-    )
-    pss = GaugeMetricFamily(
-        "infervisor_worker_proportional_memory_bytes",
-        "PSS of each serving or draining worker (shared pages divided among the processes mapping them): "
-        "what the box pays for it",
-        labels=["model", "slot", "pid"],
-        unit="bytes",
-    )
     profile = InfoMetricFamily(
         "infervisor_worker_profile", "the optimisation profile each serving worker runs", labels=["model", "slot"]
     )
     for slot in snapshot.slots:
         if slot.pid is None:
             continue
-        if slot.sampled_rss_bytes is not None:
-            rss.add_metric([slot.model, str(slot.slot), str(slot.pid)], slot.sampled_rss_bytes)
-        if slot.sampled_pss_bytes is not None:
-            pss.add_metric([slot.model, str(slot.slot), str(slot.pid)], slot.sampled_pss_bytes)
         # One profile per (model, slot): the serving members' only.
         if slot.profile is not None and slot.role is Role.MEMBER and slot.state is SlotState.SERVING:
             profile.add_metric([slot.model, str(slot.slot)], {"profile": slot.profile})
@@ -263,7 +248,7 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
         load_failures.add_metric([model.name], model.load_failures)
         if model.load_error:
             load_error.add_metric([model.name], {"error": clip(model.load_error, LOAD_ERROR_LABEL_CHARS)})
-    yield from (states, rss, pss, profile, restarts, load_failures, load_error)
+    yield from (states, profile, restarts, load_failures, load_error)
 
 
 #: The states of a model's background build (lifecycle/background_build.py: BuildState), each a 0/1 series.
@@ -311,7 +296,6 @@ def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
 
 
 def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:
-    yield from _thermal_families(snapshot)
     yield from _reload_families(snapshot)
     anomalies = CounterMetricFamily(
         "infervisor_anomalies", "things that should not happen, by kind (status counters)", labels=["kind"]
@@ -328,30 +312,45 @@ def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:
     )
 
 
-def _thermal_families(snapshot: Snapshot) -> Iterator[Metric]:
-    thermal = snapshot.thermal
-    yield GaugeMetricFamily(
-        "infervisor_thermal_throttled",
-        "1 while the CPU throttles or runs too hot",
-        float(bool(thermal.get("throttled", False))),
-    )
-    yield GaugeMetricFamily(
-        "infervisor_thermal_shedding",
-        "1 while throttling routes to half of each model's workers",
-        float(snapshot.shedding),
-    )
-    if (max_temp_c := thermal.get("max_temp_c")) is not None:
-        yield GaugeMetricFamily("infervisor_cpu_temperature_celsius", "hottest thermal zone", max_temp_c)
-    if (throttle_events := thermal.get("throttle_events")) is not None:
-        yield CounterMetricFamily(
-            "infervisor_cpu_throttle_events",
-            "the kernel's core and package throttle counts, summed",
-            throttle_events,
-        )
-    if (min_freq_ratio := thermal.get("min_freq_ratio")) is not None:
-        yield GaugeMetricFamily(
-            "infervisor_cpu_frequency_ratio", "lowest current/maximum clock over the CPUs", min_freq_ratio
-        )
+#: The labels of a reading's family, by its scope (monitors/readings.py).
+_READING_LABELS = {Scope.BOX: [], Scope.MODEL: ["model"], Scope.WORKER: ["model", "slot", "pid"]}
+
+
+def _number(value: Value) -> float | None:
+    """A reading's value as a sample (a bool as 0/1), or None when it is no number (status shows it)."""
+    return float(value) if isinstance(value, bool | int | float) else None
+
+
+def reading_families(snapshot: Snapshot) -> Iterator[Metric]:
+    """One family per declared reading that names a metric, labelled by its scope; one without a value is left out."""
+    for sample in snapshot.monitors:
+        for reading in sample.declared:
+            if reading.metric is None:
+                continue
+            labels = _READING_LABELS[reading.scope]
+            family: CounterMetricFamily | GaugeMetricFamily = (
+                CounterMetricFamily(reading.metric, reading.help, labels=labels, unit=reading.unit)
+                if reading.counter
+                else GaugeMetricFamily(reading.metric, reading.help, labels=labels, unit=reading.unit)
+            )
+            values: list[tuple[list[str], Value]] = []
+            if reading.scope is Scope.BOX:
+                values.append(([], sample.values.box.get(reading.key)))
+            elif reading.scope is Scope.MODEL:
+                models = sample.values.models
+                values += [([m.name], models.get(m.name, {}).get(reading.key)) for m in snapshot.models]
+            else:
+                workers = sample.values.workers
+                values += [
+                    ([slot.model, str(slot.slot), str(slot.pid)], workers.get(slot.pid, {}).get(reading.key))
+                    for slot in snapshot.slots
+                    if slot.pid is not None
+                ]
+            for label_values, value in values:
+                if (number := _number(value)) is not None:
+                    family.add_metric(label_values, number)
+            if family.samples:
+                yield family
 
 
 def _reload_families(snapshot: Snapshot) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infervisor.supervisor.instruments.recorders import BUCKETS_S
+from infervisor.supervisor.monitors.readings import MonitorReadings, Reading, Scope, Value
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.health import ModelReport
 from infervisor.supervisor.workers.slot import SlotState
@@ -74,9 +75,6 @@ class SlotSample:
     last_event: Mapping[str, object] | None
     #: Before READY: the phase and how long each limit has counted (None once it left STARTING).
     starting: Mapping[str, object] | None
-    #: RSS and PSS as the memory monitor last sampled them (None before its first sample).
-    sampled_rss_bytes: int | None
-    sampled_pss_bytes: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +107,6 @@ class ModelSample:
     config_error: str | None
     #: Its background build (lifecycle/background_build.py: ModelBuild.report), None when it has none.
     build: Mapping[str, object] | None = None
-    #: Its live audit (monitors/audit.py: AuditWatch.report), None when it is not audited.
-    audit: Mapping[str, object] | None = None
     #: A stateful model's streams (routing/streams.py: StreamTable.report), None for a stateless one.
     streams: Mapping[str, Any] | None = None
 
@@ -144,11 +140,10 @@ class Snapshot:
     last_reload_ok: bool
     last_reload_success_at: float
     config_digest: str
-    #: The thermal monitor's last reading, and whether the broker sheds load for it.
-    thermal: Mapping[str, Any]
-    shedding: bool
     #: (kind, count) of every anomaly counted, in the order they first happened.
     anomalies: tuple[tuple[str, int], ...]
+    #: What each monitor that declares readings reported (monitors/readings.py), in table order.
+    monitors: tuple[MonitorReadings, ...]
 
     def reports(self) -> dict[str, ModelReport]:
         """Each model's health."""
@@ -157,3 +152,19 @@ class Snapshot:
     def slots_of(self, model: str) -> list[SlotSample]:
         """A model's slots: its members, then its successors and retiring ones."""
         return [s for s in self.slots if s.model == model]
+
+    def model_readings(self, model: str) -> list[tuple[Reading, Value]]:
+        """Every declared per-model reading with the value reported for `model` (None when none was)."""
+        return [
+            (reading, sample.values.models.get(model, {}).get(reading.key))
+            for sample in self.monitors
+            for reading in sample.of(Scope.MODEL)
+        ]
+
+    def worker_readings(self, pid: int | None) -> list[tuple[Reading, Value]]:
+        """Every declared per-worker reading with the value reported for the process `pid` (None when none was)."""
+        return [
+            (reading, None if pid is None else sample.values.workers.get(pid, {}).get(reading.key))
+            for sample in self.monitors
+            for reading in sample.of(Scope.WORKER)
+        ]

@@ -1,47 +1,59 @@
 """The status document served on the control socket (and printed by `infervisor status`), rendered from the
-loop's snapshot (infervisor/supervisor/observe/snapshot.py). A worker's memory is the memory monitor's sample in
-that snapshot, as the metrics show it; only a worker not sampled yet (starting) is read here, now."""
+loop's snapshot (infervisor/supervisor/observe/snapshot.py). The monitors' readings (monitors/readings.py) are
+shown under their keys, the values the metrics render from the same snapshot; a per-worker reading the monitor
+has not sampled yet (a starting worker's memory) is read now where the reading says how."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import psutil
-
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE, SEQUENCE_NOTE
 from infervisor.common.profiles import PROFILES, TIMED_AT_NOTE
 from infervisor.protocol.constants import MAX_HEADER_BYTES, MAX_NAME_LEN, MAX_RANK, MAX_TENSORS
+from infervisor.supervisor.monitors.readings import Scope, Value
 from infervisor.supervisor.observe.snapshot import ModelSample, Role, SlotSample, Snapshot
 from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import BatchingConfig
 
 
-def rss_of(pid: int | None) -> int | None:
-    """Resident memory of a process in bytes, or None when it is gone."""
-    if pid is None:
-        return None
-    try:
-        return int(psutil.Process(pid).memory_info().rss)
-    except psutil.Error:
-        return None
+def worker_readings(snapshot: Snapshot, pid: int | None) -> dict[str, Value]:
+    """Every per-worker reading of the worker `pid`: the monitor's value, else read now when the reading can be."""
+    shown: dict[str, Value] = {}
+    for reading, value in snapshot.worker_readings(pid):
+        if value is None and pid is not None and reading.read_now is not None:
+            value = reading.read_now(pid)
+        shown[reading.key] = value
+    return shown
 
 
-def pss_of(pid: int | None) -> int | None:
-    """Proportional set size of a process in bytes (its shared pages divided among their users), or None."""
-    if pid is None:
-        return None
-    try:
-        return int(psutil.Process(pid).memory_full_info().pss)
-    except (psutil.Error, AttributeError):  # gone, or a kernel without smaps
-        return None
+def box_readings(snapshot: Snapshot, taken: set[str]) -> dict[str, dict[str, Value]]:
+    """Per monitor with readings about the box, its section: the keys it reported (a name in `taken` is an error)."""
+    sections: dict[str, dict[str, Value]] = {}
+    for sample in snapshot.monitors:
+        declared = {reading.key for reading in sample.of(Scope.BOX)}
+        if not declared:
+            continue
+        if sample.name in taken:
+            raise ValueError(f"monitor {sample.name!r} names a status key the daemon already has")
+        sections[sample.name] = {key: value for key, value in sample.values.box.items() if key in declared}
+    return sections
 
 
-def slot_status(slot: SlotSample) -> dict[str, Any]:
-    """One worker's row (its memory as the monitor last sampled it, the figures /metrics shows; read now if none)."""
+def with_readings(row: dict[str, Any], readings: dict[str, Value], after: str) -> dict[str, Any]:
+    """`row` with the readings' keys placed after its key `after`; a reading named like a key of the row (or
+    `role`, added to a worker outside the pool) is a ValueError: it would hide a figure the daemon shows."""
+    if clash := sorted(readings.keys() & {*row, "role"}):
+        raise ValueError(f"monitor readings {clash} name status keys the daemon already has")
+    keys = list(row)
+    cut = keys.index(after) + 1
+    return {**{k: row[k] for k in keys[:cut]}, **readings, **{k: row[k] for k in keys[cut:]}}
+
+
+def slot_status(slot: SlotSample, snapshot: Snapshot) -> dict[str, Any]:
+    """One worker's row; its readings (memory, ...) as the snapshot holds them, the figures /metrics shows."""
     pid = slot.pid
-    sampled = slot.sampled_pss_bytes is not None and slot.sampled_rss_bytes is not None
-    return {
+    row = {
         "slot": slot.slot,
         "pid": pid,
         "state": slot.state.value,
@@ -52,8 +64,6 @@ def slot_status(slot: SlotSample) -> dict[str, Any]:
         "node": slot.node,
         "shared_cores": slot.shared_cores,
         "threads": slot.threads,
-        "rss": slot.sampled_rss_bytes if sampled else rss_of(pid),
-        "pss": slot.sampled_pss_bytes if sampled else pss_of(pid),
         "requests": slot.requests,
         "p50_ms": percentile(slot.latencies_ms, 50),
         "p99_ms": percentile(slot.latencies_ms, 99),
@@ -75,6 +85,7 @@ def slot_status(slot: SlotSample) -> dict[str, Any]:
         # Before READY: the phase (loading, building profile i of n, ...) and how long each limit has counted.
         "starting": slot.starting,
     }
+    return with_readings(row, worker_readings(snapshot, pid), after="threads")
 
 
 def accuracy_data(slot: SlotSample) -> dict[str, str | None]:
@@ -108,7 +119,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
     models: dict[str, Any] = {}
     for sample in snapshot.models:
         model = sample.config
-        models[sample.name] = {
+        row = {
             "health": sample.report.health.value,
             "reason": sample.report.reason,
             # Why it cannot serve or did not take a change (roster.model_errors; docs/protocol.md, Error fields).
@@ -135,15 +146,16 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
                 {s.profile for s in snapshot.slots_of(sample.name) if s.state.value == "serving" and s.profile}
             ),
             "build": sample.build,
-            "audit": sample.audit,
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
             "streams": None if sample.streams is None else dict(sample.streams),
             "workers": [
-                slot_status(s) | ({} if s.role is Role.MEMBER else {"role": s.role.value})
+                slot_status(s, snapshot) | ({} if s.role is Role.MEMBER else {"role": s.role.value})
                 for s in snapshot.slots_of(sample.name)
             ],
         }
+        readings = {reading.key: value for reading, value in snapshot.model_readings(sample.name)}
+        models[sample.name] = with_readings(row, readings, after="build")
     return models
 
 
