@@ -274,4 +274,3 @@ def _check_sequences(
             leading.add(tuple(array.shape[:2]) if array.ndim >= 2 else (0,))
         if len(leading) > 1 or any(0 in dims for dims in leading):
             r.fail(where, f"{named}: its arrays must share non-empty [steps, streams] dims")
-
