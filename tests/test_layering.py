@@ -310,7 +310,8 @@ def test_a_helper_taken_through_the_core_is_named(tmp_path: Path, script: str, l
     assert len(offences) == 1 and offence in offences[0], offences
 
 
-#: supervisor/'s folders from the top down (docs/architecture.md): each imports only folders after it in this list.
+#: supervisor/'s folders from the top down (docs/architecture.md): each imports only folders after it in this list, and
+#: folders in one tuple import neither each other.
 FOLDER_LAYERS = (
     ("__main__",),
     ("cli",),
