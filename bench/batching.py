@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.daemon import start_daemon  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from infervisor.supervisor.core.control import control_request  # noqa: E402
+from infervisor.protocol.control_client import control_request  # noqa: E402
 from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 #: Each model's inputs (one request's), and its config entry without batching.

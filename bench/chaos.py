@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from infervisor.protocol.client_messages import InferRequest, encode_infer  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.protocol.control_client import control_request  # noqa: E402
 from infervisor.protocol.sockets import send_frames  # noqa: E402
 from infervisor.protocol.tensors import TensorDesc  # noqa: E402
-from infervisor.supervisor.core.control import control_request  # noqa: E402
 from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infervisor.supervisor.core.control import DaemonNotReady, await_status
+from infervisor.protocol.control_client import DaemonNotReady, await_status
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from infervisor.protocol import Client, InferenceError  # noqa: E402
-from infervisor.supervisor.core.control import ControlError, control_request  # noqa: E402
+from infervisor.protocol.control_client import ControlError, control_request  # noqa: E402
 from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 _MAX_REQUESTS = 1_000_000

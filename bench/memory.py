@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 from infervisor.protocol.client import Client  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from infervisor.supervisor.core.control import await_status, control_request  # noqa: E402
+from infervisor.protocol.control_client import await_status, control_request  # noqa: E402
 from infervisor.supervisor.toolkit.inputs import random_inputs  # noqa: E402
 
 KB = 1024

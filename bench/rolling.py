@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 from bench.daemon import SHAPES, builtin_entry, start_daemon  # noqa: E402
 from infervisor.protocol.client import Client  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.protocol.control_client import control_request  # noqa: E402
 from infervisor.protocol.errors import InferenceError  # noqa: E402
-from infervisor.supervisor.core.control import control_request  # noqa: E402
 from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 

@@ -55,7 +55,7 @@ from bench.daemon import start_daemon  # noqa: E402
 from bench.stream_models import FEATURES, HIDDEN  # noqa: E402
 from infervisor.protocol import Client, InferenceError  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
-from infervisor.supervisor.core.control import control_request  # noqa: E402
+from infervisor.protocol.control_client import control_request  # noqa: E402
 from infervisor.supervisor.observe.stats import percentile  # noqa: E402
 
 SOURCE = {"python": "bench.stream_models:gru"}

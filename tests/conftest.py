@@ -18,7 +18,7 @@ import pytest
 
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
-from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.protocol.control_client import ControlError, control_request
 
 ROOT = Path(__file__).resolve().parent.parent
 # Workers start with `python -P`, which puts no working directory on their path: the test models

@@ -487,7 +487,8 @@ def test_a_region_given_to_a_group_is_never_open_to_another_one() -> None:
 
 def test_without_socket_group_a_left_status_socket_is_removed(tmp_path: Path) -> None:
     """A daemon without socket_group removes a status.sock an earlier one left, so status goes to control.sock."""
-    from infervisor.supervisor.core.control import ControlServer, control_socket, status_server
+    from infervisor.protocol.control_client import control_socket
+    from infervisor.supervisor.core.control import ControlServer, status_server
     from infervisor.supervisor.instruments.anomalies import Anomalies
 
     (tmp_path / STATUS_SOCKET_NAME).write_text("")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from infervisor.protocol.constants import STATUS_SOCKET_COMMANDS
 from infervisor.supervisor.core.control_commands import (
     CONTROL_COMMANDS,
     ControlCommand,
@@ -66,7 +67,11 @@ def test_changes_are_refused_while_stopping_and_reads_are_not() -> None:
     assert dispatch(host, {"cmd": "status"})["ok"] is True
     assert dispatch(host, {"cmd": "restart", "model": "m"}) == {"ok": False, "error": "the daemon is stopping"}
     assert host.asked == ["status"] and host.pool.restarted == []
-    assert read_only_commands() == {"status", "ping", "metrics"}
+
+
+def test_status_sock_answers_what_a_client_sends_it() -> None:
+    """The table's read-only commands are the ones the control client routes to status.sock (a protocol constant)."""
+    assert read_only_commands() == STATUS_SOCKET_COMMANDS == {"status", "ping", "metrics"}
 
 
 def test_the_protocol_spec_lists_every_command_of_the_table() -> None:

@@ -106,21 +106,23 @@ def _imported_modules(path: Path, package: str) -> set[str]:
 
 
 def up_arrows(folder: Path, package: str) -> list[str]:
-    """Imports that point up: the core importing the toolkit or the CLI, the toolkit importing the CLI."""
+    """Imports that point up or across: the core importing the toolkit or the CLI, the toolkit the CLI or the core
+    (the two stand side by side: a tool reaches a daemon through the control client, infervisor/protocol/)."""
     cli_side = (f"{package}.commands", f"{package}.cli", f"{package}.__main__")
     offences = []
     for path in sorted(folder.rglob("*.py")):
         part = path.relative_to(folder).parts[0].removesuffix(".py")
         if part in ("commands", "cli", "__main__"):
             continue
-        above = cli_side if part == "toolkit" else (*cli_side, f"{package}.toolkit")
+        above = (*cli_side, f"{package}.core") if part == "toolkit" else (*cli_side, f"{package}.toolkit")
         offences += [f"{path.relative_to(folder)} -> {name}" for name in _imported_modules(path, package)
                      if any(name == up or name.startswith(f"{up}.") for up in above)]  # fmt: skip
     return offences
 
 
-def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
-    """No arrow points up: the core imports neither the toolkit nor the CLI, and the toolkit never the CLI."""
+def test_the_daemon_core_and_the_toolkit_never_import_the_cli_or_each_other() -> None:
+    """No arrow points up or across: the core imports neither the toolkit nor the CLI, the toolkit neither the CLI
+    nor the core."""
     assert up_arrows(Path(cli.__file__).resolve().parent, cli.__name__.removesuffix(".cli")) == []
 
 
@@ -128,12 +130,13 @@ def test_the_daemon_core_and_the_toolkit_never_import_the_cli() -> None:
     ("module", "line"),
     [
         ("toolkit/check.py", "from infervisor.supervisor.commands.infer import summarize"),
+        ("toolkit/scratch.py", "from infervisor.supervisor.core.control import ControlServer"),
         ("core/arbiter.py", "from infervisor.supervisor import cli"),
         ("observe/status.py", "from infervisor.supervisor.toolkit.inputs import random_inputs"),
     ],
 )
 def test_an_up_arrow_is_named(tmp_path: Path, module: str, line: str) -> None:
-    """A toolkit module importing a command, or a core module the CLI or the toolkit, fails the check."""
+    """A toolkit module importing a command or the core, or a core module the CLI or the toolkit, fails the check."""
     folder = tmp_path / "supervisor"
     shutil.copytree(Path(cli.__file__).resolve().parent, folder, ignore=shutil.ignore_patterns("__pycache__"))
     add_line_after_future_import(folder / module, line)
@@ -239,13 +242,14 @@ HELPER_HOMES = {
     "percentile": "infervisor.supervisor.observe.stats",
     "random_inputs": "infervisor.supervisor.toolkit.inputs",
 }
-#: The daemon's core: a bench script starts a daemon (bench/daemon.py) and talks to it through sockets, or runs a
-#: bare broker of its own (bench/bare_broker.py); none builds the supervisor's broker or pool in process.
+#: The daemon's core: a bench script starts a daemon (bench/daemon.py) and talks to it through sockets (the control
+#: client is infervisor/protocol/control_client.py), or runs a bare broker of its own (bench/bare_broker.py); none
+#: builds the supervisor's broker, pool or loop in process.
 BENCH_NEVER_IMPORTS = (
     "infervisor.supervisor.routing",
     "infervisor.supervisor.lifecycle",
     "infervisor.supervisor.monitors",
-    "infervisor.supervisor.core.arbiter",
+    "infervisor.supervisor.core",
 )
 
 
@@ -273,7 +277,7 @@ def helper_offences(root: Path) -> list[str]:
 
 def test_bench_scripts_and_commands_take_helpers_from_leaves_not_the_core() -> None:
     """percentile comes from observe/stats and random_inputs from toolkit/inputs, and no bench script imports the
-    broker, the pool, the monitors or the arbiter."""
+    broker, the pool, the monitors or anything of core/ (the loop, the control server)."""
     assert helper_offences(ROOT) == []
 
 
@@ -290,10 +294,15 @@ def test_bench_scripts_and_commands_take_helpers_from_leaves_not_the_core() -> N
             "from infervisor.supervisor.routing.broker import Broker",
             "bench/chaos.py -> infervisor.supervisor.routing.broker.Broker",
         ),
+        (
+            "bench/daemon.py",
+            "from infervisor.supervisor.core.control import ControlServer",
+            "bench/daemon.py -> infervisor.supervisor.core.control.ControlServer",
+        ),
     ],
 )
 def test_a_helper_taken_through_the_core_is_named(tmp_path: Path, script: str, line: str, offence: str) -> None:
-    """A bench script that imports a helper from elsewhere than its home, or the broker, fails the check."""
+    """A bench script that imports a helper from elsewhere than its home, the broker or the core, fails the check."""
     for folder in ("bench", "infervisor/supervisor"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     add_line_after_future_import(tmp_path / script, line)
@@ -301,13 +310,13 @@ def test_a_helper_taken_through_the_core_is_named(tmp_path: Path, script: str, l
     assert len(offences) == 1 and offence in offences[0], offences
 
 
-#: supervisor/'s folders from the top down (docs/architecture.md): each imports only folders after it in this list.
+#: supervisor/'s folders from the top down (docs/architecture.md): each imports only folders after it in this list, and
+#: folders in one tuple import neither each other.
 FOLDER_LAYERS = (
     ("__main__",),
     ("cli",),
     ("commands",),
-    ("toolkit",),
-    ("core",),
+    ("toolkit", "core"),
     ("observe",),
     ("lifecycle",),
     ("monitors",),

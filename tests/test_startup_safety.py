@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME, CONTROL_SOCKET_NAME
-from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.protocol.control_client import ControlError, control_request
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 #: Exit status of a refused start (infervisor/supervisor/commands/serve.py: EXIT_CONFIG).

@@ -1,4 +1,4 @@
-"""infervisor wire protocol v1: constants, codecs and the Python client (needs no torch)."""
+"""infervisor wire protocol v1: constants, codecs, the Python client and the control client (needs no torch)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ CLIENT_SOCKET_NAME: Final = "infer.sock"
 CONTROL_SOCKET_NAME: Final = "control.sock"
 #: The read-only control socket (status, ping, metrics), made only for config `socket_group` and open to it.
 STATUS_SOCKET_NAME: Final = "status.sock"
+#: The control commands status.sock answers: a control client sends these there when the daemon has one. The daemon's
+#: table (supervisor/core/control_commands.py) marks the same ones read-only; tests/test_control_commands.py ties them.
+STATUS_SOCKET_COMMANDS: Final = frozenset({"status", "ping", "metrics"})
 
 
 class ClientMessageType(enum.StrEnum):

@@ -21,8 +21,8 @@ from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.protocol.errors import InferenceError
-from infervisor.supervisor.core.control import ControlError, control_request
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import ConfigError, load_config

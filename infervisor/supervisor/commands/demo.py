@@ -16,11 +16,11 @@ from typing import Any
 from infervisor.common.profiles import PROFILES
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.commands.build import run_build
 from infervisor.supervisor.commands.infer import output_text, summarize, timing_text
 from infervisor.supervisor.commands.status import describe_start, format_status
-from infervisor.supervisor.core.control import ControlError, control_request
 from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import ConfigError, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path

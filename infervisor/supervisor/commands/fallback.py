@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.supervisor.commands.ops import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, wait_for_rollouts
-from infervisor.supervisor.core.control import ControlError, control_request
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 

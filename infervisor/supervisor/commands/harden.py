@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
-from infervisor.supervisor.core.control import ControlError, model_status
+from infervisor.protocol.control_client import ControlError, model_status
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
 from infervisor.supervisor.toolkit.harden import Target, run_protocol

@@ -17,8 +17,8 @@ import psutil
 
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME, DEFAULT_MAX_FRAME_BYTES
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.protocol.errors import InferenceError
-from infervisor.supervisor.core.control import ControlError, control_request
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 from infervisor.supervisor.toolkit.inputs import random_inputs, random_shape
 

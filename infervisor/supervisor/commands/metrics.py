@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 #: Exit statuses, as the other control commands have them.

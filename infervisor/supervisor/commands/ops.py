@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 #: Exit statuses: the daemon took the command, refused it, or could not be asked at all.

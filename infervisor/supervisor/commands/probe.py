@@ -10,8 +10,8 @@ from typing import Any
 
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
+from infervisor.protocol.control_client import ControlError, control_request, model_status
 from infervisor.protocol.errors import InferenceError
-from infervisor.supervisor.core.control import ControlError, control_request, model_status
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 from infervisor.supervisor.toolkit.inputs import random_inputs
 from infervisor.supervisor.toolkit.load import paced_load

@@ -10,7 +10,7 @@ import textwrap
 import time
 from typing import Any
 
-from infervisor.supervisor.core.control import ControlError, control_request
+from infervisor.protocol.control_client import ControlError, control_request
 from infervisor.supervisor.host.runtime_dir import resolve_runtime_dir
 
 

@@ -1,7 +1,8 @@
 """The control socket's commands, one table: each command's name, whether it only reads, what it does, its handler.
 
 A handler gets the daemon as a `ControlHost` (what the arbiter offers a command) and the command's map,
-and returns the answer map. Adding a command is one handler and one `CONTROL_COMMANDS` entry; the
+and returns the answer map. Adding a command is one handler and one `CONTROL_COMMANDS` entry (a read-only one is
+also named in infervisor/protocol/constants.py's STATUS_SOCKET_COMMANDS, which the control client routes by); the
 unknown-command error, status.sock's read-only set and docs/protocol.md's list all come from the table.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # types only, and no cycle: none of these imports this module; the CLI's control client stays light
+if TYPE_CHECKING:  # types only, and no cycle: none of these imports this module
     from infervisor.supervisor.core.fallback_control import FallbackControl
     from infervisor.supervisor.core.reloader import ConfigReloader
     from infervisor.supervisor.lifecycle.pool import WorkerPool

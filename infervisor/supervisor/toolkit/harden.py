@@ -26,9 +26,9 @@ import zmq
 from infervisor.protocol.client import Client
 from infervisor.protocol.client_messages import InferRequest, decode_reply, encode_infer
 from infervisor.protocol.constants import ErrorCode
+from infervisor.protocol.control_client import control_request
 from infervisor.protocol.errors import InferenceError, ProtocolError
 from infervisor.protocol.tensors import TensorDesc
-from infervisor.supervisor.core.control import control_request
 from infervisor.supervisor.toolkit.probe import quantile
 
 #: A memory hog run by `python -c`: allocates and touches MB in 64 MB steps, holds them, exits on its timeout.

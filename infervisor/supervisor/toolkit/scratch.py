@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from infervisor.supervisor.core.control import DaemonNotReady, await_status
+from infervisor.protocol.control_client import DaemonNotReady, await_status
 
 Found = TypeVar("Found")
 
