@@ -118,7 +118,7 @@ def measure(
     from infervisor.worker.profiles.select import golden_set
     from infervisor.worker.profiles.validate import compare, worst_of
     from infervisor.worker.runner import ModelRunner
-    from infervisor.worker.serve import build_context
+    from infervisor.worker.start import build_context
 
     source, specs, calibration, validation = model
     launch = LaunchSpec(

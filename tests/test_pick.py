@@ -19,7 +19,7 @@ from infervisor.worker.profiles.select import select_profile, served_batches
 from infervisor.worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
 from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.runner import ModelRunner
-from infervisor.worker.serve import build_context
+from infervisor.worker.start import build_context
 
 
 def _rounds(per_sample_ms: dict[str, list[float]], batches: tuple[int, ...] = (1,)) -> Rounds:
