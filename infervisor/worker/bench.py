@@ -103,7 +103,7 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     from infervisor.worker.profiles.build import build_profile
     from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
-    from infervisor.worker.profiles.select import golden_cases
+    from infervisor.worker.profiles.golden import golden_cases
     from infervisor.worker.profiles.validate import compare
     from infervisor.worker.runner import ModelRunner
     from infervisor.worker.start import build_context
