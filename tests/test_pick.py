@@ -14,7 +14,7 @@ from infervisor.common.cpuinfo import read_caps
 from infervisor.protocol.launch import LaunchSpec, ModelSource
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.models import build_builtin
-from infervisor.worker.profiles.export import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
+from infervisor.worker.profiles.dispatch import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
 from infervisor.worker.profiles.select import select_profile, served_batches
 from infervisor.worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
 from infervisor.worker.profiles.validate import Tolerance

@@ -15,7 +15,7 @@ import torch
 
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.builders import BuildContext
-from infervisor.worker.profiles.export import batch_only, batch_range, buckets_for
+from infervisor.worker.profiles.dispatch import batch_only, batch_range, buckets_for
 from infervisor.worker.profiles.validate import Tolerance
 
 log = structlog.get_logger("worker")

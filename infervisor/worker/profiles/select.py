@@ -31,8 +31,8 @@ from infervisor.worker.profiles.build import build_profile
 from infervisor.worker.profiles.builders import BuildContext, Built, ProfileError
 from infervisor.worker.profiles.cache import NotBuiltYet, UntrustedCache
 from infervisor.worker.profiles.calibration import Inputs
+from infervisor.worker.profiles.dispatch import ShapeNotServed
 from infervisor.worker.profiles.evidence import sample_count
-from infervisor.worker.profiles.export import ShapeNotServed
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
 from infervisor.worker.profiles.golden import GoldenCase, golden_set
 from infervisor.worker.profiles.parts import Array, parts_verdict
