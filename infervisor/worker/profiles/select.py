@@ -36,9 +36,8 @@ from infervisor.worker.profiles.evidence import sample_count
 from infervisor.worker.profiles.flags import apply_global_flags, reset_global_flags
 from infervisor.worker.profiles.golden import GoldenCase, golden_set
 from infervisor.worker.profiles.parts import Array, parts_verdict
-from infervisor.worker.profiles.pick_record import decision_path, remember
+from infervisor.worker.profiles.pick_record import decision_path, remember, timed_batches
 from infervisor.worker.profiles.pick_record import remembered_pick as remembered_pick
-from infervisor.worker.profiles.pick_record import served_batches as served_batches
 from infervisor.worker.profiles.task_check import TaskCheck
 from infervisor.worker.profiles.timing import Contender, Decision, decide, describe, run_rounds
 from infervisor.worker.profiles.timing_size import TimingSize, timing_size
@@ -211,7 +210,7 @@ class _Trial:
     def time(self, candidates: Sequence[_Candidate]) -> tuple[Decision, TimingSize]:
         """Interleaved rounds of every candidate at the size that is served (timing_size.py), at each batch size the
         model serves, and the decision they make."""
-        batches = served_batches(self.runner.specs, self.context.served_batches)
+        batches = timed_batches(self.runner.specs, self.context.served_batches)
         size = timing_size(self.runner.specs, batches, self.validation, self.context.typical_shape)
         inputs = size.inputs
 
@@ -284,7 +283,7 @@ def _last_resort(trial: _Trial, chain: Sequence[str], skipped: list[str]) -> Sel
 
 def _decided(trial: _Trial, context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Selection | None:
     """Reuse an earlier fastest-pick for the same model, chain and machine: build and validate only the winner."""
-    path = decision_path(context, chain, tolerance, served_batches(trial.runner.specs, context.served_batches))
+    path = decision_path(context, chain, tolerance, timed_batches(trial.runner.specs, context.served_batches))
     if path is None or context.cache is None or not path.exists():
         return None
     try:
@@ -325,7 +324,7 @@ def _pick_fastest(trial: _Trial, context: BuildContext, chain: Sequence[str], to
         trial.reset()
     if not passed:
         return _last_resort(trial, chain, skipped)
-    batches = served_batches(trial.runner.specs, context.served_batches)
+    batches = timed_batches(trial.runner.specs, context.served_batches)
     record: dict[str, object] = {"threads": torch.get_num_threads(), "batches": list(batches)}
     timed: list[str] = []
     if len(passed) == 1:
