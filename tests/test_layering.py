@@ -427,3 +427,40 @@ def test_a_worker_import_across_or_up_the_layers_is_named(tmp_path: Path, module
 def test_no_worker_type_checking_import_hides_an_import_cycle() -> None:
     """No worker module imports for types only a module that imports it back, directly or through others."""
     assert hidden_cycles(WORKER, "infervisor.worker") == []
+
+
+#: What runs on every request for a worker's life, and the profile building it must never reach: the package it
+#: calls was built at the start (or by the background builder), so serving needs no exporter, compiler or quantizer.
+SERVE_TIME = ("infervisor.worker.loop", "infervisor.worker.profiles.dispatch", "infervisor.worker.profiles.coverage")
+BUILD_SIDE = ("build", "builders", "export", "advice", "openvino", "select", "golden", "calibration")
+
+
+def build_reached_at_serve_time(folder: Path, package: str) -> list[str]:
+    """Each serve-time module with the build-side module it reaches through any chain of imports."""
+    graph, _ = _import_graph(folder, package)
+    build = {f"{package}.profiles.{name}" for name in BUILD_SIDE}
+    offences = []
+    for start in SERVE_TIME:
+        seen, frontier = {start}, [start]
+        while frontier:
+            for target in sorted(graph.get(frontier.pop(), set()) - seen):
+                seen.add(target)
+                frontier.append(target)
+        offences += [f"{start} -> {name}" for name in sorted(seen & build)]
+    return offences
+
+
+def test_serving_never_reaches_profile_building() -> None:
+    """The serving loop and the serve-time dispatch import nothing of building, gating or picking a profile."""
+    assert build_reached_at_serve_time(WORKER, "infervisor.worker") == []
+
+
+def test_serve_time_dispatch_reaching_the_exporter_is_named(tmp_path: Path) -> None:
+    """dispatch.py importing export.py (for its error, say) is named as serve time reaching the build side."""
+    folder = tmp_path / "worker"
+    shutil.copytree(WORKER, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(
+        folder / "profiles" / "dispatch.py", "from infervisor.worker.profiles.export import ExportError"
+    )
+    offences = build_reached_at_serve_time(folder, "infervisor.worker")
+    assert "infervisor.worker.profiles.dispatch -> infervisor.worker.profiles.export" in offences, offences
