@@ -436,8 +436,10 @@ BUILD_SIDE = ("build", "builders", "export", "advice", "openvino", "select", "go
 
 
 def build_reached_at_serve_time(folder: Path, package: str) -> list[str]:
-    """Each serve-time module with the build-side module it reaches through any chain of imports."""
+    """Each serve-time module with the build-side module it reaches through any chain of imports (a serve-time
+    module that is gone is named too: a rename must not leave the check looking at nothing)."""
     graph, _ = _import_graph(folder, package)
+    missing = [f"{name} is not a module" for name in SERVE_TIME if name not in graph]
     build = {f"{package}.profiles.{name}" for name in BUILD_SIDE}
     offences = []
     for start in SERVE_TIME:
@@ -447,7 +449,7 @@ def build_reached_at_serve_time(folder: Path, package: str) -> list[str]:
                 seen.add(target)
                 frontier.append(target)
         offences += [f"{start} -> {name}" for name in sorted(seen & build)]
-    return offences
+    return missing + offences
 
 
 def test_serving_never_reaches_profile_building() -> None:
