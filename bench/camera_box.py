@@ -148,7 +148,7 @@ def main() -> int:
     from infervisor.worker.profiles.select import select_profile
     from infervisor.worker.profiles.validate import Tolerance
     from infervisor.worker.runner import ModelRunner
-    from infervisor.worker.serve import build_context
+    from infervisor.worker.start import build_context
 
     source = ModelSource("python", "bench.camera_box:detector")
     with tempfile.TemporaryDirectory() as folder:

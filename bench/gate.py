@@ -114,11 +114,11 @@ def measure(
     from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.flags import reset_global_flags
+    from infervisor.worker.profiles.golden import golden_set
     from infervisor.worker.profiles.parts import parts_verdict
-    from infervisor.worker.profiles.select import golden_set
     from infervisor.worker.profiles.validate import compare, worst_of
     from infervisor.worker.runner import ModelRunner
-    from infervisor.worker.serve import build_context
+    from infervisor.worker.start import build_context
 
     source, specs, calibration, validation = model
     launch = LaunchSpec(

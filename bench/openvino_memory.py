@@ -5,7 +5,7 @@
 Both ways run in a fresh process pinned to one CPU at one thread, import what a worker imports
 (torch, the worker's modules, openvino), and serve batch-1 requests from the model's cached
 `openvino` IR (bench/runtimes.py or a worker fills --cache-dir). `with-module` does what a worker
-does today (infervisor/worker/serve.py): loads the torch module, hashes its weights for the cache key, runs
+does today (infervisor/worker/start.py): loads the torch module, hashes its weights for the cache key, runs
 it once (the gate's eager reference), compiles the cached IR, then drops the module, trims the
 heap (and the IR weights the plugin mapped). `ir-only` compiles the cached IR, releases the same way
 and serves, the torch module never loaded. Each step's PSS is read from /proc/self/smaps_rollup.

@@ -84,7 +84,7 @@ def daemon_profile(name: str, model: str, threads: int, cache_dir: Path, sets: t
     from infervisor.worker.loader import default_output_names, load_model
     from infervisor.worker.profiles.build import build_profile
     from infervisor.worker.runner import ModelRunner
-    from infervisor.worker.serve import build_context
+    from infervisor.worker.start import build_context
 
     source, specs = _source_and_specs(model)
     calibration, validation = (str(path) for path in sets) if sets else (None, None)

@@ -14,7 +14,7 @@ from infervisor.worker.profiles.next_step import with_next_step
 from infervisor.worker.profiles.select import select_profile
 from infervisor.worker.profiles.validate import Tolerance, compare, worst_of
 from infervisor.worker.runner import ModelRunner
-from infervisor.worker.serve import build_context
+from infervisor.worker.start import build_context
 from tests.step_models import odd_crop
 
 

@@ -1,4 +1,5 @@
-"""The supervisor's size limits (issue 33): no class over 25 methods, no module over 600 lines, no function over 80."""
+"""The size limits of supervisor/ (issue 33) and worker/ (issue 43): no class over 25 methods, no module over 600
+lines, no function over 80."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from infervisor.supervisor import cli
 
 SUPERVISOR = Path(cli.__file__).resolve().parent
+#: Read as files, not imported: importing the worker would load torch for a check of sizes.
+WORKER = SUPERVISOR.parent / "worker"
 MAX_METHODS, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 25, 600, 80
 
 
@@ -35,6 +38,11 @@ def oversized(folder: Path) -> list[str]:
 def test_the_supervisor_keeps_its_size_limits() -> None:
     """Every class, module and function of supervisor/ is within its limit."""
     assert oversized(SUPERVISOR) == []
+
+
+def test_the_worker_keeps_its_size_limits() -> None:
+    """Every class, module and function of worker/ is within the same limits."""
+    assert WORKER.is_dir() and oversized(WORKER) == []
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,10 @@ import torch
 from infervisor.protocol import ErrorCode, InferenceError
 from infervisor.protocol.tensors import TensorDesc, TensorSpec
 from infervisor.supervisor.settings.config import ConfigError, parse_config
-from infervisor.worker.profiles.export import ShapeDispatch, ShapeNotServed, export
+from infervisor.worker.profiles.dispatch import ShapeDispatch, ShapeNotServed
+from infervisor.worker.profiles.export import export
 from infervisor.worker.profiles.export_dims import dynamic_shapes, export_low, traceable_example
-from infervisor.worker.profiles.select import golden_set
+from infervisor.worker.profiles.golden import golden_set
 from infervisor.worker.runner import FailedAtSize, ModelRunner
 from infervisor.worker.synthetic import probe_sizes
 from tests.conftest import Daemon, model_entry, wait_for

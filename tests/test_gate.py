@@ -29,7 +29,8 @@ from infervisor.supervisor.toolkit.optimize import within_budget
 from infervisor.worker.loader import ModelLoadError, load_model
 from infervisor.worker.profiles.builders import BuildContext
 from infervisor.worker.profiles.calibration import load_calibration, random_calibration
-from infervisor.worker.profiles.select import golden_set, select_profile
+from infervisor.worker.profiles.golden import golden_set
+from infervisor.worker.profiles.select import select_profile
 from infervisor.worker.profiles.validate import Tolerance, compare
 from infervisor.worker.runner import ModelRunner
 from tests.conftest import Daemon, model_entry

@@ -327,9 +327,10 @@ FOLDER_LAYERS = (
 )
 
 
-def layer_breaches(folder: Path, package: str) -> list[str]:
-    """Imports from one supervisor folder into a folder at its own level or above it (other than itself)."""
-    level = {name: rank for rank, names in enumerate(FOLDER_LAYERS) for name in names}
+def layer_breaches(folder: Path, package: str, layers: tuple[tuple[str, ...], ...] = FOLDER_LAYERS) -> list[str]:
+    """Imports from one folder (or top-level module) of `package` into one at its own level or above it (other than
+    itself), by `layers`."""
+    level = {name: rank for rank, names in enumerate(layers) for name in names}
     offences = []
     for path in sorted(folder.rglob("*.py")):
         part = path.relative_to(folder).parts[0].removesuffix(".py")
@@ -386,3 +387,91 @@ def test_a_pool_reaching_into_the_pipelines_is_named(tmp_path: Path) -> None:
     (tmp_path / "routing").mkdir()
     (tmp_path / "routing" / "broker.py").write_text("def held(self):\n    return self.pipelines.held_count\n")
     assert pipeline_readers(tmp_path) == ["lifecycle/pool.py:2"]
+
+
+#: worker/'s modules and folders from the top down (docs/architecture.md), in the supervisor's style: each imports only
+#: what stands after it, and nothing at its own level, so the start sequence and the serving loop never import each
+#: other (serve.py joins them) and profiles/ never reaches the process that runs it.
+WORKER_LAYERS = (
+    ("__main__", "audit", "bench"),  # the processes: `python -m infervisor.worker`, `.worker.audit`, `.worker.bench`
+    ("serve", "audit_loop"),  # a serving worker, start to exit; the audit process's loop
+    ("start", "loop"),  # the start sequence (load, select, re-exec, READY, LOAD_ERROR); the serving loop
+    ("profiles", "state_check", "open_dims"),  # building, gating and picking profiles; checks the start runs
+    ("loader", "request_path", "batching", "progress", "reexec", "memory"),  # what the start and the loop call
+    ("runner", "shared_inputs", "models"),  # the model as the worker runs it; inputs in shared memory; model sources
+    ("synthetic", "trusted_import", "process_tree", "pinning", "logs"),  # leaves
+)
+WORKER = ROOT / "infervisor" / "worker"
+
+
+def test_every_worker_module_imports_only_the_layers_below_it() -> None:
+    """worker/ stands in layers too: no import runs back up or sideways (the start and the loop are apart)."""
+    parts = {
+        path.name.removesuffix(".py") for path in WORKER.iterdir() if path.name not in ("__pycache__", "__init__.py")
+    }
+    placed = {name for names in WORKER_LAYERS for name in names}
+    assert parts <= placed, f"{sorted(parts - placed)} need a place in WORKER_LAYERS (and in docs/architecture.md)"
+    assert layer_breaches(WORKER, "infervisor.worker", WORKER_LAYERS) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "offence"),
+    [
+        ("start.py", "from infervisor.worker.loop import WorkerLoop", "start.py -> infervisor.worker.loop.WorkerLoop"),
+        (
+            "profiles/select.py",
+            "def _loop() -> object:\n    from infervisor.worker import serve\n\n    return serve",
+            "profiles/select.py -> infervisor.worker.serve",
+        ),
+    ],
+)
+def test_a_worker_import_across_or_up_the_layers_is_named(tmp_path: Path, module: str, line: str, offence: str) -> None:
+    """The start sequence importing the loop, or a profile module (lazily) the serving entry, fails the check, named."""
+    folder = tmp_path / "worker"
+    shutil.copytree(WORKER, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(folder / module, line)
+    assert layer_breaches(folder, "infervisor.worker", WORKER_LAYERS) == [offence]
+
+
+def test_no_worker_type_checking_import_hides_an_import_cycle() -> None:
+    """No worker module imports for types only a module that imports it back, directly or through others."""
+    assert hidden_cycles(WORKER, "infervisor.worker") == []
+
+
+#: What runs on every request for a worker's life, and the profile building it must never reach: the package it
+#: calls was built at the start (or by the background builder), so serving needs no exporter, compiler or quantizer.
+SERVE_TIME = ("infervisor.worker.loop", "infervisor.worker.profiles.dispatch", "infervisor.worker.profiles.coverage")
+BUILD_SIDE = ("build", "builders", "export", "advice", "openvino", "select", "golden", "calibration")
+
+
+def build_reached_at_serve_time(folder: Path, package: str) -> list[str]:
+    """Each serve-time module with the build-side module it reaches through any chain of imports (a serve-time
+    module that is gone is named too: a rename must not leave the check looking at nothing)."""
+    graph, _ = _import_graph(folder, package)
+    missing = [f"{name} is not a module" for name in SERVE_TIME if name not in graph]
+    build = {f"{package}.profiles.{name}" for name in BUILD_SIDE}
+    offences = []
+    for start in SERVE_TIME:
+        seen, frontier = {start}, [start]
+        while frontier:
+            for target in sorted(graph.get(frontier.pop(), set()) - seen):
+                seen.add(target)
+                frontier.append(target)
+        offences += [f"{start} -> {name}" for name in sorted(seen & build)]
+    return missing + offences
+
+
+def test_serving_never_reaches_profile_building() -> None:
+    """The serving loop and the serve-time dispatch import nothing of building, gating or picking a profile."""
+    assert build_reached_at_serve_time(WORKER, "infervisor.worker") == []
+
+
+def test_serve_time_dispatch_reaching_the_exporter_is_named(tmp_path: Path) -> None:
+    """dispatch.py importing export.py (for its error, say) is named as serve time reaching the build side."""
+    folder = tmp_path / "worker"
+    shutil.copytree(WORKER, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(
+        folder / "profiles" / "dispatch.py", "from infervisor.worker.profiles.export import ExportError"
+    )
+    offences = build_reached_at_serve_time(folder, "infervisor.worker")
+    assert "infervisor.worker.profiles.dispatch -> infervisor.worker.profiles.export" in offences, offences

@@ -18,7 +18,7 @@ from infervisor.protocol.launch import LaunchSpec, ModelSource
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.models import build_builtin
 from infervisor.worker.runner import ModelRunner
-from infervisor.worker.serve import attempt_log, build_context
+from infervisor.worker.start import attempt_log, build_context
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.fault_models import FAULT_INPUTS
 from tests.tree_models import ECHO, SLEEP, SPAWN, TREE_INPUTS, command

@@ -18,7 +18,7 @@ from infervisor.worker.profiles.openvino import NOT_INSTALLED
 from infervisor.worker.profiles.select import select_profile
 from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.runner import ModelRunner
-from infervisor.worker.serve import build_context
+from infervisor.worker.start import build_context
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 from tests.openvino_models import ROW_INPUTS
 

@@ -14,12 +14,13 @@ from infervisor.common.cpuinfo import read_caps
 from infervisor.protocol.launch import LaunchSpec, ModelSource
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.models import build_builtin
-from infervisor.worker.profiles.export import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
-from infervisor.worker.profiles.select import select_profile, served_batches
+from infervisor.worker.profiles.dispatch import BatchBuckets, ShapeNotServed, at_batch, batch_only, buckets_for
+from infervisor.worker.profiles.pick_record import timed_batches
+from infervisor.worker.profiles.select import select_profile
 from infervisor.worker.profiles.timing import MIN_MARGIN, Contender, Rounds, decide, describe, noise_of, run_rounds
 from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.runner import ModelRunner
-from infervisor.worker.serve import build_context
+from infervisor.worker.start import build_context
 
 
 def _rounds(per_sample_ms: dict[str, list[float]], batches: tuple[int, ...] = (1,)) -> Rounds:
@@ -134,14 +135,14 @@ def test_pick_fastest_records_the_rounds_noise_and_reason_and_reuses_them(tmp_pa
     assert again.profile == first.profile and again.notes[-1] == f"{summary} (decided earlier, {decision_file.name})"
 
 
-def test_served_batches_are_the_buckets_and_the_batching_sizes_inside_the_bounds() -> None:
+def test_timed_batches_are_the_buckets_and_the_batching_sizes_inside_the_bounds() -> None:
     """A dynamic batch is timed at 1, 8 and the broker's sizes; bounds move the buckets; other dims: 1 only."""
     free = (TensorSpec("x", "float32", (None, 16)),)
-    assert served_batches(free) == (1, 8) and served_batches(free, (4, 32)) == (1, 4, 8, 32)
+    assert timed_batches(free) == (1, 8) and timed_batches(free, (4, 32)) == (1, 4, 8, 32)
     bounded = (TensorSpec("x", "float32", (None, 16), bounds=((2, 6), None)),)
-    assert buckets_for(bounded) == (2, 6) and served_batches(bounded, (4, 8)) == (2, 4, 6)
-    assert served_batches((TensorSpec("x", "float32", (1, 16)),)) == (1,)
-    assert served_batches((TensorSpec("ids", "int64", (None, None)),), (8,)) == (1,)
+    assert buckets_for(bounded) == (2, 6) and timed_batches(bounded, (4, 8)) == (2, 4, 6)
+    assert timed_batches((TensorSpec("x", "float32", (1, 16)),)) == (1,)
+    assert timed_batches((TensorSpec("ids", "int64", (None, None)),), (8,)) == (1,)
     assert not batch_only((TensorSpec("x", "float32", (None, 16)), TensorSpec("m", "float32", (4, 16))))
 
 

@@ -20,7 +20,7 @@ from infervisor.worker.profiles.cache import ArtifactCache, CachedBuildFailure, 
 from infervisor.worker.profiles.calibration import CalibrationError, load_calibration
 from infervisor.worker.profiles.validate import Tolerance, compare
 from infervisor.worker.runner import ModelRunner
-from infervisor.worker.serve import build_context
+from infervisor.worker.start import build_context
 from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, TINY_INPUTS, Daemon, model_entry, wait_for
 
 

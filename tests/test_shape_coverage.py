@@ -15,8 +15,9 @@ from infervisor.protocol.client import InferenceError
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.open_dims import open_dim_hint
 from infervisor.worker.profiles.coverage import Covered, Reloaded
-from infervisor.worker.profiles.export import ShapeNotServed
-from infervisor.worker.profiles.select import golden_set, remembered_pick
+from infervisor.worker.profiles.dispatch import ShapeNotServed
+from infervisor.worker.profiles.golden import golden_set
+from infervisor.worker.profiles.select import remembered_pick
 from infervisor.worker.runner import ModelRunner
 from tests.conftest import Daemon, model_entry
 from tests.shape_models import fully_convolutional, line_recognizer

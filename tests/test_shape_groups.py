@@ -18,7 +18,8 @@ from infervisor.supervisor.settings.config import ConfigError, parse_config
 from infervisor.worker.profiles.builders import BuildContext
 from infervisor.worker.profiles.cache import ArtifactCache
 from infervisor.worker.profiles.calibration import MAX_SAMPLES, load_calibration
-from infervisor.worker.profiles.select import golden_set, select_profile
+from infervisor.worker.profiles.golden import golden_set
+from infervisor.worker.profiles.select import select_profile
 from infervisor.worker.profiles.validate import Tolerance
 from infervisor.worker.runner import ModelRunner
 from tests.conftest import Daemon, model_entry

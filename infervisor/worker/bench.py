@@ -103,10 +103,10 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     from infervisor.worker.profiles.build import build_profile
     from infervisor.worker.profiles.builders import ProfileError
     from infervisor.worker.profiles.calibration import load_calibration
-    from infervisor.worker.profiles.select import golden_cases
+    from infervisor.worker.profiles.golden import golden_cases
     from infervisor.worker.profiles.validate import compare
     from infervisor.worker.runner import ModelRunner
-    from infervisor.worker.serve import build_context
+    from infervisor.worker.start import build_context
 
     launch = LaunchSpec.from_json(json.dumps({**json.loads(launch.to_json()), "profiles": [profile]}))
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
@@ -176,7 +176,7 @@ def auto_pick(launch: LaunchSpec) -> dict[str, Any]:
     from infervisor.worker.profiles.select import remembered_pick, select_profile
     from infervisor.worker.profiles.validate import Tolerance
     from infervisor.worker.runner import ModelRunner
-    from infervisor.worker.serve import build_context
+    from infervisor.worker.start import build_context
 
     runner = ModelRunner(load_model(launch.source), launch.inputs, launch.output_names, launch.channels_last)
     context = build_context(launch, runner)

@@ -44,14 +44,10 @@ from infervisor.worker.profiles.cache import (
     no_space_left,
 )
 from infervisor.worker.profiles.calibration import Inputs
+from infervisor.worker.profiles.dispatch import BatchBuckets, ShapeDispatch, at_batch, batch_only, buckets_for
 from infervisor.worker.profiles.export import (
-    BatchBuckets,
     ExportError,
     NoGain,
-    ShapeDispatch,
-    at_batch,
-    batch_only,
-    buckets_for,
     compile_package,
     export,
     export_quantized,
@@ -99,7 +95,7 @@ def _autocast_bf16(module: Any) -> Callable[..., Any]:
 def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> Built:
     """Export (and quantize) the module into AOTInductor packages, or load the cached ones.
 
-    A batch-only dynamic spec gets one static package per batch bucket (export.BATCH_BUCKETS), each
+    A batch-only dynamic spec gets one static package per batch bucket (dispatch.BATCH_BUCKETS), each
     its own cache entry. A spec with another dynamic dim gets two: one for exactly the example's
     shapes and one for any size (int8 ResNet-50 took 11 ms at batch 1 from a static package, 106 ms
     from a dynamic one, so the dynamic one is only the fallback). A quantized profile is quantized

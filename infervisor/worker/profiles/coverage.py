@@ -2,7 +2,7 @@
 
 A compiled program can be right at the sizes it was checked at and give another output shape at
 others (AOTInductor packages do not check the guards their export recorded), and the daemon's own
-dispatch refuses some shapes (export.ShapeNotServed). Neither may reach a client: the first time a
+dispatch refuses some shapes (dispatch.ShapeNotServed). Neither may reach a client: the first time a
 profile meets an input shape, its output shapes are compared with eager's on the same inputs; a
 difference, or a refusal, serves that request (and that shape from then on) with eager instead. A
 profile that misses on `give_up_after` shapes falls back to eager for good and says so: the canary
@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 import torch
 
-from infervisor.worker.profiles.export import ShapeNotServed
+from infervisor.worker.profiles.dispatch import ShapeNotServed
 
 log = structlog.get_logger("worker")
 

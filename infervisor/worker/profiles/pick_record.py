@@ -15,7 +15,7 @@ import torch
 
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.builders import BuildContext
-from infervisor.worker.profiles.export import batch_only, batch_range, buckets_for
+from infervisor.worker.profiles.dispatch import batch_only, batch_range, buckets_for
 from infervisor.worker.profiles.validate import Tolerance
 
 log = structlog.get_logger("worker")
@@ -25,7 +25,7 @@ log = structlog.get_logger("worker")
 _PICK_FORMAT = 3
 
 
-def served_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) -> tuple[int, ...]:
+def timed_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) -> tuple[int, ...]:
     """The batch sizes a fastest pick times: the smallest the model takes, the packages' buckets, and the sizes
     the broker joins requests into (`configured`), all within the batch's bounds; when the batch is not the only
     dynamic dim, the example's size alone (other dims would change with it)."""
@@ -38,7 +38,7 @@ def served_batches(specs: Sequence[TensorSpec], configured: Sequence[int] = ()) 
 
 def remembered_pick(context: BuildContext, chain: Sequence[str], tolerance: Tolerance) -> Path | None:
     """Where a fastest pick of this chain for this model, machine and thread count is remembered (None: no cache)."""
-    return decision_path(context, chain, tolerance, served_batches(context.specs, context.served_batches))
+    return decision_path(context, chain, tolerance, timed_batches(context.specs, context.served_batches))
 
 
 def decision_path(

@@ -24,7 +24,7 @@ from infervisor.common.sample_groups import holds_samples
 from infervisor.protocol.launch import LaunchSpec
 from infervisor.protocol.state import StateSpec
 from infervisor.worker.profiles.calibration import Inputs, load_calibration
-from infervisor.worker.profiles.export import ShapeNotServed
+from infervisor.worker.profiles.dispatch import ShapeNotServed
 from infervisor.worker.profiles.sequences import SequenceSet, file_sets, initial_state, synthetic_set
 from infervisor.worker.profiles.validate import Agreement, Tolerance, compare
 from infervisor.worker.runner import ModelRunner
