@@ -394,7 +394,7 @@ def test_a_pool_reaching_into_the_pipelines_is_named(tmp_path: Path) -> None:
 #: other (serve.py joins them) and profiles/ never reaches the process that runs it.
 WORKER_LAYERS = (
     ("__main__", "audit", "bench"),  # the processes: `python -m infervisor.worker`, `.worker.audit`, `.worker.bench`
-    ("serve", "audit_loop"),  # a serving worker, start to exit; the audit process's loop
+    ("serve", "audit_loop", "process_entry"),  # a serving worker, start to exit; the audit's loop; both set-ups
     ("start", "loop"),  # the start sequence (load, select, re-exec, READY, LOAD_ERROR); the serving loop
     ("profiles", "state_check", "open_dims"),  # building, gating and picking profiles; checks the start runs
     ("loader", "request_path", "batching", "progress", "reexec", "memory"),  # what the start and the loop call

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -10,44 +9,14 @@ from pathlib import Path
 
 from infervisor.common.strict_modes import UnsafePath, check_tree
 from infervisor.protocol.constants import WorkerExitCode
-from infervisor.protocol.launch import LaunchSpec
-from infervisor.worker.pinning import (
-    PARENT_DEATH_SIGNAL,
-    ParentGone,
-    die_with_parent,
-    limit_memory,
-    lowest_priority,
-    pin_before_torch,
-)
+from infervisor.worker.process_entry import enter_process
 
 
 def main(argv: list[str]) -> int:
     """Parse the launch spec, pin, then import torch and serve."""
-    try:
-        (text,) = argv
-        launch = LaunchSpec.from_json(text)
-    except (ValueError, TypeError, KeyError) as exc:
-        print(f"worker: bad launch spec: {exc}", file=sys.stderr)
-        return WorkerExitCode.BAD_LAUNCH
-    try:
-        die_with_parent(launch.supervisor_pid)
-    except ParentGone as exc:
-        # Logging is not set up yet (structlog is not imported this early): one JSON line by hand.
-        print(
-            json.dumps(
-                {"event": "supervisor_lost", "level": "error", "reason": str(exc), "worker_id": launch.worker_id}
-            ),
-            file=sys.stderr,
-        )
-        return WorkerExitCode.SUPERVISOR_LOST
-    from infervisor.worker.process_tree import guard_tree
-
-    # Before torch and the model: whatever the model starts is ended if the supervisor dies.
-    guard_tree(launch.supervisor_pid, PARENT_DEATH_SIGNAL)
-    pin_before_torch(launch.cpus)
-    if launch.background:
-        lowest_priority()
-    limit_memory(launch.max_memory_mb)
+    launch = enter_process(argv, "worker", idle=False)
+    if isinstance(launch, WorkerExitCode):
+        return launch
     keep_inductor_out_of_unsafe_cache(launch.cache_dir)
     from infervisor.common.json_logs import adopt_library_handlers
     from infervisor.worker.logs import configure_logging

@@ -8,41 +8,18 @@ It serves nobody: a crash or a hang here costs the audit (restarted with back-of
 
 from __future__ import annotations
 
-import json
 import sys
 
 from infervisor.protocol.constants import WorkerExitCode
-from infervisor.protocol.launch import LaunchSpec
-from infervisor.worker.pinning import (
-    PARENT_DEATH_SIGNAL,
-    ParentGone,
-    die_with_parent,
-    limit_memory,
-    lowest_priority,
-    pin_before_torch,
-)
+from infervisor.worker.process_entry import enter_process
 
 
 def main(argv: list[str]) -> int:
     """Parse the launch spec, set up the process as the background builder's is, then import torch and audit."""
-    try:
-        (text,) = argv
-        launch = LaunchSpec.from_json(text)
-    except (ValueError, TypeError, KeyError) as exc:
-        print(f"audit: bad launch spec: {exc}", file=sys.stderr)
-        return WorkerExitCode.BAD_LAUNCH
-    try:
-        die_with_parent(launch.supervisor_pid)
-    except ParentGone as exc:
-        print(json.dumps({"event": "supervisor_lost", "level": "error", "reason": str(exc)}), file=sys.stderr)
-        return WorkerExitCode.SUPERVISOR_LOST
-    from infervisor.worker.process_tree import guard_tree
-
-    guard_tree(launch.supervisor_pid, PARENT_DEATH_SIGNAL)
-    pin_before_torch(launch.cpus)
-    # Always: the audit only ever gets CPU time that serving leaves idle.
-    lowest_priority()
-    limit_memory(launch.max_memory_mb)
+    # Always the lowest priority: the audit only ever gets CPU time that serving leaves idle.
+    launch = enter_process(argv, "audit", idle=True)
+    if isinstance(launch, WorkerExitCode):
+        return launch
     from infervisor.common.json_logs import adopt_library_handlers
     from infervisor.worker.logs import configure_logging
 
