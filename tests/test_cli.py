@@ -349,6 +349,8 @@ def test_demo_interrupted_stops_the_daemon_and_removes_its_runtime_dir(tmp_path:
     demo = subprocess.Popen(
         [sys.executable, "-m", "infervisor", "demo", "--config", str(_demo_config(tmp_path))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV, start_new_session=True,
+        # As from a terminal: a suite started in the background (`cmd &`) ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         children = wait_for(lambda: psutil.Process(demo.pid).children(recursive=True), 60, "daemon spawned")
@@ -360,7 +362,7 @@ def test_demo_interrupted_stops_the_daemon_and_removes_its_runtime_dir(tmp_path:
         if demo.poll() is None:
             demo.kill()
     assert "Traceback" not in stdout + stderr, stderr
-    assert demo.returncode == 130 and "infervisor demo: interrupted, stopping the daemon" in stderr
+    assert demo.returncode == 130 and "infervisor demo: interrupted, stopping the daemon" in stderr, stdout + stderr
     assert not psutil.pid_exists(daemon.pid) or daemon.status() == psutil.STATUS_ZOMBIE
     runtime = _runtime_dir(stdout)
     assert not runtime.exists()
