@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 TINY_INPUTS = [{"name": "x", "dtype": "float32", "shape": [None, 16]}]
+#: One static shape: the aoti profile compiles a single package (no batch buckets).
+STATIC_TINY_INPUTS = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
 IMAGE_INPUTS = [{"name": "image", "dtype": "float32", "shape": [None, 3, 224, 224]}]
 ENCODER_INPUTS = [
     {"name": "input_ids", "dtype": "int64", "shape": [None, 128]},
@@ -242,3 +244,23 @@ def notify_messages(
         except TimeoutError:
             pass
     return seen
+
+
+@pytest.fixture(scope="session")
+def built_tiny_aoti(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache holding tiny's static aoti package, compiled once by `infervisor build` for the tests that copy it.
+
+    Their subject is what happens to a built package (damaged, exported, imported); compiling it again in
+    each of them would only repeat what the build phase's own tests prove.
+    """
+    folder = tmp_path_factory.mktemp("built-tiny-aoti")
+    config = folder / "build.json"
+    entry = model_entry({"builtin": "tiny"}, STATIC_TINY_INPUTS, outputs=["y"], profiles=["aoti"])
+    config.write_text(json.dumps({"cache_dir": str(folder / "cache"), "models": {"m": entry}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "infervisor", "build", "--config", str(config)],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"infervisor build of tiny's aoti package failed:\n{done.stdout}{done.stderr}")
+    return folder / "cache"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -22,9 +23,9 @@ from infervisor.supervisor.toolkit.bundle import (
     import_bundle,
     stem_for,
 )
-from tests.conftest import Daemon, model_entry
+from tests.conftest import STATIC_TINY_INPUTS, Daemon, model_entry
 
-FIXED = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
+FIXED = STATIC_TINY_INPUTS
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +145,10 @@ def test_a_bundle_others_can_write_is_refused(tmp_path: Path, here: dict[str, An
     _refused(bundle, tmp_path / "b", here, "writable by group and others")
 
 
-def test_an_exported_bundle_serves_the_optimized_profile_without_building(tmp_path: Path) -> None:
-    """`build --export` on one cache, `build --import` into an empty one: the daemon on it serves aoti from the
+def test_an_exported_bundle_serves_the_optimized_profile_without_building(
+    tmp_path: Path, built_tiny_aoti: Path
+) -> None:
+    """`build --export` on a built cache, `build --import` into an empty one: the daemon on it serves aoti from the
     imported package at once (loaded, never compiled)."""
     chain = {"tiny": model_entry({"builtin": "tiny"}, FIXED, workers=1, outputs=["y"], profiles=["aoti", "eager"])}
     configs = {}
@@ -154,6 +157,7 @@ def test_an_exported_bundle_serves_the_optimized_profile_without_building(tmp_pa
         folder.mkdir()
         configs[name] = folder / "config.json"
         configs[name].write_text(json.dumps({"cache_dir": str(folder / "cache"), "models": chain}))
+    shutil.copytree(built_tiny_aoti, tmp_path / "golden" / "cache", symlinks=True)
     bundle = tmp_path / "fleet.bundle"
     cli = [sys.executable, "-m", "infervisor", "build"]
     built = subprocess.run([*cli, "--config", str(configs["golden"]), "--export", str(bundle)],

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +22,7 @@ from infervisor.worker.profiles.cache import (
     no_space_left,
 )
 from infervisor.worker.profiles.export import ExportError
-from tests.conftest import ROOT, Daemon, model_entry, wait_for
-
-#: One static shape: the aoti profile compiles a single package (no batch buckets), which keeps the test short.
-_STATIC_TINY = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
+from tests.conftest import STATIC_TINY_INPUTS, Daemon, model_entry, wait_for
 
 
 def _flip(path: Path, spans: int = 3, width: int = 64) -> None:
@@ -142,26 +137,8 @@ def test_a_build_on_a_full_disk_says_so(tmp_path: Path) -> None:
         subprocess.run(["umount", str(mount)], check=True)
 
 
-@pytest.fixture(scope="module")
-def built_aoti_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A cache holding tiny's static aoti package, built once by `infervisor build` for the tests that damage a copy.
-
-    Their subject is the start after the damage; a first start that compiled the package itself (and restarted
-    its process after the build) would only repeat what the build phase's own tests prove.
-    """
-    folder = tmp_path_factory.mktemp("built")
-    config = folder / "build.json"
-    config.write_text(json.dumps({"cache_dir": str(folder / "cache"), "models": {"m": _aoti_entry(["aoti"])}}))
-    done = subprocess.run(
-        [sys.executable, "-m", "infervisor", "build", "--config", str(config)],
-        capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    yield folder / "cache"
-
-
 def _aoti_entry(profiles: list[str]) -> dict[str, Any]:
-    return model_entry({"builtin": "tiny"}, _STATIC_TINY, profiles=profiles)
+    return model_entry({"builtin": "tiny"}, STATIC_TINY_INPUTS, outputs=["y"], profiles=profiles)
 
 
 def _start_on_a_copy(
@@ -193,10 +170,10 @@ def _served_like_eager(daemon: Daemon) -> None:
 
 
 def test_a_cached_package_with_flipped_bytes_is_rebuilt_and_never_served(
-    start_daemon: Callable[..., Daemon], built_aoti_cache: Path, tmp_path: Path
+    start_daemon: Callable[..., Daemon], built_tiny_aoti: Path, tmp_path: Path
 ) -> None:
     """3 x 64 flipped bytes fail the sha256 check: the package is moved aside, rebuilt, and replies match eager."""
-    daemon, cache = _start_on_a_copy(start_daemon, built_aoti_cache, tmp_path / "cache", ["aoti"])
+    daemon, cache = _start_on_a_copy(start_daemon, built_tiny_aoti, tmp_path / "cache", ["aoti"])
     (first,) = daemon.wait_ready(timeout=300)["models"]["m"]["workers"]
     assert first["profile"] == "aoti", first
     assert any(note.startswith("loaded cached package aoti-") for note in first["profile_build"]), first
@@ -217,10 +194,10 @@ def test_a_cached_package_with_flipped_bytes_is_rebuilt_and_never_served(
 
 
 def test_a_truncated_package_is_rebuilt_not_left_on_eager(
-    start_daemon: Callable[..., Daemon], built_aoti_cache: Path, tmp_path: Path
+    start_daemon: Callable[..., Daemon], built_tiny_aoti: Path, tmp_path: Path
 ) -> None:
     """A package cut in half (its digest taken after the damage, so only the load sees it) is rebuilt and serves."""
-    daemon, cache = _start_on_a_copy(start_daemon, built_aoti_cache, tmp_path / "cache", ["aoti", "eager"])
+    daemon, cache = _start_on_a_copy(start_daemon, built_tiny_aoti, tmp_path / "cache", ["aoti", "eager"])
     (first,) = daemon.wait_ready(timeout=300)["models"]["m"]["workers"]
     assert first["profile"] == "aoti", first
     assert any(note.startswith("loaded cached package aoti-") for note in first["profile_build"]), first
