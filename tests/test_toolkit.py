@@ -186,16 +186,25 @@ def _optimize(*argv: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _tiny_config(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def optimize_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the optimize runs of tiny: the lossy profile's package is compiled by the first and loaded by
+    the next (their subject is the verdict and the written chain, not a second compile of the same package)."""
+    return tmp_path_factory.mktemp("optimize-cache")
+
+
+def _tiny_config(tmp_path: Path, cache: Path) -> Path:
     path = tmp_path / "config.json"
     entry = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}]}
-    path.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"tiny": entry}}, indent=2) + "\n")
+    path.write_text(json.dumps({"cache_dir": str(cache), "models": {"tiny": entry}}, indent=2) + "\n")
     return path
 
 
-def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tmp_path: Path) -> None:
+def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(
+    tmp_path: Path, optimize_cache: Path
+) -> None:
     """--dry-run measures each profile in its own process, ranks those in budget, and only shows the diff."""
-    config = _tiny_config(tmp_path)
+    config = _tiny_config(tmp_path, optimize_cache)
     before = config.read_text()
     report = tmp_path / "report.json"
     done = _optimize("--model", "tiny", "--config", str(config), "--profiles", f"eager,jit,{LOSSY}", "--layouts", "1x1",
@@ -213,9 +222,9 @@ def test_optimize_ranks_within_the_budget_and_shows_the_chain_without_writing(tm
     assert f"WARNING: {LOSSY} change numerics and were judged on synthetic inputs only" in done.stdout
 
 
-def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path: Path) -> None:
+def test_optimize_says_when_the_sla_cannot_be_met_and_writes_the_chain(tmp_path: Path, optimize_cache: Path) -> None:
     """An impossible P99: "cannot be met", exit 1; a lossy profile falls outside a 0.999999 budget; chain written."""
-    config = _tiny_config(tmp_path)
+    config = _tiny_config(tmp_path, optimize_cache)
     constraints = tmp_path / "constraints.json"
     raw = _constraints(sla__p99_ms=0.001, sla__accuracy={"min_cosine": 0.999999})
     constraints.write_text(json.dumps(raw))
