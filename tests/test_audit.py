@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,28 @@ def test_a_killed_audit_process_is_restarted_and_serving_never_notices(
     assert process["pid"] != first and process["last_exit"] == "killed by SIGKILL", process
     status = daemon.status()["models"]["m"]
     assert status["errors"] == {} and status["serving"] == ["jit"] and status["audit"]["rows_below_tolerance"] == 0
+
+
+def test_a_fast_model_is_sampled_at_most_once_a_second_whatever_its_budget(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A whole core of budget on a millisecond model: still one sample a second (a fast model's P99 feels each)."""
+    daemon = start_daemon({"models": {"m": _entry(_validation(tmp_path), audit={"budget": 1.0})}})
+    daemon.wait_ready(240)
+    with daemon.client() as client:
+        before = _send_until(daemon, client, "m", -1.0, lambda s: s["models"]["m"]["audit"]["rows_audited"] >= 1,
+                             120, "a first audit")  # fmt: skip
+        sent = 0
+        window_ends = time.monotonic() + 3.0
+        while time.monotonic() < window_ends:  # bounded by time: as many requests as the daemon answers in 3 s
+            client.infer("m", {"x": _rows(-1.0, sent)}, timeout=30.0)
+            sent += 1
+    after = daemon.status()
+    audited = after["models"]["m"]["audit"]["rows_audited"] - before["models"]["m"]["audit"]["rows_audited"]
+    elapsed = after["uptime_s"] - before["uptime_s"]
+    # One more than the seconds elapsed: the sample in flight when the window began is counted in it.
+    assert audited <= elapsed + 2, (audited, elapsed, sent)
+    assert sent > 10 * (elapsed + 2), f"too few requests ({sent}) to tell the cap from the budget"
 
 
 def test_no_audit_without_budget_nor_on_an_eager_model(start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:

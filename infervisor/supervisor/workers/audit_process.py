@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +63,9 @@ class AuditProcess:
         """Spawn the process for `model` (eager fp32 only, one thread) on `cpus`; on OSError, a back-off."""
         cap = config.builder_memory_mb or model.max_memory_mb or int(psutil.virtual_memory().total // 2**20 // 4)
         eager = dataclasses.replace(model, profiles=("eager",), channels_last=False, max_memory_mb=max(512, cap))
-        assignment = Assignment(model.name, 0, tuple(sorted(set(cpus) | os.sched_getaffinity(0))), 0, 1, True)
+        # The model's own cores: a worker waking there takes the core from an idle-priority pass at once, while on
+        # the supervisor's cores the pass would delay the broker every model's requests go through.
+        assignment = Assignment(model.name, 0, tuple(sorted(set(cpus))), 0, 1, True)
         try:
             self.launched = launch_worker(eager, assignment, config, entry=AUDIT_ENTRY)
         except OSError as exc:
