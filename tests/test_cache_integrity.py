@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -211,3 +212,27 @@ def test_a_truncated_package_is_rebuilt_not_left_on_eager(
     assert "does not load" in notes and "restarted the process after its build (1 cache miss" in notes, notes
     assert any(e.get("event") == "cached_package_rejected" for e in daemon.log_events())
     _served_like_eager(daemon)
+
+
+def test_a_worker_that_loads_a_package_leaves_no_unpacked_copy_behind(
+    start_daemon: Callable[..., Daemon], built_tiny_aoti: Path, tmp_path: Path
+) -> None:
+    """torch unpacks a package under TMPDIR to load it: nothing of it stays there, even after a kill -9."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    cache = Path(shutil.copytree(built_tiny_aoti, tmp_path / "cache", symlinks=True))
+    config = {"cache_dir": str(cache), "oversubscribe": True, "models": {"m": _aoti_entry(["aoti"])}}
+    daemon = start_daemon(config, env={"TMPDIR": str(scratch)})
+    (first,) = daemon.wait_ready(timeout=300)["models"]["m"]["workers"]
+    assert any(note.startswith("loaded cached package aoti-") for note in first["profile_build"]), first
+    os.kill(first["pid"], signal.SIGKILL)
+
+    def replaced() -> dict[str, Any] | None:
+        serving = [w for w in daemon.status()["models"]["m"]["workers"] if w["state"] == "serving"]
+        return serving[0] if serving and serving[0]["pid"] != first["pid"] else None
+
+    again = wait_for(replaced, 300, "m serving again after the kill")
+    assert again["profile"] == "aoti", again
+    _served_like_eager(daemon)
+    left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(("aotinductor_", "infervisor-package-")))
+    assert left == [], left

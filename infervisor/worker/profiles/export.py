@@ -16,6 +16,7 @@ import torch
 from infervisor.common.text import clip
 from infervisor.protocol.tensors import DimRange, TensorSpec
 from infervisor.worker.profiles.export_dims import dynamic_shapes, export_low, traceable_example
+from infervisor.worker.profiles.package_scratch import unpacked_in_scratch
 
 Inputs = tuple[torch.Tensor, ...]
 #: Each input of a program with the sizes each of its dims takes (loader.program_dims).
@@ -335,9 +336,11 @@ def load_package(path: Path) -> Any:
     C++ loader, which itself takes milliseconds: a restarted worker uses the loader directly.
     """
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        with unpacked_in_scratch():
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     except AttributeError:  # a torch without the C++ binding: the documented (slower to import) path
-        return torch._inductor.aoti_load_package(str(path))
+        with unpacked_in_scratch():
+            return torch._inductor.aoti_load_package(str(path))
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign package is a skip reason, not a crash
         raise ExportError(f"cannot load the AOTInductor package {path}: {type(exc).__name__}: {exc}") from exc
     return PackageRunner(loader)
