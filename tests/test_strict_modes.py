@@ -24,7 +24,7 @@ import pytest
 import zmq.auth
 
 from infervisor.common.strict_modes import STRICT_ENV, UnsafePath, check_file, check_tree, read_small_file
-from tests.conftest import TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
+from tests.conftest import STATIC_TINY_INPUTS, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
 
 TINY = {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS, workers=1, outputs=["y"])}
 
@@ -300,22 +300,19 @@ def test_a_key_another_user_can_write_is_refused(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ attack 1: code from the cache
 
 
-def test_a_package_planted_in_a_writable_cache_is_never_loaded(tmp_path: Path, attacker: Attacker) -> None:
+def test_a_package_planted_in_a_writable_cache_is_never_loaded(
+    tmp_path: Path, attacker: Attacker, built_tiny_aoti: Path
+) -> None:
     """A cache_dir others may write, where another user replaced the aoti package and its .sha256 with a matching
     pair: the worker refuses the whole cache with the reason in status, serves eager, and never reads the package
     (it is neither loaded nor moved aside)."""
-    # One fixed shape: one package to compile, the cheapest aoti build there is.
-    fixed = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
-    chain = {"tiny": model_entry({"builtin": "tiny"}, fixed, workers=1, outputs=["y"], profiles=["aoti", "eager"])}
+    chain = {"tiny": model_entry({"builtin": "tiny"}, STATIC_TINY_INPUTS, workers=1, outputs=["y"],
+                                 profiles=["aoti", "eager"])}  # fmt: skip
     # Under a folder the other user may pass through (tmp_path is root's 0700), as /var/cache is.
     tmp_path = attacker.shared.parent / f"box-{secrets.token_hex(3)}"
     tmp_path.mkdir(mode=0o755)
-    first = Daemon(tmp_path, {"models": chain})
-    try:
-        assert first.wait_ready(600)["models"]["tiny"]["workers"][0]["profile"] == "aoti"
-    finally:
-        first.stop()
-    cache = tmp_path / "cache"
+    # The package as a build left it (tests/conftest.py compiled it once for the session).
+    cache = Path(shutil.copytree(built_tiny_aoti, tmp_path / "cache", symlinks=True))
     (package,) = cache.glob("aoti-*.pt2")
     cache.chmod(0o777)  # a cache shared too widely: the issue's setup
     planted = b"PK\x03\x04 not a package, but the attacker's own code would be here"

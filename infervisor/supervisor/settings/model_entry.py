@@ -297,8 +297,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         Custom(read_audit, "`{budget, action}`: `budget` a share of one core in [0, 1] (0 = off), `action` "
                "`fallback` or `report`", {"budget": DEFAULT_AUDIT_BUDGET, "action": "fallback"}),
         Applied.LIVE,
-        "the live audit: served answers of a compiled or quantized profile, sampled within `budget` of one core, "
-        "re-run on eager fp32 at the lowest CPU priority and judged by `tolerance`; a row below it makes the model "
+        "the live audit: served answers of a compiled or quantized profile, sampled within `budget` of one core and "
+        "at most once a second, re-run on eager fp32 at the lowest CPU priority and judged by `tolerance`; a row "
+        "below it makes the model "
         "fall back one step (`fallback`) or is only reported (`report`) ([more](optimization.md#the-live-audit))."),
 )
 # fmt: on
