@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import numpy as np
 import torch
 
 from infervisor.supervisor.settings.config import ConfigError, parse_config
-from tests.conftest import Daemon, model_entry
+from tests.conftest import ROOT, Daemon, model_entry
 from tests.sequence_models import STATE, STATE_INPUTS, small_gru
 
 #: Steps the validation sequences of the GRU are cut to (the file holds more).
@@ -95,3 +97,23 @@ def test_the_config_checks_a_validation_file_of_sequences(tmp_path: Path) -> Non
     assert "holds sequences ('seq:x') but the model declares no `state`" in stateless
     two = {"seq:x@a": x, "seq:x@b": np.zeros((5, 1, 8), np.float32)}
     assert _validation_problems(tmp_path, two) == []  # each group its own streams and steps
+
+
+def test_bench_measures_a_stateful_model_whose_validation_file_holds_only_sequences(tmp_path: Path) -> None:
+    """`infervisor bench` reads the file as a worker does: the sequences' steps are its samples, not a missing key."""
+    sequences = tmp_path / "sequences.npz"
+    np.savez(sequences, **{"seq:x": np.random.default_rng(7).standard_normal((20, 2, 8)).astype(np.float32)})
+    entry = model_entry({"python": "tests.sequence_models:small_gru"}, STATE_INPUTS, outputs=["y", "h_out"],
+                        state=STATE, validation=str(sequences), sequence_steps=10)  # fmt: skip
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"gru": entry}}))
+    rows_file = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "infervisor", "bench", "--config", str(config), "--models", "gru", "--profiles",
+         "eager,jit", "--threads", "1", "--seconds", "0.2", "--no-daemon", "--json", str(rows_file)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = {row["profile"]: row for row in json.loads(rows_file.read_text())}
+    assert set(rows) == {"eager", "jit"} and not any("skipped" in row for row in rows.values()), rows
+    assert all(row["checked_on"] == "validation set" for row in rows.values()), rows

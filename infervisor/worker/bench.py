@@ -102,8 +102,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     from infervisor.worker.loader import load_model
     from infervisor.worker.profiles.build import build_profile
     from infervisor.worker.profiles.builders import ProfileError
-    from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.golden import golden_cases
+    from infervisor.worker.profiles.sequence_gate import validation_samples
     from infervisor.worker.profiles.validate import compare
     from infervisor.worker.runner import ModelRunner
     from infervisor.worker.start import build_context
@@ -113,14 +113,16 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     refusal = cpu_refusal(profile, read_caps())
     if refusal is not None:
         return {"profile": profile, "skipped": refusal}, _nothing
-    validation = load_calibration(Path(launch.validation), launch.inputs) if launch.validation else None
+    context = build_context(launch, runner)
+    # As a worker reads it: a stateful model's file may hold only sequences, whose steps are then its samples.
+    validation = validation_samples(launch, runner, context.sequences)
     cases = golden_cases(runner, validation)
     references = [[a for _, a in runner.forward(case)] for case in cases]
     one, many = runner.example_inputs(1), runner.example_inputs(args.batch)
     rss_before = psutil.Process().memory_info().rss
     started = time.perf_counter()
     try:
-        built = build_profile(profile, build_context(launch, runner))
+        built = build_profile(profile, context)
         runner.module = built.callable
         runner.forward(one)
     except ProfileError as exc:
@@ -172,8 +174,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
 def auto_pick(launch: LaunchSpec) -> dict[str, Any]:
     """What a worker's `pick: fastest` over the launch's chain serves here, decided afresh (not remembered)."""
     from infervisor.worker.loader import load_model
-    from infervisor.worker.profiles.calibration import load_calibration
     from infervisor.worker.profiles.select import remembered_pick, select_profile
+    from infervisor.worker.profiles.sequence_gate import validation_samples
     from infervisor.worker.profiles.validate import Tolerance
     from infervisor.worker.runner import ModelRunner
     from infervisor.worker.start import build_context
@@ -185,7 +187,7 @@ def auto_pick(launch: LaunchSpec) -> dict[str, Any]:
     if remembered is not None:
         # Decided again, and remembered again: a worker of this config would have made the same decision here.
         remembered.unlink(missing_ok=True)
-    validation = load_calibration(Path(launch.validation), launch.inputs) if launch.validation else None
+    validation = validation_samples(launch, runner, context.sequences)
     selection = select_profile(
         runner, launch.profiles, tolerance, read_caps(), context, "fastest", validation
     )  # fmt: skip

@@ -64,6 +64,8 @@ def launch_of(
         channels_last=model.channels_last, cache_dir=str(cache_dir),
         calibration=calibration or model.calibration, validation=validation or model.validation,
         tolerance=dict(model.tolerance), profiles=model.profiles, pick=model.pick,
+        # What the gate and the timing read besides: the state pairs (the sequence walk) and the size timed at.
+        typical_shape=model.typical_shape, state=model.state, sequence_steps=model.sequence_steps,
     )  # fmt: skip
 
 
