@@ -8,12 +8,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from infervisor.supervisor.settings.config import ConfigError, parse_config
-from tests.conftest import ROOT, Daemon, model_entry
+from tests.conftest import ROOT, Daemon, model_entry, wait_for
 from tests.sequence_models import STATE, STATE_INPUTS, small_gru
 
 #: Steps the validation sequences of the GRU are cut to (the file holds more).
@@ -67,6 +68,14 @@ def test_a_profile_whose_state_drifts_is_refused_at_its_step_and_an_exact_one_se
                 want, h = module(torch.from_numpy(x), h)
             np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
             np.testing.assert_allclose(stream.state["h_out"], h.numpy(), atol=1e-5)
+
+        def one_step_audited() -> dict[str, Any] | None:  # the live audit reruns a step on its committed state
+            stream.infer({"x": np.zeros((1, 8), np.float32)})
+            audit: dict[str, Any] = daemon.status()["models"]["gru"]["audit"]
+            return audit if audit["rows_audited"] else None
+
+        audit = wait_for(one_step_audited, 120, "a step of the stream audited", interval=0.2)
+    assert audit["rows_below_tolerance"] == 0 and audit["worst"]["input_shape"] == "x[1, 8], h[1, 16]", audit
 
 
 def _validation_problems(tmp_path: Path, arrays: dict[str, np.ndarray], state: bool = True) -> list[str]:
