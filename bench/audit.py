@@ -1,13 +1,15 @@
 """The live audit's cost and its catch time, on one machine in one run.
 
     python bench/audit.py [--models tiny,resnet50] [--rounds 3] [--seconds 10] [--clients 2] [--catch-rate 10]
-                          [--skip-cost] [--skip-catch] [--json out.json]
+                          [--skip-cost] [--skip-catch] [--noise-floor] [--json out.json]
 
 Cost: one daemon per model serving `jit` (an audited profile), driven by `--clients` closed-loop clients for
 `--seconds`; the audit is switched on (the default budget, 0.02 of one core) and off (budget 0) by live
 reloads of config.json, alternating, `--rounds` times each, so both sides run on the same worker process and
 the same machine state. Each row: req/s, P50 and P99 of the client round trip, and the rows audited in the
-window; the summary gives the on/off ratios of the medians over the rounds.
+window; the summary gives the on/off ratios of the medians over the rounds. `--noise-floor` runs the same
+alternation with the audit off on both arms: the ratios it prints are this box's noise, the yardstick for the
+audit's.
 
 Catch: tests.evidence_models.OffWhenTraced with the default audit settings (no `audit` key), `jit` validated
 on rows where it is exact, then `--catch-rate` requests/s of rows where it is 5% off: the seconds from the
@@ -108,15 +110,18 @@ def cost(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     try:
         drive(endpoint, model, 2.0, args.clients)  # warm caches before the first row
+        # --noise-floor: the "on" arm keeps the audit off too, so the ratios show what the box alone varies.
+        on_budget = 0.0 if args.noise_floor else DEFAULT_BUDGET
         for round_index in range(args.rounds):
-            for budget in (DEFAULT_BUDGET, 0.0) if round_index % 2 == 0 else (0.0, DEFAULT_BUDGET):
+            for arm in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+                budget = on_budget if arm == "on" else 0.0
                 set_budget(config, config_path, runtime, model, budget)
                 if budget:
                     warm_audit(endpoint, runtime, model)
                 before = audit_of(runtime, model).get("rows_audited", 0)
                 rate, latencies = drive(endpoint, model, args.seconds, args.clients)
                 after = audit_of(runtime, model)
-                row = {"model": model, "audit": "on" if budget else "off", "seconds": args.seconds,
+                row = {"model": model, "audit": arm, "seconds": args.seconds,
                        "req_s": round(rate, 1), "p50_ms": percentile(latencies, 50),
                        "p99_ms": percentile(latencies, 99),
                        "rows_audited": after.get("rows_audited", 0) - before if budget else 0,
@@ -191,6 +196,11 @@ def main() -> int:
     parser.add_argument("--catch-rate", type=float, default=10.0)
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-catch", action="store_true")
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="both arms with the audit off: the on/off ratios the box gives by itself",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results: dict[str, Any] = {}
