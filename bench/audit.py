@@ -7,7 +7,7 @@ Cost: one daemon per model serving `jit` (an audited profile), driven by `--clie
 `--seconds`; the audit is switched on (the default budget, 0.02 of one core) and off (budget 0) by live
 reloads of config.json, alternating, `--rounds` times each, so both sides run on the same worker process and
 the same machine state. Each row: req/s, P50 and P99 of the client round trip, and the rows audited in the
-window; the summary gives the on/off ratios of the medians over the rounds. `--noise-floor` runs the same
+window; the summary gives the median over the rounds of each round's on/off ratio. `--noise-floor` runs the same
 alternation with the audit off on both arms: the ratios it prints are this box's noise, the yardstick for the
 audit's.
 
@@ -135,17 +135,25 @@ def cost(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """On/off ratios of the medians over the rounds (req/s: above 1 is faster with the audit; P99: above 1 slower)."""
+    """Median over the rounds of each round's on/off ratio (req/s: above 1 is faster with the audit; P99: slower).
+
+    Each round's two windows are adjacent, so a ratio within a round cancels the drift of a shared box's speed over
+    the run (seen here: req/s falling by a third mid-run on both arms), which a ratio of the arms' medians does not.
+    """
+    rounds = [rows[index : index + 2] for index in range(0, len(rows) - 1, 2)]
+
+    def paired(key: str) -> float:
+        per_round = []
+        for pair in rounds:
+            on, off = (next(r for r in pair if r["audit"] == arm) for arm in ("on", "off"))
+            per_round.append(on[key] / off[key])
+        return round(float(np.median(per_round)), 3)
+
     on = [r for r in rows if r["audit"] == "on"]
-    off = [r for r in rows if r["audit"] == "off"]
-
-    def median(rows: list[dict[str, Any]], key: str) -> float:
-        return float(np.median([r[key] for r in rows]))
-
     return {
-        "req_s_on_over_off": round(median(on, "req_s") / median(off, "req_s"), 3),
-        "p99_on_over_off": round(median(on, "p99_ms") / median(off, "p99_ms"), 3),
-        "p50_on_over_off": round(median(on, "p50_ms") / median(off, "p50_ms"), 3),
+        "req_s_on_over_off": paired("req_s"),
+        "p99_on_over_off": paired("p99_ms"),
+        "p50_on_over_off": paired("p50_ms"),
         "audited_rows_per_s": round(float(np.median([r["rows_audited"] / r["seconds"] for r in on])), 2),
     }
 
