@@ -29,9 +29,14 @@ def _call(daemon: Daemon, n: int, **kwargs: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def slow_daemon(start_daemon: Callable[..., Daemon], tmp_path: Path) -> Daemon:
-    """One worker of the burn model with a queue of one."""
+    """One worker of the burn model with a queue of one.
+
+    The hang budget is far above the burn's seconds: on a box shared with other work a long burn is still progress,
+    and these tests are about admission, not about hang detection.
+    """
     path = write_slow_model(tmp_path)
-    daemon = start_daemon({"models": {"slow": model_entry({"torchscript": str(path)}, SLOW_INPUTS, queue_size=1)}})
+    entry = model_entry({"torchscript": str(path)}, SLOW_INPUTS, queue_size=1)
+    daemon = start_daemon({"hang_min_s": 300, "models": {"slow": entry}})
     daemon.wait_ready()
     return daemon
 

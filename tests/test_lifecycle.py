@@ -49,7 +49,10 @@ def test_sigterm_finishes_in_flight_work_refuses_new_and_exits_zero(
 ) -> None:
     """On SIGTERM the running request still gets its result, new ones get SHUTTING_DOWN, and no worker is left."""
     path = write_slow_model(tmp_path)
-    daemon = start_daemon({"models": {"slow": model_entry({"torchscript": str(path)}, SLOW_INPUTS)}})
+    # Grace and hang budget far above the burn's seconds, so a busy box cannot turn "finishes" into "cut off".
+    config = {"shutdown_grace_s": 300, "hang_min_s": 300,
+              "models": {"slow": model_entry({"torchscript": str(path)}, SLOW_INPUTS)}}  # fmt: skip
+    daemon = start_daemon(config)
     daemon.wait_ready()
     pids = daemon.worker_pids()
     with ThreadPoolExecutor(1) as pool, daemon.client() as client:
