@@ -155,3 +155,25 @@ def test_bench_names_the_models_it_knows_when_given_another(tmp_path: Path) -> N
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "no model 'speaker': built-ins are resnet50" in done.stderr and "has voice" in done.stderr
+
+
+def test_the_audit_bench_reads_a_drift_both_arms_share_as_no_cost() -> None:
+    """The box slowing by a third from the 4th window on: per-round ratios read 1, a 10% audit cost still shows."""
+    from bench.audit import ratios
+
+    order = ["on", "off", "off", "on", "on", "off", "off", "on"]  # ABBA, as bench/audit.py runs it
+    speeds = [1.0, 1.0, 1.0, 0.66, 0.66, 0.66, 0.66, 0.66]  # the box, window by window
+
+    def windows(cost: float) -> list[dict[str, object]]:
+        rows: list[dict[str, object]] = []
+        for arm, speed in zip(order, speeds, strict=True):
+            slower = cost if arm == "on" else 1.0
+            latency = slower / speed
+            rows.append({"audit": arm, "seconds": 8.0, "rows_audited": 8 if arm == "on" else 0,
+                         "req_s": 1000 / latency, "p50_ms": 2 * latency, "p99_ms": 3 * latency})  # fmt: skip
+        return rows
+
+    assert ratios(windows(1.0)) == {"req_s_on_over_off": 1.0, "p99_on_over_off": 1.0, "p50_on_over_off": 1.0,
+                                    "audited_rows_per_s": 1.0}  # fmt: skip
+    costly = ratios(windows(1.1))
+    assert (costly["p99_on_over_off"], costly["req_s_on_over_off"]) == (1.1, round(1 / 1.1, 3))
