@@ -284,7 +284,9 @@ class ChildHome:
         )
         self.execed += 1
         self.children[process.pid] = process
-        log.info("child_started", child=name, pid=process.pid, entry=entry, start="exec", template=self.state.value)
+        # Without a daemon (`infervisor build`) every child is exec'd: not news on the command's console.
+        say = log.debug if self.state is TemplateState.OFF else log.info
+        say("child_started", child=name, pid=process.pid, entry=entry, start="exec", template=self.state.value)
         return process
 
     def fork(
