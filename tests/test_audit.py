@@ -67,7 +67,8 @@ def _audit_pids(daemon: Daemon) -> list[int]:
     pids = []
     for pid in daemon.worker_pids():
         try:
-            if "infervisor.worker.audit" in psutil.Process(pid).cmdline():
+            # A child forked from the warm template shows its command as one title (setproctitle).
+            if "infervisor.worker.audit" in " ".join(psutil.Process(pid).cmdline()).split():
                 pids.append(pid)
         except psutil.NoSuchProcess:
             continue

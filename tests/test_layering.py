@@ -393,7 +393,7 @@ def test_a_pool_reaching_into_the_pipelines_is_named(tmp_path: Path) -> None:
 #: what stands after it, and nothing at its own level, so the start sequence and the serving loop never import each
 #: other (serve.py joins them) and profiles/ never reaches the process that runs it.
 WORKER_LAYERS = (
-    ("__main__", "audit", "bench"),  # the processes: `python -m infervisor.worker`, `.worker.audit`, `.worker.bench`
+    ("__main__", "audit", "bench", "template"),  # the processes: worker, audit, bench, the warm template
     ("serve", "audit_loop", "process_entry"),  # a serving worker, start to exit; the audit's loop; both set-ups
     ("start", "loop"),  # the start sequence (load, select, re-exec, READY, LOAD_ERROR); the serving loop
     ("profiles", "state_check", "open_dims"),  # building, gating and picking profiles; checks the start runs

@@ -115,6 +115,8 @@ class Arbiter:
         try:
             # Inside the try: whatever fails here, the workers already spawned are killed and reaped.
             self.publish_metrics()
+            # Before the first worker, so every worker is a fork of it (it imports what they would).
+            parts.home.open(self.config.warm_template)
             if self.config.metrics_listen is not None:
                 parts.metrics.listen(self.config.metrics_listen)
             self.pool.start()
@@ -147,6 +149,7 @@ class Arbiter:
     def housekeeping(self, now: float) -> None:
         """The timer-driven steps, each named for what it does."""
         parts = self.parts
+        parts.home.tick(now)
         self.pool.tick(now)
         self.fallback.reconcile()
         self.broker.expire(now)
@@ -199,6 +202,7 @@ class Arbiter:
         self.parts.metrics.close()
         self.parts.monitors.audit.stop_all()
         self.pool.stop.shutdown()
+        self.parts.home.close()
         self.broker.close()
         self.control.close()
         if self.status_server is not None:
@@ -253,6 +257,7 @@ class Arbiter:
                 "metrics_error": parts.metrics.error,
             },
             "counters": dict(snapshot.anomalies),
+            "template": parts.home.status(),
         }
         # Each monitor's readings about the box under its name (the thermal monitor's: `thermal`), then the models.
         return (

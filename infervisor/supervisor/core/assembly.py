@@ -36,6 +36,7 @@ from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.child_home import HOME, ChildHome
 from infervisor.supervisor.workers.launcher import Launcher
 from infervisor.supervisor.workers.worker_inbox import WorkerInbox
 from infervisor.supervisor.workers.worker_links import WorkerLinks
@@ -71,6 +72,8 @@ class Parts:
     metrics: Metrics
     #: Large client frames are given back to the box once freed (host/memory_release.py).
     memory: MemoryRelease
+    #: Where every child process is started (the warm template) and what the supervisor adopts is reaped.
+    home: ChildHome
 
 
 def core_planner(sysfs_root: Path, affinity: SupervisorAffinity) -> Callable[[Config], Plan]:
@@ -156,4 +159,5 @@ def assemble(
         reloader=reloader,
         metrics=Metrics(),
         memory=memory,
+        home=HOME,
     )

@@ -87,6 +87,8 @@ class Config:
     #: HOST:PORT of the Prometheus endpoint (infervisor/supervisor/observe/exposition.py), or None for none.
     metrics_listen: str | None
     oversubscribe: bool
+    #: Fork children from a template that imported torch once (infervisor/supervisor/workers/child_home.py).
+    warm_template: bool
     #: Keep the supervisor on the allowed cpus no worker holds (infervisor/supervisor/host/affinity.py).
     pin_supervisor: bool
     #: A CPU latency QoS request in µs held while serving (infervisor/supervisor/host/cpu_latency.py); None holds none.
@@ -242,6 +244,10 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("oversubscribe", Flag(False), Applied.DAEMON_RESTART,
         "when the workers ask for more physical cores than the cpuset has, share cores round-robin (status shows "
         "`shared_cores`) instead of refusing to start."),
+    Key("warm_template", Flag(True), Applied.DAEMON_RESTART,
+        "start every child process (workers, builders, audit processes) as a fork of one template process that "
+        "imported torch and ran nothing: they share its imported pages and skip the import "
+        "([more](architecture.md#processes-and-threads)); `false` execs a fresh interpreter for each."),
     Key("pin_supervisor", Flag(True), Applied.LIVE,
         "keep the supervisor (every thread: broker loop, ZeroMQ I/O, file watcher) on the allowed cpus no worker "
         "holds, so it never shares a core with a model ([more](#pin_supervisor))."),

@@ -1,12 +1,11 @@
-"""Starting a worker process: a fresh interpreter (exec, never a fork of a torch process) linked by a socketpair."""
+"""Starting a worker process (serving, building or auditing) linked by a socketpair, through the daemon's one home
+for children (child_home.py: a fork of the warm template that has run no torch op, else a fresh interpreter)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
+from infervisor.supervisor.workers.child_home import HOME, ChildHome, ChildProcess
 
 _generations = itertools.count(1)
 
@@ -29,21 +29,13 @@ _LINK_BUFFER_BYTES = 4 * 2**20
 WORKER_ENTRY = "infervisor.worker"
 AUDIT_ENTRY = "infervisor.worker.audit"
 
-#: Read once by the OpenMP/MKL runtimes when torch loads, so they are set at exec, not later.
+#: Read by the OpenMP/MKL runtimes when torch loads; a child forked from the template loaded torch before them, and
+#: sets its pools again with torch.set_num_threads before any op (worker/serve.py, worker/audit_loop.py).
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-class WorkerProcess(Protocol):
-    """What the pool needs of a worker process (a subprocess.Popen)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
+#: What the pool needs of a worker process (a subprocess.Popen, or a child forked from the template).
+WorkerProcess = ChildProcess
 
 
 @dataclass
@@ -151,6 +143,7 @@ def launch_worker(
     ready_only: bool = False,
     background: bool = False,
     entry: str = WORKER_ENTRY,
+    home: ChildHome = HOME,
 ) -> Launched:
     """Start a worker process for `model` on `assignment`; OSError when the box cannot start one now.
 
@@ -158,6 +151,7 @@ def launch_worker(
     `output`: where its stdout and stderr go (default: the supervisor's, where the daemon logs).
     `ready_only`: it serves first, from what needs no build. `background`: the background builder (with
     `build_only`), at the lowest CPU priority. `entry`: the module the process runs (AUDIT_ENTRY: the live audit).
+    `home`: where it is started (forked from the daemon's warm template when it has one, else exec'd).
     """
     role = entry.rpartition(".")[2] if entry != WORKER_ENTRY else "build" if background else assignment.slot
     worker_id = f"{model.name}.{role}.{next(_generations)}"
@@ -171,19 +165,13 @@ def launch_worker(
         spec = launch_spec(
             model, assignment, config, worker_id, theirs.fileno(), recent_exits, build_only, ready_only, background
         )
-        process = subprocess.Popen(
-            # -P: nothing from the working directory (a `common.py` there) may shadow or run in a worker.
-            [sys.executable, "-P", "-m", entry, spec.to_json()],
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=output,
-            close_fds=True,
-            # The only descriptor the worker inherits besides stdio: its end of the link.
-            pass_fds=(theirs.fileno(),),
-            env=worker_environment(assignment.threads, cache_dir),
-            # Its own session: a Ctrl-C or a group-wide SIGTERM reaches the supervisor, which then
-            # drains and stops workers in order instead of losing them mid-request.
-            start_new_session=True,
+        process = home.start(
+            entry,
+            spec.to_json(),
+            worker_environment(assignment.threads, cache_dir),
+            theirs.fileno(),
+            output,
+            worker_id,
         )
     except BaseException:  # nothing may keep our end open when no process got the other
         ours.close()

@@ -1,0 +1,212 @@
+"""What the warm template saves: each child's memory and a killed worker's way back, template on against off.
+
+    python bench/process_tree.py [--config configs/default.json] [--rounds 2] [--requests 50] [--kills 3]
+
+Each round starts the daemon twice on the same config and cache, `warm_template` on then off (the order swapped
+every other round, so a box that slows mid-run weighs on both arms alike). Each start waits until every worker
+serves and no build is running, sends `--requests` batch-1 requests to every model, reads /proc/PID/smaps_rollup of
+every process of the daemon's tree (workers, audit processes, the template, the supervisor), then kills a serving
+worker with SIGKILL `--kills` times and times how long until a request of its model is answered by a worker of the
+new process (the pool holds the model's other workers: with one worker this is the whole gap in service).
+
+Run it on a warm cache (one start of the config before, or `infervisor build`) so that both arms load the same
+packages; a cold cache makes the first arm build them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.daemon import start_daemon  # noqa: E402
+from bench.memory import smaps_rollup  # noqa: E402
+from infervisor.protocol.client import Client  # noqa: E402
+from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
+from infervisor.protocol.control_client import control_request  # noqa: E402
+from infervisor.protocol.errors import InferenceError  # noqa: E402
+from infervisor.supervisor.toolkit.inputs import random_inputs  # noqa: E402
+
+MB = 2**20
+#: A background build in these states will still replace the workers.
+BUSY_BUILDS = ("waiting", "building")
+
+
+def _status(runtime_dir: Path) -> dict[str, Any]:
+    return control_request(runtime_dir, {"cmd": "status"}, timeout=10.0)
+
+
+def _settled(runtime_dir: Path, timeout: float) -> dict[str, Any]:
+    """Status once every worker serves and no background build runs (a builder's pick switch is over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = _status(runtime_dir)
+        workers = [w for m in status["models"].values() for w in m["workers"]]
+        building = [m for m in status["models"].values() if (m.get("build") or {}).get("state") in BUSY_BUILDS]
+        rollout = status.get("rollout") or {}
+        moving = rollout.get("current") or rollout.get("pending")
+        if workers and all(w["state"] == "serving" for w in workers) and not building and not moving:
+            return status
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not settled within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def tree_memory(supervisor: int) -> list[dict[str, Any]]:
+    """PSS, private and RSS of the supervisor and every process below it, named by its command line."""
+    import psutil
+
+    rows = []
+    root = psutil.Process(supervisor)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            totals = smaps_rollup(process.pid)
+            title = " ".join(process.cmdline())
+        except (OSError, psutil.Error):
+            continue
+        kind = "supervisor" if process.pid == supervisor else _kind(title)
+        private = totals.get("Private_Clean", 0) + totals.get("Private_Dirty", 0)
+        rows.append({"pid": process.pid, "kind": kind, "pss": totals.get("Pss", 0), "private": private,
+                     "rss": totals.get("Rss", 0)})  # fmt: skip
+    return rows
+
+
+def _kind(title: str) -> str:
+    for module, kind in (("infervisor.worker.template", "template"), ("infervisor.worker.audit", "audit"),
+                         ("infervisor.worker.bench", "bench"), ("infervisor.worker", "worker")):  # fmt: skip
+        if module in title:
+            return kind
+    return "other"
+
+
+def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> float:
+    """kill -9 one serving worker of `model`; seconds until a request is answered by a worker that is not it."""
+    victim = _status(runtime_dir)["models"][model]["workers"][0]["pid"]
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
+        while time.monotonic() - killed < 120:
+            try:
+                client.infer(model, arrays, timeout=60)
+            except InferenceError:
+                time.sleep(0.005)
+                continue
+            pids = [w["pid"] for w in _status(runtime_dir)["models"][model]["workers"] if w["state"] == "serving"]
+            if victim not in pids and pids:
+                return time.monotonic() - killed
+    raise SystemExit(f"{model}: no answer within 120 s of the kill")
+
+
+def one_start(config: dict[str, Any], folder: Path, template: bool, requests: int, kills: int) -> dict[str, Any]:
+    """Start the daemon with the template on or off, measure its tree and its respawns, stop it."""
+    runtime_dir = folder / f"run-{'on' if template else 'off'}-{time.monotonic_ns()}"
+    process = start_daemon({**config, "warm_template": template}, runtime_dir)
+    try:
+        status = _settled(runtime_dir, 1800)
+        with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
+            for name, entry in config["models"].items():
+                arrays = random_inputs(entry["inputs"], 1)
+                for _ in range(requests):
+                    client.infer(name, arrays, timeout=120)
+        memory = tree_memory(process.pid)
+        model = next(iter(config["models"]))
+        arrays = random_inputs(config["models"][model]["inputs"], 1)
+        respawns = []
+        for _ in range(kills):
+            respawns.append(respawn_seconds(runtime_dir, model, arrays))
+            _settled(runtime_dir, 600)
+        profiles = sorted({w["profile"] for m in status["models"].values() for w in m["workers"]})
+        return {"template": template, "memory": memory, "respawn_s": respawns, "profiles": profiles,
+                "how": _status(runtime_dir)["template"]}  # fmt: skip
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _sum(rows: list[dict[str, Any]], kind: str | None, field: str) -> float:
+    return float(sum(r[field] for r in rows if kind is None or r["kind"] == kind)) / MB
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """One line per arm: medians over rounds of each figure; then the ratios on/off."""
+    lines = [f"{'template':<9} {'served':<18} {'worker PSS':>10} {'worker priv':>11} {'audit PSS':>9} "
+             f"{'tpl PSS':>7} {'tree PSS':>8} {'respawn p50 s':>13} {'respawn max s':>13}"]  # fmt: skip
+    figures: dict[bool, dict[str, float]] = {}
+    for arm in (True, False):
+        runs = [r for r in results if r["template"] is arm]
+        if not runs:
+            continue
+
+        def median_of(kind: str | None, field: str, runs: list[dict[str, Any]] = runs) -> float:
+            values = []
+            for run in runs:
+                count = sum(1 for r in run["memory"] if kind is None or r["kind"] == kind) or 1
+                per = _sum(run["memory"], kind, field) / (count if kind in ("worker", "audit") else 1)
+                values.append(per)
+            return statistics.median(values)
+
+        respawns = [s for r in runs for s in r["respawn_s"]]
+        figures[arm] = {
+            "worker_pss": median_of("worker", "pss"),
+            "tree_pss": median_of(None, "pss"),
+            "respawn": statistics.median(respawns) if respawns else float("nan"),
+        }
+        lines.append(
+            f"{'on' if arm else 'off':<9} {','.join(runs[0]['profiles']):<18} {median_of('worker', 'pss'):>10.0f} "
+            f"{median_of('worker', 'private'):>11.0f} {median_of('audit', 'pss'):>9.0f} "
+            f"{median_of('template', 'pss'):>7.0f} {median_of(None, 'pss'):>8.0f} "
+            f"{figures[arm]['respawn']:>13.2f} {max(respawns, default=float('nan')):>13.2f}"
+        )
+    if len(figures) == 2:
+        on, off = figures[True], figures[False]
+        lines.append(f"on/off: worker PSS x{on['worker_pss'] / off['worker_pss']:.2f}, whole tree PSS "
+                     f"x{on['tree_pss'] / off['tree_pss']:.2f}, respawn x{on['respawn'] / off['respawn']:.2f}")
+    lines.append("(MB per worker / audit process; template, tree: totals; tree = supervisor + every child)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Alternate template on/off starts of one config; print the table (and write JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.json"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--cache-dir", help="the packages' cache (default: the config's)")
+    parser.add_argument("--json", help="also write the measurements here")
+    args = parser.parse_args()
+    config = json.loads(Path(args.config).read_text())
+    config["log_level"] = "warning"
+    if args.cache_dir:
+        config["cache_dir"] = args.cache_dir
+    folder = Path(tempfile.mkdtemp(prefix="infervisor-tree-"))
+    results = []
+    for round_ in range(args.rounds):
+        for template in (True, False) if round_ % 2 == 0 else (False, True):
+            results.append(one_start(config, folder, template, args.requests, args.kills))
+            print(f"round {round_ + 1} template {'on' if template else 'off'}: respawn "
+                  f"{[round(s, 2) for s in results[-1]['respawn_s']]} s", file=sys.stderr)  # fmt: skip
+    print(summary(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The warm template: `python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID`, one per daemon.
+
+It imports torch and the worker's code once, runs no torch op, starts no thread and loads no model, freezes what it
+imported out of the garbage collector's reach, and then only forks: each child the supervisor asks for (a serving
+worker, a builder, an audit process) is a copy of this process that runs its module's `__main__` exactly as
+`python -P -m MODULE LAUNCH_JSON` would, sharing the imported pages instead of importing them again (gunicorn's
+`--preload`, Python's forkserver). Each child is forked twice so that it is re-parented to the supervisor, a child
+subreaper: the supervisor is its parent and reaper like any worker's, and the child dies with the supervisor, not
+with this template. Everything a child does before its model (pinning, thread counts, priority, memory cap,
+parent-death signal, strict modes) happens in the child, in the same code as after an exec.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from infervisor.protocol import template_link as tl
+from infervisor.protocol.constants import WorkerExitCode
+from infervisor.worker.pinning import ParentGone, die_with_parent
+
+#: How long a new child waits for the middle process's exit to hand it to the supervisor.
+_REPARENT_WAIT_S = 5.0
+
+
+def main(argv: list[str]) -> int:
+    """Import what children share, say READY, then fork a child for each request until the link closes."""
+    try:
+        fd_text, pid_text = argv
+        link_fd, supervisor_pid = int(fd_text), int(pid_text)
+    except ValueError:
+        print(f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID, not {argv}",
+              file=sys.stderr)
+        return WorkerExitCode.BAD_LAUNCH
+    try:
+        die_with_parent(supervisor_pid)
+    except ParentGone:
+        return WorkerExitCode.SUPERVISOR_LOST
+    link = socket.socket(fileno=link_fd)
+    warm_up()
+    threads = threading.active_count(), len(os.listdir("/proc/self/task"))
+    if threads != (1, 1):
+        # A fork copies only the calling thread: a lock another thread held would stay locked in every child.
+        tl.send_message(link, {"kind": tl.REFUSED, "why": f"the template runs {threads[1]} threads after its imports"})
+        return 1
+    tl.send_message(link, {"kind": tl.READY, "pid": os.getpid(), "roots": imported_roots()})
+    return serve_forks(link, supervisor_pid)
+
+
+def warm_up() -> None:
+    """Import torch and every module a child runs, and move them out of the collector's generations."""
+    import torch  # noqa: F401  (the point: imported once, shared by every child)
+
+    # What the entry modules import, not the entry modules: runpy warns when it runs one already imported.
+    import infervisor.common.json_logs  # noqa: F401
+    import infervisor.worker.audit_loop  # noqa: F401
+    import infervisor.worker.logs  # noqa: F401
+    import infervisor.worker.process_entry  # noqa: F401
+    import infervisor.worker.serve  # noqa: F401
+
+    gc.collect()
+    # Objects the collector never visits are never written by it, so their pages stay shared with the children.
+    gc.freeze()
+
+
+def imported_roots() -> list[str]:
+    """The folders torch and this package were imported from: what makes this template stale when they change."""
+    import torch
+
+    import infervisor
+
+    return [os.path.dirname(torch.__file__), os.path.dirname(infervisor.__file__)]
+
+
+def serve_forks(link: socket.socket, supervisor_pid: int) -> int:
+    """Answer FORK requests one at a time; 0 when the supervisor closes the link."""
+    while True:
+        try:
+            message, fds = tl.receive_message(link)
+        except tl.TemplateLinkError:
+            return 0
+        try:
+            if message["kind"] != tl.FORK:
+                reply: dict[str, Any] = {"kind": tl.REFUSED, "why": f"unknown request {message['kind']!r}"}
+            else:
+                reply = {"kind": tl.FORKED, "pid": fork_child(message, fds, link, supervisor_pid)}
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            reply = {"kind": tl.REFUSED, "why": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        tl.send_message(link, reply)
+
+
+def fork_child(request: dict[str, Any], fds: list[int], link: socket.socket, supervisor_pid: int) -> int:
+    """Fork twice: the middle process starts the child in a session of its own and exits at once, which hands the
+    child to the supervisor (the nearest subreaper); returns the child's pid."""
+    entry, spec, env = str(request["entry"]), str(request["spec"]), dict(request["env"])
+    title = str(request.get("title", entry))
+    if not fds:
+        raise ValueError("a fork request without the child's link")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        code = 0
+        try:
+            os.close(read_end)
+            os.setsid()  # a Ctrl-C or a group SIGTERM reaches the supervisor, which stops children in order
+            child = os.fork()
+            if child == 0:
+                os.close(write_end)
+                run_child(entry, spec, env, title, fds, link, supervisor_pid)
+            os.write(write_end, str(child).encode())
+        except OSError as exc:
+            os.write(write_end, f"error {exc}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        answer = _read_all(read_end)
+    finally:
+        os.close(read_end)
+        os.waitpid(middle, 0)
+    if not answer.isdigit():
+        raise OSError(f"the middle process could not fork: {answer or 'no answer'}")
+    return int(answer)
+
+
+def _read_all(fd: int) -> str:
+    """Everything written to a pipe until its last writer closes it."""
+    chunks = []
+    while chunk := os.read(fd, 64):
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def run_child(
+    entry: str, spec: str, env: dict[str, str], title: str, fds: list[int], link: socket.socket, supervisor_pid: int
+) -> None:
+    """Become `python -P -m ENTRY SPEC` with `env`, the link as its launch spec says; never returns."""
+    code: int = 1
+    try:
+        link.close()
+        child_link, output = fds[0], (fds[1] if len(fds) > 1 else None)
+        await_supervisor(supervisor_pid)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        if output is not None:
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+        os.closerange(3, child_link)
+        os.closerange(child_link + 1, os.sysconf("SC_OPEN_MAX"))
+        set_title(title)  # before the environment changes: setproctitle finds its room beside the original one
+        os.environ.clear()
+        os.environ.update(env)
+        launch = json.loads(spec)
+        launch["link_fd"] = child_link  # the number it has here, not the supervisor's
+        sys.argv = [entry, json.dumps(launch)]
+        # What a re-exec after a build runs again (worker/reexec.py): this child's command, not the template's.
+        sys.orig_argv = [sys.executable, "-P", "-m", entry, sys.argv[1]]
+        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - a child must never return into the template's loop
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def await_supervisor(supervisor_pid: int) -> None:
+    """Wait until the middle process has exited and the supervisor adopted this one (its parent-death signal and
+    its check of the parent are about the supervisor, as after an exec); exit at once when something else did (the
+    supervisor died meanwhile)."""
+    middle = os.getppid()
+    deadline = time.monotonic() + _REPARENT_WAIT_S
+    while (parent := os.getppid()) != supervisor_pid:
+        if parent != middle or time.monotonic() > deadline:
+            raise SystemExit(WorkerExitCode.SUPERVISOR_LOST)
+        time.sleep(0.001)
+
+
+def set_title(title: str) -> None:
+    """What `ps` shows for this child (else it would show the template's command line)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
+
+
+def _exit_code(code: object) -> int:
+    """The process exit status `sys.exit(code)` gives."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
