@@ -12,25 +12,27 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from infervisor.protocol.client import Client
 from infervisor.protocol.constants import MAX_STREAM_BACKLOG, TIMING_KEYS, ErrorCode
 from infervisor.protocol.errors import InferenceError
 from tests.conftest import ROOT, Daemon, model_entry, wait_for
-from tests.stream_models import FEATURES, SLEEP, STATE_ROWS, reference
+from tests.stream_models import FEATURES, SLEEP, STATE_ROWS, Leaky, reference
 
 ENV = {"PYTHONPATH": str(ROOT)}
 LEAKY = {"python": "tests.stream_models:leaky"}
 
 
-def leaky_entry(state_rows: int = STATE_ROWS, **extra: Any) -> dict[str, Any]:
-    """A model entry of the leaky stateful model: state `h` in, `h_next` out."""
+def leaky_entry(state_rows: int = STATE_ROWS, initial: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A model entry of the leaky stateful model: state `h` in, `h_next` out (from zeros, or an `initial` file)."""
     inputs = [
         {"name": "x", "dtype": "float32", "shape": [None, FEATURES]},
         {"name": "h", "dtype": "float32", "shape": [None, state_rows, FEATURES]},
     ]
-    return model_entry(LEAKY, inputs, state=[{"input": "h", "output": "h_next"}], **extra)
+    pair = {"input": "h", "output": "h_next", **({"initial": initial} if initial else {})}
+    return model_entry(LEAKY, inputs, state=[pair], **extra)
 
 
 def chunks(seed: int, steps: int) -> list[np.ndarray]:
@@ -370,6 +372,7 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
         with client.stream("leaky") as new:
             for chunk, want in zip(inputs, expected, strict=True):
                 np.testing.assert_array_equal(new.infer({"x": chunk})["y"], want)
+    _initial_alone_applies_at_once(daemon, config)
     wire = Wire(daemon)
     try:
         wire.send({"x": chunks(12, 1)[0]}, stream="last", start=True)
@@ -385,6 +388,32 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
         assert wire.reply()[0]["code"] == "UNKNOWN_MODEL"
     finally:
         wire.close()
+
+
+def _initial_alone_applies_at_once(daemon: Daemon, config: dict[str, Any]) -> None:
+    """A change of `initial` alone: the open stream ends (STREAM_ENDED), and a start sent as the reload is applied,
+    with the rollout under way, is served from the new initial value at once (section 4.1), not UNAVAILABLE."""
+    ones = daemon.tmp / "ones.npy"
+    np.save(ones, np.ones((3, FEATURES), np.float32))
+    (x,) = chunks(15, 1)
+    with torch.no_grad():
+        want = Leaky()(torch.from_numpy(x), torch.ones((1, 3, FEATURES)))["y"].numpy()
+    wire = Wire(daemon)
+    try:
+        wire.send({"x": x}, stream="kept", start=True)
+        assert wire.reply()[0]["type"] == "result"
+        config["models"]["leaky"] = leaky_entry(state_rows=3, initial=str(ones))
+        daemon.write_config(config)
+        assert daemon.control({"cmd": "reload"})["ok"]
+        wire.send({"x": x}, stream="fresh", start=True, end=True)
+        header, frames = wire.reply()
+        assert header["type"] == "result", header
+        np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(want.shape), want)
+        wire.send({"x": x}, stream="kept")
+        assert wire.reply()[0]["code"] == "STREAM_ENDED"
+    finally:
+        wire.close()
+    wait_for(lambda: daemon.status()["rollout"]["completed"] == 3, 180, "the new initial's workers serving")
 
 
 def test_a_failed_step_commits_nothing(daemon: Daemon) -> None:
