@@ -160,23 +160,25 @@ def test_item4_a_crash_loop_is_the_model_s_error(daemon: Daemon) -> None:
     assert "2 failures within 60 s; last: killed by SIGSEGV" in model["error"], model["error"]
 
 
-def test_item5_only_frames_over_twice_the_limit_drop_the_connection(daemon: Daemon) -> None:
-    """A frame over max_frame_bytes is INVALID_INPUT on a working connection; only one over 2 x max_frame_bytes
-    + 65536 is dropped by ZeroMQ without a reply, as sections 1 and 5 now both say."""
+def test_item5_only_frames_over_the_limit_plus_64_kib_drop_the_connection(daemon: Daemon) -> None:
+    """A frame over max_frame_bytes is INVALID_INPUT on a working connection; only one over max_frame_bytes + 65536
+    (ZMQ_MAXMSGSIZE) is dropped by ZeroMQ without a reply, as sections 1, 5 and 10 all say (issue 54: section 5
+    said 2 x max_frame_bytes + 65536)."""
     text = " ".join(section("5").split())
-    assert "only a frame longer than 2 × `max_frame_bytes` + 65536 makes ZeroMQ drop the connection" in text
-    drop_at = 2 * MAX_FRAME_BYTES + 65536
+    assert "only a frame longer than `max_frame_bytes` + 65536 (`ZMQ_MAXMSGSIZE`) makes ZeroMQ drop" in text
+    assert "`ZMQ_MAXMSGSIZE=max_frame_bytes + 65536`" in section("1")
+    drop_at = MAX_FRAME_BYTES + 65536
     socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(daemon.endpoint)
     try:
-        oversize = np.zeros((MAX_FRAME_BYTES // 64 + 1, 16), np.float32)  # over the limit, under the drop
-        assert len(oversize.tobytes()) <= drop_at
+        oversize = np.zeros((drop_at // 64, 16), np.float32)  # over the limit, at the drop threshold
+        assert MAX_FRAME_BYTES < len(oversize.tobytes()) <= drop_at
         socket.send_multipart(infer_frames("blank", 51, oversize))
         assert socket.poll(10_000), "an oversize frame under the drop threshold is answered"
         reply = msgpack.unpackb(socket.recv_multipart()[1])
         assert reply["code"] == "INVALID_INPUT" and reply["id"] == 51, reply
-        dropped = np.zeros((drop_at // 4 + 1,), np.float32)  # one element over the drop threshold
+        dropped = np.zeros((drop_at // 64 + 1, 16), np.float32)  # one row over the drop threshold
         socket.send_multipart(infer_frames("blank", 52, dropped))
         assert not socket.poll(3_000), "a frame over the drop threshold gets no reply"
         socket.send_multipart(infer_frames("chain", 53, np.ones((1, 16), np.float32)))
@@ -300,3 +302,40 @@ def test_every_error_field_is_documented_once_with_when_it_is_set_and_cleared() 
     assert fields == ["models[NAME].error", "workers[].load_error", "workers[].last_exit", "rollout.last_error"]
     assert all(row[1] and row[2] for row in rows)
     assert ROOT.joinpath("docs", "protocol.md").read_text().count("| Field | Set | Cleared |") == 1
+
+
+def test_issue54_fields_are_checked_in_the_order_of_section_4_s_table(daemon: Daemon) -> None:
+    """A bad dtype in `inputs` and a bad `stream` in one header: INVALID_INPUT, the `inputs` row coming first in
+    section 4's table (the stream field's BAD_REQUEST came first)."""
+    rows = [ticked(row[0])[0] for row in table_rows(section("4"), "| Key | Required | Type |") if row[0]]
+    assert rows.index("inputs") < rows.index("stream") < rows.index("start")
+    bad = {"v": 1, "type": "infer", "id": 91, "model": "chain", "stream": 7}
+    header = {**bad, "inputs": [{"name": "x", "dtype": "float128", "shape": [1, 16]}]}
+    reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb(header), np.ones((1, 16), np.float32).tobytes()])
+    assert reply["code"] == "INVALID_INPUT" and reply["id"] == 91, reply
+    header = {**bad, "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 16]}]}
+    reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb(header), np.ones((1, 16), np.float32).tobytes()])
+    assert reply["code"] == "BAD_REQUEST" and "stream must be a string" in reply["message"], reply
+
+
+def test_issue54_stream_flags_false_without_a_stream_are_accepted(daemon: Daemon) -> None:
+    """`start`, `end`, `return_state` false without `stream` ask for nothing: a result; true is BAD_REQUEST."""
+    assert "set to `false` without `stream` it asks for nothing and is accepted" in " ".join(section("4").split())
+    one = np.ones((1, 16), np.float32).tobytes()
+    inputs = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
+    for flag in ("start", "end", "return_state"):
+        header = {"v": 1, "type": "infer", "id": 92, "model": "chain", "inputs": inputs}
+        reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb({**header, flag: False}), one])
+        assert reply["type"] == "result", (flag, reply)
+        reply, _ = exchange(daemon.endpoint, [b"", msgpack.packb({**header, flag: True}), one])
+        assert reply["code"] == "BAD_REQUEST" and f"{flag} needs a stream" in reply["message"], (flag, reply)
+
+
+def test_issue54_clients_budget_is_one_rule_in_both_documents() -> None:
+    """configuration.md's `clients_budget_mb` row says what section 7.4 says: any connection, a fresh one too."""
+    doc = " ".join(section("7").split())
+    assert "a request that would take the total past it is refused `OVERLOADED`, whichever connection sends it" in doc
+    lines = (ROOT / "docs" / "configuration.md").read_text().splitlines()
+    (row,) = [line for line in lines if line.startswith("| `clients_budget_mb` |")]
+    assert "a request that would take the total past this is answered `OVERLOADED`, whichever connection" in row
+    assert "that already holds something" not in row

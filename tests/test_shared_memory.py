@@ -24,7 +24,7 @@ from infervisor.protocol.shared_memory import SharedTensor
 from infervisor.protocol.tensors import ShmRef, TensorDesc, check_frames, parse_descs
 from infervisor.worker.models import build_builtin
 from infervisor.worker.shared_inputs import SharedInputs
-from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
+from tests.conftest import ENCODER_INPUTS, IMAGE_INPUTS, ROOT, Daemon, free_loopback_port, model_entry, wait_for
 
 IMAGE = (1, 3, 224, 224)
 
@@ -382,6 +382,14 @@ def test_an_object_of_another_uid_is_read_only_through_the_client_group(region: 
     os.chmod(path, 0o600)
     with pytest.raises(ProtocolError, match=f"is not readable by the client group \\(gid {OTHER_ID}\\): mode 0600"):
         SharedInputs(client_group=OTHER_ID).read(desc, OTHER)
+    # The daemon's own object is judged by its owner bits alone (section 5.1): 0040 in the client group is refused.
+    os.chown(path, os.geteuid(), OTHER_ID)
+    os.chmod(path, 0o040)
+    with pytest.raises(
+        ProtocolError, match=f"is not readable by the daemon's user \\(uid {os.geteuid()}\\): mode 0040"
+    ):
+        SharedInputs(client_group=OTHER_ID).read(desc, OTHER)
+    assert "`0040` in the client group is refused" in " ".join((ROOT / "docs" / "protocol.md").read_text().split())
 
 
 def test_the_reader_reads_only_what_the_requesting_client_could_read_itself(region: SharedRegion) -> None:

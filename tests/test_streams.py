@@ -12,25 +12,27 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from infervisor.protocol.client import Client
-from infervisor.protocol.constants import MAX_STREAM_BACKLOG, ErrorCode
+from infervisor.protocol.constants import MAX_STREAM_BACKLOG, TIMING_KEYS, ErrorCode
 from infervisor.protocol.errors import InferenceError
 from tests.conftest import ROOT, Daemon, model_entry, wait_for
-from tests.stream_models import FEATURES, SLEEP, STATE_ROWS, reference
+from tests.stream_models import FEATURES, SLEEP, STATE_ROWS, Leaky, reference
 
 ENV = {"PYTHONPATH": str(ROOT)}
 LEAKY = {"python": "tests.stream_models:leaky"}
 
 
-def leaky_entry(state_rows: int = STATE_ROWS, **extra: Any) -> dict[str, Any]:
-    """A model entry of the leaky stateful model: state `h` in, `h_next` out."""
+def leaky_entry(state_rows: int = STATE_ROWS, initial: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A model entry of the leaky stateful model: state `h` in, `h_next` out (from zeros, or an `initial` file)."""
     inputs = [
         {"name": "x", "dtype": "float32", "shape": [None, FEATURES]},
         {"name": "h", "dtype": "float32", "shape": [None, state_rows, FEATURES]},
     ]
-    return model_entry(LEAKY, inputs, state=[{"input": "h", "output": "h_next"}], **extra)
+    pair = {"input": "h", "output": "h_next", **({"initial": initial} if initial else {})}
+    return model_entry(LEAKY, inputs, state=[pair], **extra)
 
 
 def chunks(seed: int, steps: int) -> list[np.ndarray]:
@@ -41,11 +43,12 @@ def chunks(seed: int, steps: int) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One daemon: `leaky` (max_streams 4), `brief` (streams expire after 0.5 s idle), the stateless `tiny`."""
+    """One daemon: `leaky` (max_streams 4, all of them one peer's), `brief` (streams expire after 0.5 s idle), the
+    stateless `tiny`."""
     config = {
         "oversubscribe": True,
         "models": {
-            "leaky": leaky_entry(max_streams=4),
+            "leaky": leaky_entry(max_streams=4, max_streams_per_peer=4),
             "brief": leaky_entry(stream_idle_s=0.5),
             "tiny": model_entry({"builtin": "tiny"}, [{"name": "x", "dtype": "float32", "shape": [None, 16]}]),
         },
@@ -147,6 +150,9 @@ def test_a_stream_from_the_raw_wire(daemon: Daemon) -> None:
                 np.testing.assert_array_equal(np.frombuffer(frames[1], np.float32).reshape(final.shape), final)
         header, frames = wire.reply()
         assert header["type"] == "result" and header["id"] == end and header["outputs"] == [] and frames == []
+        # A bare end ran nothing, yet its timing has every key of section 6 (it was {}).
+        assert list(header["timing"]) == list(TIMING_KEYS), header["timing"]
+        assert header["timing"]["model_ms"] == 0.0 and header["timing"]["total_ms"] == header["timing"]["queue_ms"]
         wire.send({"x": inputs[0]}, stream="raw-1")
         header, _ = wire.reply()
         assert header["code"] == "UNKNOWN_STREAM" and "the client ended it" in header["message"], header
@@ -334,14 +340,17 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
     start_daemon: Callable[..., Daemon],
 ) -> None:
     """A restart with the same state pairs: the streams go on, every answer the reference's. A config that changes
-    the state pairs: open streams end with STREAM_ENDED naming the change, and new ones start on the new state."""
-    config = {"models": {"leaky": leaky_entry()}}
+    the state pairs: open streams end with STREAM_ENDED naming the change as the reload is applied (no step answered
+    from the old pairs after it), and new ones start on the new state. A config without the model: its stream's
+    later steps are STREAM_ENDED too, saying it was removed, and a stream it never had is UNKNOWN_MODEL."""
+    tiny = model_entry({"builtin": "tiny"}, [{"name": "x", "dtype": "float32", "shape": [None, 16]}])
+    config = {"oversubscribe": True, "models": {"leaky": leaky_entry(), "tiny": tiny}}
     daemon = start_daemon(config, env=ENV)
     daemon.wait_ready(180)
 
     def restart(results: list[list[Any]]) -> None:
         wait_for(lambda: sum(len(r) for r in results) > 100, 120, "streams under way")
-        assert daemon.control({"cmd": "restart"})["queued"] == 1
+        assert daemon.control({"cmd": "restart", "model": "leaky"})["queued"] == 1
         wait_for(lambda: daemon.status()["rollout"]["completed"] == 1, 120, "the restart done")
 
     run_streams(daemon, 4, 120, restart)
@@ -351,10 +360,11 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
         old.infer({"x": chunks(10, 1)[0]})
         config["models"]["leaky"] = leaky_entry(state_rows=3)
         daemon.write_config(config)
-        wait_for(lambda: daemon.status()["models"]["leaky"]["streams"]["ended_by_config"] == 1, 120, "stream ended")
+        assert daemon.control({"cmd": "reload"})["ok"]  # applied by now (by this command or the file watcher)
         with pytest.raises(InferenceError) as caught:
             old.infer({"x": chunks(10, 1)[0]})
         assert caught.value.code is ErrorCode.STREAM_ENDED and "state pairs changed" in caught.value.message
+        assert daemon.status()["models"]["leaky"]["streams"]["ended_by_config"] == 1
         assert "[2, 8]" in caught.value.message and "[3, 8]" in caught.value.message
         wait_for(lambda: daemon.status()["rollout"]["completed"] == 2, 180, "the new state's workers serving")
         inputs = chunks(11, 5)
@@ -362,6 +372,47 @@ def test_a_rolling_restart_mid_stream_keeps_streams_and_a_state_change_ends_them
         with client.stream("leaky") as new:
             for chunk, want in zip(inputs, expected, strict=True):
                 np.testing.assert_array_equal(new.infer({"x": chunk})["y"], want)
+    _initial_alone_applies_at_once(daemon, config)
+    wire = Wire(daemon)
+    try:
+        wire.send({"x": chunks(12, 1)[0]}, stream="last", start=True)
+        assert wire.reply()[0]["type"] == "result"
+        daemon.write_config({"oversubscribe": True, "models": {"tiny": tiny}})
+        assert daemon.control({"cmd": "reload"})["ok"]
+        for fields in ({"x": chunks(12, 1)[0]}, {}):
+            wire.send(fields, stream="last", end=not fields)
+            header, _ = wire.reply()
+            assert header["code"] == "STREAM_ENDED", header
+            assert "model 'leaky' was removed from the config" in header["message"], header
+        wire.send({"x": chunks(12, 1)[0]}, stream="never")
+        assert wire.reply()[0]["code"] == "UNKNOWN_MODEL"
+    finally:
+        wire.close()
+
+
+def _initial_alone_applies_at_once(daemon: Daemon, config: dict[str, Any]) -> None:
+    """A change of `initial` alone: the open stream ends (STREAM_ENDED), and a start sent as the reload is applied,
+    with the rollout under way, is served from the new initial value at once (section 4.1), not UNAVAILABLE."""
+    ones = daemon.tmp / "ones.npy"
+    np.save(ones, np.ones((3, FEATURES), np.float32))
+    (x,) = chunks(15, 1)
+    with torch.no_grad():
+        want = Leaky()(torch.from_numpy(x), torch.ones((1, 3, FEATURES)))["y"].numpy()
+    wire = Wire(daemon)
+    try:
+        wire.send({"x": x}, stream="kept", start=True)
+        assert wire.reply()[0]["type"] == "result"
+        config["models"]["leaky"] = leaky_entry(state_rows=3, initial=str(ones))
+        daemon.write_config(config)
+        assert daemon.control({"cmd": "reload"})["ok"]
+        wire.send({"x": x}, stream="fresh", start=True, end=True)
+        header, frames = wire.reply()
+        assert header["type"] == "result", header
+        np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(want.shape), want)
+        wire.send({"x": x}, stream="kept")
+        assert wire.reply()[0]["code"] == "STREAM_ENDED"
+    finally:
+        wire.close()
 
 
 def test_a_failed_step_commits_nothing(daemon: Daemon) -> None:
@@ -376,6 +427,29 @@ def test_a_failed_step_commits_nothing(daemon: Daemon) -> None:
         assert caught.value.code is ErrorCode.INVALID_INPUT
         for chunk, want in zip(inputs[1:], expected[1:], strict=True):
             np.testing.assert_array_equal(stream.infer({"x": chunk})["y"], want)
+
+
+def test_a_start_whose_step_fails_leaves_the_stream_open_at_its_initial_state(daemon: Daemon) -> None:
+    """A start whose step the worker refuses (NaN) opens the stream all the same: a second start is STREAM_EXISTS,
+    and the next step answers the reference's first step, from the initial state (section 4.1)."""
+    inputs = chunks(14, 2)
+    expected, _ = reference(inputs)
+    wire = Wire(daemon)
+    try:
+        wire.send({"x": np.full((1, FEATURES), np.nan, np.float32)}, stream="bad-start", start=True)
+        header, _ = wire.reply()
+        assert header["type"] == "error" and header["code"] == "INVALID_INPUT", header
+        wire.send({"x": inputs[0]}, stream="bad-start", start=True)
+        assert wire.reply()[0]["code"] == "STREAM_EXISTS"
+        for chunk, want in zip(inputs, expected, strict=True):
+            wire.send({"x": chunk}, stream="bad-start")
+            header, frames = wire.reply()
+            assert header["type"] == "result", header
+            np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(want.shape), want)
+        wire.send({}, stream="bad-start", end=True)
+        assert wire.reply()[0]["type"] == "result"
+    finally:
+        wire.close()
 
 
 def test_a_waiting_step_past_its_deadline_is_answered_before_the_step_ahead_of_it(daemon: Daemon) -> None:

@@ -129,8 +129,9 @@ def decode_infer(header: bytes | memoryview, frame_lengths: Sequence[int], max_f
         deadline = raw.get("deadline_ms")
         if deadline is not None and (type(deadline) is not int or not 0 < deadline <= MAX_DEADLINE_MS):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "deadline_ms must be a positive integer of milliseconds")
-        stream, start, end, return_state = _stream_fields(raw)
         inputs = parse_descs(raw.get("inputs"), allow_shm=True)
+        # The keys in the order of the spec's table (docs/protocol.md section 4), then the frames (section 5).
+        stream, start, end, return_state = _stream_fields(raw)
         check_frames(inputs, frame_lengths, max_frame_bytes)
     except ProtocolError as exc:
         exc.request_id = request_id

@@ -24,10 +24,18 @@ class Refused(Exception):
     """A client message answered with an error at admission, and the anomaly it is counted as."""
 
     def __init__(
-        self, code: ErrorCode, message: str, request_id: RequestId | None, model: str | None, anomaly: str
+        self,
+        code: ErrorCode,
+        message: str,
+        request_id: RequestId | None,
+        model: str | None,
+        anomaly: str,
+        stream: tuple[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.code, self.message, self.request_id, self.model, self.anomaly = code, message, request_id, model, anomaly
+        #: Of an unknown model's stream step: (the model named, the stream id), to tell a removed model's stream.
+        self.stream = stream
 
 
 def _refused(exc: ProtocolError, request_id: RequestId | None, model: str | None) -> Refused:
@@ -55,7 +63,9 @@ def admit(
     model = config.models.get(request.model)
     if model is None:
         why = f"no model {request.model!r}; serving {sorted(config.models)}"
-        raise _refused(ProtocolError(ErrorCode.UNKNOWN_MODEL, why), request.request_id, None)
+        stream = None if request.stream is None else (request.model, request.stream)
+        code = ErrorCode.UNKNOWN_MODEL
+        raise Refused(code, why, request.request_id, None, f"rejected_{code.value}", stream)
     if request.stream is not None:
         return request, model, None  # a stream step's inputs are checked with its state added (routing/streams.py)
     try:

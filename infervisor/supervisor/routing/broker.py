@@ -31,7 +31,7 @@ from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.model_queue import ModelQueue
-from infervisor.supervisor.routing.peer_credentials import peer_reader
+from infervisor.supervisor.routing.peer_credentials import peer_owner, peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 from infervisor.supervisor.routing.pipeline import Charge, Pipelines, PipelineView, RequestOrder
 from infervisor.supervisor.routing.replies import Replies
@@ -171,7 +171,11 @@ class Broker:
         self.members_of = members_of
 
     def sync_queues(self) -> None:
-        """One queue per model of the serving config, sized as configured now (and the clients' budget)."""
+        """One queue per model of the serving config, sized as configured now (and the clients' budget).
+
+        The streams whose state pairs the new config changes end here, at once (section 4.1).
+        """
+        self.streams.end_changed(self.serving.desired)
         self.ledger.budget_bytes = self.serving.current.client_budget_mb * 2**20
         self.ledger.total_budget_bytes = self.serving.current.clients_budget_mb * 2**20
         for name, model in self.serving.current.models.items():
@@ -179,7 +183,9 @@ class Broker:
             queue.capacity = model.queue_size
 
     def remove_model(self, model: str) -> None:
-        """A model left the config: answer what still waits for it, then drop its queue."""
+        """A model left the config: end its streams (their waiting steps STREAM_ENDED), answer what still waits
+        for it, then drop its queue."""
+        self.streams.end_model(model)
         self.fail_queued(model, ErrorCode.UNKNOWN_MODEL, f"model {model!r} was removed from the config")
         self.queues.pop(model, None)
 
@@ -219,7 +225,11 @@ class Broker:
         """Admit one client message into its model's line and dispatch, or answer with an error at once."""
         try:
             request, model, spec = admit(frames, client[0] is self.endpoints.ipc, self.serving, self.spec_served)
-        except Refused as refused:
+        except Refused as unknown:
+            refused = unknown
+            if unknown.stream is not None:  # a step on a stream of a removed model: STREAM_ENDED (section 4.1)
+                owner = peer_owner(frames[2], client[0] is self.endpoints.ipc, client[1])
+                refused = self.streams.removed_refusal(unknown, owner, client)
             self.anomalies.count(refused.anomaly, refused.message)
             self.replies.refuse(client, refused.request_id, refused.model, refused.code, refused.message)
             return
@@ -249,8 +259,9 @@ class Broker:
         self.next_id += 1
         if request.stream is not None:  # streams.py: the stream's state goes in, its steps take turns
             self.ledger.take(client, cost)
+            owner = peer_owner(frames[2], client[0] is self.endpoints.ipc, client[1])
             try:
-                self.streams.admit(pending, request, model, self.serving.target(name), self.spec_served)
+                self.streams.admit(pending, request, model, self.serving.target(name), self.spec_served, owner)
             except Refused as refused:
                 self.ledger.give_back(client, cost)
                 self.anomalies.count(refused.anomaly, refused.message)

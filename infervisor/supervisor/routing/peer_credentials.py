@@ -1,4 +1,4 @@
-"""Who sent a message on the ipc endpoint: the uid and groups a worker checks a shared-memory object against.
+"""Who sent a message: the uid and groups a worker checks a shared-memory object against, and who owns a stream.
 
 libzmq reads SO_PEERCRED when it accepts an ipc connection and appends `:UID:GID:PID` to the
 connection's "Peer-Address" message property (stream_engine_base.cpp). The credentials are the
@@ -22,6 +22,33 @@ _groups: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
 
 def peer_reader(frame: Any) -> list[int] | None:
     """`[uid, gid, *supplementary gids]` of the process that sent `frame` over ipc; None when libzmq gave none."""
+    ids = _peer_ids(frame)
+    return None if ids is None else list(_groups_of(*ids))
+
+
+def peer_owner(frame: Any, from_ipc: bool, routing_id: bytes) -> str:
+    """Who a stream started by this message belongs to: the sender's uid on ipc, its CURVE key on tcp.
+
+    Both come from below the client's reach (the kernel's SO_PEERCRED; the ZAP handler's User-Id, the z85 of
+    the key the CURVE handshake proved). Without either (tcp without CURVE, a libzmq without the property),
+    the owner is the connection alone, as its routing id names it.
+    """
+    if from_ipc:
+        ids = _peer_ids(frame)
+        if ids is not None:
+            return f"uid {ids[0]}"
+    else:
+        try:
+            user: str = frame.get("User-Id")
+        except Exception:  # noqa: BLE001 - no ZAP handler on this socket: no User-Id
+            user = ""
+        if user:
+            return f"curve key {user}"
+    return f"{'ipc' if from_ipc else 'tcp'} connection {routing_id.hex()}"
+
+
+def _peer_ids(frame: Any) -> tuple[int, int] | None:
+    """`(uid, gid)` of the process that sent `frame` over ipc, from libzmq's Peer-Address; None when it gave none."""
     try:
         address: str = frame.get("Peer-Address")
     except Exception:  # noqa: BLE001 - a libzmq without the property (or a non-Frame) means no credentials
@@ -29,7 +56,7 @@ def peer_reader(frame: Any) -> list[int] | None:
     parts = address.rsplit(":", 3)
     if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
         return None
-    return list(_groups_of(int(parts[1]), int(parts[2])))
+    return int(parts[1]), int(parts[2])
 
 
 def _groups_of(uid: int, gid: int) -> tuple[int, ...]:

@@ -12,8 +12,9 @@ from infervisor.protocol.tensors import TensorDesc, TensorSpec
 
 #: Where a reply goes: the client-facing socket a request came in on, and the connection's routing id.
 Peer = tuple[Any, bytes]
-#: A stream is named by the client connection that opened it and the id the client chose.
-StreamKey = tuple[Peer, str]
+#: A stream is named by who opened it (routing/peer_credentials.py: peer_owner), the connection it came in on,
+#: and the id the client chose: another uid or CURVE key reusing the routing id and the stream id names none.
+StreamKey = tuple[str, Peer, str]
 
 
 @dataclass(slots=True)

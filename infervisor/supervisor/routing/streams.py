@@ -24,15 +24,16 @@ from typing import Any
 
 from infervisor.protocol.client_messages import InferRequest, encode_error, encode_infer, encode_result
 from infervisor.protocol.codec import pack, unpack
-from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_STREAM_BACKLOG, ErrorCode
+from infervisor.protocol.constants import DTYPE_ITEMSIZE, MAX_STREAM_BACKLOG, TIMING_KEYS, ErrorCode
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorDesc, TensorSpec, check_against_spec
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admitting_spec
 from infervisor.supervisor.routing.model_queue import ModelQueue
-from infervisor.supervisor.routing.pending import OpenStream, PendingRequest, StreamKey, StreamStep
+from infervisor.supervisor.routing.pending import OpenStream, Peer, PendingRequest, StreamKey, StreamStep
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.state_keys import load_initial_state
+from infervisor.supervisor.settings.stream_keys import peer_share
 
 #: How often open streams are checked for idleness and for a change of their model's state pairs.
 UPKEEP_S = 0.25
@@ -47,6 +48,9 @@ class StreamTable:
     streams: dict[StreamKey, OpenStream] = field(default_factory=dict)
     gone: collections.OrderedDict[StreamKey, tuple[ErrorCode, str]] = field(default_factory=collections.OrderedDict)
     state_bytes: int = 0
+    #: Open streams and their state bytes per owner (a uid, a CURVE key, a connection): each within its share.
+    peer_streams: collections.Counter[str] = field(default_factory=collections.Counter)
+    peer_bytes: collections.Counter[str] = field(default_factory=collections.Counter)
     opened: int = 0
     expired: int = 0
     #: Steps put back in line after their worker was lost (re-run from the committed state).
@@ -58,6 +62,11 @@ class StreamTable:
         """Drop an open stream and remember why, so its next step says so."""
         if self.streams.pop(stream.key, None) is not None:
             self.state_bytes -= stream.nbytes
+            owner = stream.key[0]
+            self.peer_streams[owner] -= 1
+            self.peer_bytes[owner] -= stream.nbytes
+            if self.peer_streams[owner] <= 0:
+                del self.peer_streams[owner], self.peer_bytes[owner]
         self.gone[stream.key] = (code, why)
         self.gone.move_to_end(stream.key)
         while len(self.gone) > _GONE_REMEMBERED:
@@ -65,16 +74,25 @@ class StreamTable:
 
     def report(self, model: ModelConfig) -> dict[str, Any]:
         """The status `streams` section of a stateful model."""
+        share = peer_share(model.max_streams, model.max_streams_per_peer)
         return {
             "open": len(self.streams),
             "max_streams": model.max_streams,
             "state_bytes": self.state_bytes,
             "max_state_bytes": model.max_state_bytes,
+            "peers": len(self.peer_streams),
+            "max_streams_per_peer": share,
+            "max_state_bytes_per_peer": peer_bytes_share(model, share),
             "opened": self.opened,
             "expired": self.expired,
             "resumed": self.resumed,
             "ended_by_config": self.ended_by_config,
         }
+
+
+def peer_bytes_share(model: ModelConfig, share: int) -> int:
+    """State bytes one peer may hold: its share of the streams, as a share of `max_state_bytes`."""
+    return model.max_state_bytes * share // model.max_streams
 
 
 #: Sends a stream's reply: (the request, its code or None, header, frames) through the broker's replies.
@@ -109,6 +127,8 @@ class Streams:
         self.released: set[str] = set()
         self._initial: dict[tuple[StateSpec, ...], list[bytes]] = {}
         self.next_upkeep = 0.0
+        #: Streams of models that left the config, and why each is gone: their later steps say so (STREAM_ENDED).
+        self.removed: collections.OrderedDict[tuple[str, StreamKey], tuple[ErrorCode, str]] = collections.OrderedDict()
 
     def table(self, model: str) -> StreamTable:
         """The model's stream table (made on first use)."""
@@ -123,21 +143,23 @@ class Streams:
         model: ModelConfig,
         target: ModelConfig | None,
         spec_served: SpecServed,
+        owner: str,
     ) -> None:
-        """Open, step or end the stream `request` names; Refused when it cannot (nothing changed then)."""
+        """Open, step or end the stream `request` names, of `owner` (who sent it); Refused when it cannot."""
         if request.stream is None:
             raise ValueError("not a stream request")
         if not model.state:
             why = f"model {model.name!r} declares no state: it takes no stream (send the request without `stream`)"
             raise _refusal(ErrorCode.INVALID_INPUT, why, request, "stream_on_stateless")
         table = self.table(model.name)
-        key: StreamKey = (pending.client, request.stream)
+        key: StreamKey = (owner, pending.client, request.stream)
         stream = table.streams.get(key)
         if request.start and stream is not None:
             why = f"stream {request.stream!r} is already open on this connection; end it first or choose a new id"
             raise _refusal(ErrorCode.STREAM_EXISTS, why, request, "stream_exists")
         if not request.start and stream is None:
-            code, why = table.gone.get(key, (ErrorCode.UNKNOWN_STREAM, "it was never started on this connection"))
+            never = (ErrorCode.UNKNOWN_STREAM, "it was never started on this connection")
+            code, why = table.gone.get(key) or self.removed.get((model.name, key)) or never
             raise _refusal(code, f"stream {request.stream!r} is not open: {why}", request, "unknown_stream")
         pairs = stream.pairs if stream is not None else self._starting_pairs(model, target, spec_served, request)
         bare = not request.inputs
@@ -212,6 +234,14 @@ class Streams:
         if len(table.streams) >= model.max_streams:
             why = f"model {model.name!r} has {len(table.streams)} open streams, its max_streams"
             raise _refusal(ErrorCode.TOO_MANY_STREAMS, why, request, "too_many_streams")
+        owner, share = key[0], peer_share(model.max_streams, model.max_streams_per_peer)
+        held, bytes_share = table.peer_streams[owner], peer_bytes_share(model, share)
+        if held >= share or table.peer_bytes[owner] + nbytes > bytes_share:
+            why = (
+                f"{owner} holds {held} open streams of model {model.name!r} ({table.peer_bytes[owner]} bytes of "
+                f"state); one more would pass its share: max_streams_per_peer {share}, {bytes_share} bytes"
+            )
+            raise _refusal(ErrorCode.TOO_MANY_STREAMS, why, request, "too_many_streams_per_peer")
         if table.state_bytes + nbytes > model.max_state_bytes:
             why = (
                 f"model {model.name!r} streams hold {table.state_bytes} bytes of state; one more ({nbytes}) would pass "
@@ -222,6 +252,8 @@ class Streams:
         table.streams[key] = stream
         table.gone.pop(key, None)
         table.state_bytes += nbytes
+        table.peer_streams[owner] += 1
+        table.peer_bytes[owner] += nbytes
         table.opened += 1
         return stream
 
@@ -245,7 +277,8 @@ class Streams:
             if not step.inputs:  # a bare start or end: nothing to run, answered in its turn
                 stream.in_flight = pending
                 pending.dispatched_at = time.monotonic()
-                self.finish(pending, None, encode_result(pending.request_id, pending.model, (), {}), [])
+                timing = _bare_timing(pending.accepted_at, pending.dispatched_at)
+                self.finish(pending, None, encode_result(pending.request_id, pending.model, (), timing), [])
                 continue
             descs = (*step.inputs, *state_descs(stream.pairs))
             header = encode_infer(InferRequest(pending.request_id, pending.model, descs))
@@ -348,31 +381,61 @@ class Streams:
         stream.closed = True
         table.forget(stream, code, why)
         while stream.backlog:
-            self.finish_error(stream.backlog.popleft(), code, f"stream {stream.key[1]!r} ended: {why}")
+            self.finish_error(stream.backlog.popleft(), code, f"stream {stream.key[2]!r} ended: {why}")
 
     def upkeep(self, now: float, desired: Callable[[str], ModelConfig | None]) -> None:
-        """Drop idle streams, and end those whose model's state pairs changed (or that left the config).
+        """Drop idle streams and answer their waiting steps past their deadline (and catch up on config changes).
 
         At most every UPKEEP_S: a pass reads every open stream, and the broker's housekeeping runs every 20 ms.
         """
         if now < self.next_upkeep:
             return
         self.next_upkeep = now + UPKEEP_S
-        for name, table in list(self.tables.items()):
+        self.end_changed(desired)
+        for name, table in self.tables.items():
             config = desired(name)
             for stream in list(table.streams.values()):
                 self._expire_waiting(stream, now)
-                if config is None:
-                    self._end(table, stream, ErrorCode.STREAM_ENDED, f"model {name!r} was removed from the config")
-                elif stream.pairs != config.state:
-                    table.ended_by_config += 1
-                    self._end(table, stream, ErrorCode.STREAM_ENDED, _pairs_change(stream.pairs, config.state))
-                elif self._idle(stream, now, config.stream_idle_s):
+                if config is not None and self._idle(stream, now, config.stream_idle_s):
                     table.expired += 1
                     why = f"it expired after {config.stream_idle_s:g} s without a step (stream_idle_s)"
                     self._end(table, stream, ErrorCode.UNKNOWN_STREAM, why)
+
+    def end_changed(self, desired: Callable[[str], ModelConfig | None]) -> None:
+        """End, at once, the streams whose model's state pairs changed in the config or that left it (STREAM_ENDED)."""
+        for name, table in list(self.tables.items()):
+            config = desired(name)
             if config is None:
-                del self.tables[name]
+                self.end_model(name)
+                continue
+            for stream in list(table.streams.values()):
+                if stream.pairs != config.state:
+                    table.ended_by_config += 1
+                    self._end(table, stream, ErrorCode.STREAM_ENDED, _pairs_change(stream.pairs, config.state))
+
+    def end_model(self, name: str) -> None:
+        """A model left the config: end its streams (STREAM_ENDED) and remember them, so later steps say why."""
+        table = self.tables.pop(name, None)
+        if table is None:
+            return
+        for stream in list(table.streams.values()):
+            self._end(table, stream, ErrorCode.STREAM_ENDED, f"model {name!r} was removed from the config")
+        for key, gone in table.gone.items():
+            self.removed[(name, key)] = gone
+            self.removed.move_to_end((name, key))
+        while len(self.removed) > _GONE_REMEMBERED:
+            self.removed.popitem(last=False)
+
+    def removed_refusal(self, refused: Refused, owner: str, client: Peer) -> Refused:
+        """An UNKNOWN_MODEL refusal of a step on a stream of a removed model: STREAM_ENDED, saying why, instead."""
+        if refused.stream is None:
+            return refused
+        model, stream = refused.stream
+        gone = self.removed.get((model, (owner, client, stream)))
+        if gone is None:
+            return refused
+        why = f"stream {stream!r} is not open: {gone[1]}"
+        return Refused(gone[0], why, refused.request_id, None, "unknown_stream")
 
     def _expire_waiting(self, stream: OpenStream, now: float) -> None:
         """Answer the steps waiting behind the stream's step in flight whose deadline passed (they commit nothing)."""
@@ -403,6 +466,14 @@ class Streams:
         if not model.state:
             return None
         return self.table(model.name).report(model)
+
+
+def _bare_timing(accepted_at: float, answered_at: float) -> dict[str, float]:
+    """A bare start's or end's `timing`: every key of a result's (section 6); it waited its turn and ran nothing."""
+    waited = round((answered_at - accepted_at) * 1000.0, 3)
+    timing = dict.fromkeys(TIMING_KEYS, 0.0)
+    timing.update(queue_ms=waited, total_ms=waited, accepted_clock_ms=round(accepted_at * 1000.0, 3))
+    return timing
 
 
 def _refusal(code: ErrorCode, why: str, request: InferRequest, anomaly: str | None = None) -> Refused:

@@ -290,7 +290,8 @@ TOP_KEYS: tuple[Key, ...] = (
         "bytes they name) plus replies it has not read; past it, its next request is answered `OVERLOADED`."),
     Key("clients_budget_mb", Integer(256, 1, 2**20), Applied.LIVE,
         "the same, all client connections together: a local user may open as many connections as it likes, so "
-        "past this the next request of any client that already holds something is answered `OVERLOADED`."),
+        "once anything is held, a request that would take the total past this is answered `OVERLOADED`, "
+        "whichever connection sends it (a fresh one too; [protocol.md](protocol.md#74-delivery))."),
     Key("restart_window_s", Number(60.0, 1.0), Applied.LIVE,
         "window for counting a slot's failures."),
     Key("max_restarts", Integer(5, 1, 1000), Applied.LIVE,

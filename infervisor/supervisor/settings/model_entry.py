@@ -69,6 +69,7 @@ class ModelConfig:
     state: tuple[StateSpec, ...]
     #: Bounds of the streams of a stateful model (settings/stream_keys.py).
     max_streams: int
+    max_streams_per_peer: int | None
     max_state_bytes: int
     stream_idle_s: float
     #: Steps of each sequence the sequence gate walks a stateful model's profiles over.

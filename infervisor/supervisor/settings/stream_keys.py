@@ -21,6 +21,10 @@ STREAM_KEYS: tuple[Key, ...] = (
     Key("max_streams", Integer(DEFAULT_MAX_STREAMS, 1, 1_000_000), Applied.LIVE,
         "streams of this stateful model open at once, over all clients; one more start is answered "
         "`TOO_MANY_STREAMS` ([more](#stateful-models))."),
+    Key("max_streams_per_peer", Integer(None, 1, 1_000_000), Applied.LIVE,
+        "streams of this model one peer may hold open (a uid on ipc, a CURVE key on tcp, else a connection), "
+        "and the same share of `max_state_bytes`; null: half of `max_streams` (at least 1), so one peer cannot take "
+        "them all. One more start from that peer is answered `TOO_MANY_STREAMS` ([more](#stateful-models))."),
     Key("max_state_bytes", Integer(DEFAULT_MAX_STATE_BYTES, 1), Applied.LIVE,
         "bytes of state all open streams of this model hold in the supervisor; a start past it is answered "
         "`TOO_MANY_STREAMS`."),
@@ -29,3 +33,9 @@ STREAM_KEYS: tuple[Key, ...] = (
         "`UNKNOWN_STREAM` (expired)."),
 )
 # fmt: on
+
+
+def peer_share(max_streams: int, max_streams_per_peer: int | None) -> int:
+    """Streams one peer may hold open: its configured share, else half of the model's (at least 1), never more."""
+    share = max_streams_per_peer if max_streams_per_peer is not None else max(1, max_streams // 2)
+    return min(share, max_streams)
