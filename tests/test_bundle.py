@@ -83,7 +83,10 @@ def test_bundle_round_trip_installs_what_matches_and_refuses_another_cpu(
     assert (target / pick).read_bytes() == (source / pick).read_bytes()
     assert not list(target.glob(f"{other_cpu}*")) and not list(target.glob("*.failed"))
     assert not [p for p in target.iterdir() if p.name.startswith(".import-")], "the staging folder is removed"
+    (target / ".import-999999999-dead").mkdir()  # what an import killed midway leaves
+    (target / ".import-999999999-dead" / f"{ours}.pt2").write_bytes(b"half")
     assert import_bundle(tmp_path / "bundle.tar", target, here, _trusted(keys)).present == [ours]
+    assert not (target / ".import-999999999-dead").exists(), "a dead import's staging folder is swept"
 
 
 def test_an_unsigned_bundle_or_one_signed_by_an_untrusted_key_is_refused_unless_allowed(

@@ -132,6 +132,7 @@ def test_a_sparse_member_declaring_2_gib_is_refused_within_300_mb(box: dict[str,
     bundle.chmod(0o644)
     assert bundle.stat().st_size < 20_000
     peak = _refused(box, bundle, "not a plain file")
+    print(f"sparse 2 GiB member in a {bundle.stat().st_size:,}-byte bundle: importer peak RSS {peak:.0f} MB")
     assert peak <= MAX_IMPORT_RSS_MB, f"importer peak RSS {peak:.0f} MB"
     gnu.chmod(0o644)
     _refused(box, gnu, "at byte 0 is a sparse file")
@@ -160,6 +161,7 @@ def test_a_hostile_manifest_is_refused_with_a_reason(box: dict[str, Any], tmp_pa
         manifest, reason = json.dumps(body).encode(), "listed twice"
     bundle = write_bundle(tmp_path / f"{shape}.bundle", [("manifest.json", manifest)], box["fleet"][0])
     peak = _refused(box, bundle, reason)
+    print(f"{shape} manifest: importer peak RSS {peak:.0f} MB")
     assert peak <= MAX_IMPORT_RSS_MB, f"importer peak RSS {peak:.0f} MB"
 
 

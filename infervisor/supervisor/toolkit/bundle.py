@@ -34,6 +34,7 @@ from typing import IO, Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from infervisor.common.cpuinfo import cpu_flags_digest
+from infervisor.common.processes import pid_alive
 from infervisor.common.strict_modes import UnsafePath, check_file, check_stat, check_tree
 from infervisor.supervisor.toolkit import bundle_keys
 from infervisor.supervisor.toolkit.bundle_manifest import (
@@ -286,11 +287,20 @@ def import_bundle(
         check_tree(cache, f"cache_dir {cache}")
     except (UnsafePath, OSError) as exc:
         raise BundleError(str(exc)) from exc
+    _sweep_staging(cache)
     staged = _stage(bundle, cache, trusted, allow_unsigned)
     try:
         return _install_staged(staged, cache, capability_key() if here is None else here)
     finally:
         shutil.rmtree(staged.folder, ignore_errors=True)
+
+
+def _sweep_staging(cache: Path) -> None:
+    """Remove the staging folders an import killed midway left (its pid gone): never installed, only in the way."""
+    for folder in cache.glob(".import-*-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _install_staged(staged: _Staged, cache: Path, here: dict[str, Any]) -> ImportOutcome:
