@@ -50,19 +50,24 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"folder": folder, "config": config, "fleet": fleet, "attacker": attacker, "bundle": bundle, "stem": stem}
 
 
+#: Runs argv[2:] and writes its exit status and peak RSS (wait4's ru_maxrss, KB) to argv[1]. The command is forked
+#: from this small launcher, not from pytest: a child's high-water RSS starts at its parent's at the fork.
+_LAUNCHER = (
+    "import os, subprocess, sys\n"
+    "process = subprocess.Popen(sys.argv[2:])\n"
+    "_, status, usage = os.wait4(process.pid, 0)\n"
+    "open(sys.argv[1], 'w').write(f'{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}')\n"
+)
+
+
 def _import(box: dict[str, Any], bundle: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    """`infervisor build --import` as its own process: its result and its peak RSS in MB (wait4's ru_maxrss)."""
-    out, err = bundle.with_suffix(".out"), bundle.with_suffix(".err")
-    with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "infervisor", "build", "--config", str(box["config"]), "--import", str(bundle),
-             *extra],
-            stdout=stdout, stderr=stderr, cwd=ROOT,
-        )  # fmt: skip
-        _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    done = subprocess.CompletedProcess(process.args, process.returncode, out.read_text(), err.read_text())
-    return done, usage.ru_maxrss / 1024
+    """`infervisor build --import` as its own process: its result and its own peak RSS in MB."""
+    measured = bundle.with_suffix(".rusage")
+    command = [sys.executable, "-m", "infervisor", "build", "--config", str(box["config"]), "--import", str(bundle)]
+    done = subprocess.run([sys.executable, "-c", _LAUNCHER, str(measured), *command, *extra], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, check=False)  # fmt: skip
+    code, peak_kb = (int(word) for word in measured.read_text().split())
+    return subprocess.CompletedProcess(command, code, done.stdout, done.stderr), peak_kb / 1024
 
 
 def _refused(box: dict[str, Any], bundle: Path, reason: str, *extra: str) -> float:
@@ -147,18 +152,23 @@ def _end_of_members(archive: bytes) -> int:
     return offset
 
 
-@pytest.mark.parametrize("shape", ["huge", "deep", "listed-twice"])
+@pytest.mark.parametrize("shape", ["huge", "deep", "listed-twice", "big-key-file"])
 def test_a_hostile_manifest_is_refused_with_a_reason(box: dict[str, Any], tmp_path: Path, shape: str) -> None:
-    """A 5 MB manifest (over its cap, refused from its header), a manifest nested 200,000 deep and one listing a
-    file twice (both signed by the trusted key): exit 2 with the reason, no traceback, bounded memory."""
+    """A 5 MB manifest (over its cap, refused from its header), a manifest nested 200,000 deep, one listing a file
+    twice and one declaring a 2 MB key file (one the import reads into memory; all signed by the trusted key):
+    exit 2 with the reason, no traceback, bounded memory."""
     if shape == "huge":
         manifest, reason = b" " * (5 << 20) + b"{}", "over the 4,194,304-byte cap"
     elif shape == "deep":
         manifest, reason = b"[" * 200_000 + b"]" * 200_000, "not valid JSON of a sane depth"
-    else:
+    elif shape == "listed-twice":
         body = json.loads(dict(members(box["bundle"]))["manifest.json"])
         body["entries"].append(body["entries"][0])
         manifest, reason = json.dumps(body).encode(), "listed twice"
+    else:
+        body = json.loads(dict(members(box["bundle"]))["manifest.json"])
+        body["entries"][0]["files"][f"{box['stem']}.json"]["size"] = 2 << 20
+        manifest, reason = json.dumps(body).encode(), "over the 1,048,576-byte cap of a key, digest or record file"
     bundle = write_bundle(tmp_path / f"{shape}.bundle", [("manifest.json", manifest)], box["fleet"][0])
     peak = _refused(box, bundle, reason)
     print(f"{shape} manifest: importer peak RSS {peak:.0f} MB")

@@ -26,6 +26,9 @@ ENTRY_SUFFIXES = (".json", ".sha256", ".bin.sha256", ".bin", ".buckets.json", ".
 RECORD_KINDS: tuple[re.Pattern[str], ...] = (
     re.compile(r"pick-[0-9a-f]{32}\.json"),  # a fastest pick (infervisor/worker/profiles/pick_record.py)
 )
+#: Files the import reads into memory (keys, digests, bucket tables, records) are at most this big.
+MAX_SMALL_FILE_BYTES = 1 << 20
+_LARGE_SUFFIXES = (".bin", ".xml", ".pt2")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _STEM = re.compile(r"[a-z0-9_]+-[0-9a-f]{32}")
 _REFUSAL_FIELDS = ("model", "profile", "outcome", "reason")
@@ -71,10 +74,18 @@ def _entry(entry: Any, members: dict[str, dict[str, Any]]) -> None:
         if suffix not in ENTRY_SUFFIXES:
             raise BundleError(f"{MANIFEST}: {name!r} is not a file of entry {stem} (known suffixes: "
                               f"{', '.join(ENTRY_SUFFIXES)}): refused")  # fmt: skip
-        _add(members, PACKAGES + name, _described(described, name))
+        _add(members, PACKAGES + name, _small(name, _described(described, name), suffix in _LARGE_SUFFIXES))
     files = entry["files"]
     if f"{stem}.json" not in files or not any(f"{stem}{s}" in files for s in (".pt2", ".xml")):
         raise BundleError(f"{MANIFEST}: entry {stem} has no key file or no package")
+
+
+def _small(name: str, described: dict[str, Any], large: bool) -> dict[str, Any]:
+    """`described`, unless a file that is read into memory is declared over MAX_SMALL_FILE_BYTES."""
+    if not large and described["size"] > MAX_SMALL_FILE_BYTES:
+        raise BundleError(f"{MANIFEST}: {name} declares {described['size']:,} bytes, over the "
+                          f"{MAX_SMALL_FILE_BYTES:,}-byte cap of a key, digest or record file: refused")  # fmt: skip
+    return described
 
 
 def _add(members: dict[str, dict[str, Any]], name: str, described: dict[str, Any]) -> None:
@@ -112,7 +123,7 @@ def parse_manifest(data: bytes, version: int) -> dict[str, Any]:
         name = record.get("name") if isinstance(record, dict) else None
         if not isinstance(name, str) or not is_record(name):
             raise BundleError(f"{MANIFEST}: record {name!r} is not of a kind a bundle carries: refused")
-        _add(members, RECORDS + name, _described(record, name))
+        _add(members, RECORDS + name, _small(name, _described(record, name), False))
     manifest["refusals"] = [_refusal(r) for r in refusals]
     manifest["members"] = members
     return manifest
