@@ -8,7 +8,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
+import tempfile
 import tomllib
 from collections.abc import Callable
 from functools import cache
@@ -25,7 +27,7 @@ SYSTEMD = ROOT / "systemd"
 UNIT = SYSTEMD / "infervisor.service"
 DROP_INS = ("loopback-tcp.conf", "cpu-latency.conf")
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-KUSTOMIZATIONS = ("base", "overlays/deployment")
+KUSTOMIZATIONS = ("base", "overlays/deployment", "overlays/fleet-bundle")
 #: The Kubernetes release whose schemas the manifests are validated against (kubernetes-validate ships 1.25+).
 K8S_SCHEMA_VERSION = "1.32.0"
 #: The most a unit may expose, on systemd-analyze's 0-10 scale (issue 19: from 5.2 MEDIUM to 3.0 or less).
@@ -255,7 +257,9 @@ def test_manifests_validate_against_the_kubernetes_schemas(name: str) -> None:
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in documents)
     expected = {"base": ["ConfigMap/infervisor-config", "DaemonSet/infervisor", "Namespace/infervisor"],
                 "overlays/deployment": ["ConfigMap/infervisor-config", "Deployment/infervisor", "Namespace/infervisor",
-                                        "PodDisruptionBudget/infervisor"]}  # fmt: skip
+                                        "PodDisruptionBudget/infervisor"],
+                "overlays/fleet-bundle": ["ConfigMap/infervisor-bundle-keys", "ConfigMap/infervisor-config",
+                                          "DaemonSet/infervisor", "Namespace/infervisor"]}  # fmt: skip
     assert kinds == expected[name]
     for document in documents:
         # Raises on a schema error, or when no schema exists for the kind (a typo in kind or apiVersion).
@@ -314,3 +318,52 @@ def test_configmap_config_is_a_valid_daemon_config() -> None:
     # The pod IP is not loopback: without the explicit opt-in the daemon refuses the same file.
     with pytest.raises(ConfigError, match="metrics_allow_remote"):
         parse_config(json.dumps({**raw, "metrics_allow_remote": False}), ROOT)
+
+
+def _as_daemon_uid(uid: int, code: str) -> subprocess.CompletedProcess[str]:
+    """Python `code` run as `uid` (setpriv), as the daemon's container runs."""
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          check=False)  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_cache_volume_is_the_daemons_0700_under_the_strict_modes(name: str) -> None:
+    """The kubelet's emptyDir (root-owned, 2777 with fsGroup) is refused by the strict modes as the daemon's uid; the
+    rendered pod's first init container on it, run as written, makes it pass them: owned by the daemon's uid, 0700.
+    That container alone runs as root, with CHOWN and FOWNER only; everything after it runs as the daemon."""
+    spec = _pod(name)["spec"]
+    uid = spec["securityContext"]["runAsUser"]
+    (server,) = spec["containers"]
+    cache_mount = next(m["mountPath"] for m in server["volumeMounts"] if m["name"] == "cache")
+    image_env = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert f"CACHE_DIRECTORY={cache_mount}" in image_env, "the daemon's cache_dir is the volume's mount"
+    assert parse_config((KUSTOMIZE / "base" / "config.json").read_text(), ROOT).cache_dir is None
+    on_cache = [c for c in spec["initContainers"] if any(m["name"] == "cache" for m in c["volumeMounts"])]
+    owner, *after = on_cache
+    assert owner["securityContext"]["runAsUser"] == 0 and owner["securityContext"]["capabilities"] == {
+        "drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}  # fmt: skip
+    assert all(c["securityContext"].get("runAsUser", uid) == uid for c in after)
+    volume = Path(tempfile.mkdtemp(prefix="infervisor-emptydir-"))
+    try:
+        os.chmod(volume.parent / volume.name, 0o755)
+        os.chown(volume, 0, uid)
+        os.chmod(volume, 0o2777)  # what the kubelet makes of an emptyDir with fsGroup
+        check = f"import pathlib, infervisor.common.strict_modes as s; s.check_tree(pathlib.Path({str(volume)!r}))"
+        refused = _as_daemon_uid(uid, check)
+        assert refused.returncode != 0 and "writable by group and others" in refused.stderr, refused.stderr
+        script = owner["command"][-1].replace(cache_mount, str(volume))
+        subprocess.run(["/bin/sh", "-c", script], check=True, timeout=60)
+        info = volume.stat()
+        assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (uid, uid, 0o700)
+        assert _as_daemon_uid(uid, check).returncode == 0
+    finally:
+        shutil.rmtree(volume)
+    if name == "overlays/fleet-bundle":
+        importer = after[-1]
+        assert importer["name"] == "import-bundle" and "--import /bundle/infervisor.bundle" in importer["command"][-1]
+        mounts = {m["mountPath"]: m for m in importer["volumeMounts"]}
+        assert mounts["/bundle"]["readOnly"] is True and mounts["/etc/infervisor-keys"]["readOnly"] is True
+        keys = parse_config((KUSTOMIZE / "base" / "config.json").read_text(), ROOT).bundle_keys
+        assert keys and all(key.startswith("/etc/infervisor-keys/") for key in keys)

@@ -29,7 +29,7 @@ from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import COMPILE_PHASES, OUTCOME_PHASES, StartPhase
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
-from infervisor.supervisor.commands.bundle import run_export, run_import
+from infervisor.supervisor.commands.bundle import run_export, run_import, run_keygen
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment, PlanError, WorkerDemand, plan_cores
 from infervisor.supervisor.host.topology import TopologyError, read_topology
@@ -227,8 +227,24 @@ def _say(line: str) -> None:
     print(line, flush=True)  # a pipe (tee, a CI log) sees each step as it happens
 
 
+def refusals_of(builds: list[ModelBuild]) -> list[dict[str, str]]:
+    """Each profile that did not pass, as a bundle carries it: model, profile, outcome and why."""
+    return [
+        {"model": o.model, "profile": o.profile, "outcome": o.outcome, "reason": " ".join(o.detail.split())[:2000]}
+        for b in builds
+        for o in b.outcomes
+        if o.outcome != StartPhase.PASSED.value
+    ]
+
+
 def run_build(args: argparse.Namespace, say: Callable[[str], None] = _say) -> int:
-    """Build the config's packaged profiles into its cache directory: 0 all built, 1 one failed, 2 bad input."""
+    """Build the config's packaged profiles into its cache directory: 0 all built, 1 one failed, 2 bad input.
+
+    With --export the bundle is written whatever did not build (the refusals travel in it): 0 once it is written
+    and every model's worker ended well, 1 when one did not, 2 when no bundle was written.
+    """
+    if getattr(args, "keygen", None):
+        return run_keygen(Path(args.keygen), say)
     try:
         choice = resolve_config_path(args.config)
         config = load_config(choice.path)
@@ -241,7 +257,9 @@ def run_build(args: argparse.Namespace, say: Callable[[str], None] = _say) -> in
             print(f"  {problem}", file=sys.stderr)
         return EXIT_USAGE
     if getattr(args, "import_bundle", None):
-        return run_import(Path(args.import_bundle), resolve_cache_dir(config.cache_dir), say)
+        cache = resolve_cache_dir(config.cache_dir)
+        allow = bool(getattr(args, "allow_unsigned", False))
+        return run_import(Path(args.import_bundle), cache, say, config.bundle_keys, allow)
     names = [n.strip() for n in args.models.split(",") if n.strip()] if args.models else list(config.models)
     unknown = sorted(set(names) - set(config.models))
     if unknown:
@@ -258,11 +276,13 @@ def run_build(args: argparse.Namespace, say: Callable[[str], None] = _say) -> in
         errors = [{"model": b.model, "error": b.error, "seconds": b.seconds} for b in builds]
         Path(args.json).write_text(json.dumps({"profiles": rows, "models": errors}, indent=1))
     failures = [line for build in builds for line in build.failures()]
+    exporting = getattr(args, "export", None)
     if failures:
-        print("infervisor build: not every package was built:", file=sys.stderr)
+        print(f"infervisor build: not every package was built{' (exported as refusals)' if exporting else ''}:",
+              file=sys.stderr)  # fmt: skip
         for line in failures:
             print(f"  {line}", file=sys.stderr)
-        return EXIT_FAILED
-    if getattr(args, "export", None):
-        return run_export(resolve_cache_dir(config.cache_dir), Path(args.export), say)
-    return EXIT_OK
+    if exporting:
+        exported = run_export(cache, Path(exporting), say, refusals_of(builds), getattr(args, "sign", None))
+        return exported if exported != 0 or not any(b.error for b in builds) else EXIT_FAILED
+    return EXIT_FAILED if failures else EXIT_OK

@@ -120,10 +120,24 @@ def _build_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help=CONFIG_HELP)
     parser.add_argument("--models", help="only these models of the config, comma-separated (default: all)")
     parser.add_argument("--json", help="also write each profile's outcome here")
-    parser.add_argument("--export", metavar="FILE", help="after building, write the cache's packages to FILE")
+    parser.add_argument(
+        "--export", metavar="FILE",
+        help="after building, write the cache's packages, picks and the build's refusals to FILE, even when a "
+             "profile did not build",
+    )  # fmt: skip
+    parser.add_argument("--sign", metavar="KEYFILE", help="with --export: sign the bundle with this ed25519 key")
     parser.add_argument(
         "--import", dest="import_bundle", metavar="FILE",
-        help="build nothing: verify the bundle FILE and install what matches this box into the config's cache_dir",
+        help="build nothing: verify the bundle FILE (signed by a key of bundle_keys) and install what matches this "
+             "box into the config's cache_dir",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-unsigned", action="store_true",
+        help="with --import: accept a bundle that is unsigned or signed by a key not in bundle_keys",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keygen", metavar="PREFIX",
+        help="build nothing: write a new signing key pair PREFIX.key (private, 0600) and PREFIX.pub",
     )  # fmt: skip
 
 

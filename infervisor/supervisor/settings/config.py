@@ -79,6 +79,8 @@ class Config:
     socket_group: SocketGroup | None
     #: Compiled packages and fastest-pick decisions, kept across restarts (None: the default, see cache_dir.py).
     cache_dir: str | None
+    #: Public keys (files) a bundle must be signed by to be imported (`infervisor build --import`).
+    bundle_keys: tuple[str, ...]
     log_level: str
     tcp_endpoint: str | None
     curve: CurveConfig | None
@@ -155,6 +157,13 @@ def _read_curve(ctx: ReadContext, raw: Any, path: str) -> CurveConfig | None:
     return CurveConfig(*paths) if len(paths) == 2 else None
 
 
+def _read_bundle_keys(ctx: ReadContext, raw: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(item, str) and item for item in raw):
+        ctx.fields.fail(path, "must be a list of public key file paths")
+        return ()
+    return tuple(str(Path(item) if Path(item).is_absolute() else ctx.base / item) for item in raw)
+
+
 def _read_socket_group(ctx: ReadContext, raw: Any, path: str) -> SocketGroup | None:
     if raw is None:
         return None
@@ -220,6 +229,10 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("cache_dir", Text(), Applied.ROLLING,
         "where compiled packages (`aoti`, `int8_*`), fastest-pick decisions and torch.compile's cache are kept "
         "across restarts ([default](#cache_dir)); it must pass the [strict modes](#strict-modes)."),
+    Key("bundle_keys", Custom(_read_bundle_keys, "a list of file paths", default=[]), Applied.LIVE,
+        "the ed25519 public keys (`infervisor build --keygen`) a cache bundle must be signed by for `infervisor "
+        "build --import` to install it; several for a key rotation. Each file must pass the "
+        "[strict modes](#strict-modes) ([deploy.md](deploy.md#signed-bundles))."),
     Key("log_level", Choice("info", LOG_LEVELS), Applied.LIVE,
         "the least severe log event written."),
     Key("curve",

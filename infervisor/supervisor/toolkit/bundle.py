@@ -1,45 +1,60 @@
-"""A cache a fleet can share: the compiled packages of one box as a bundle that another box verifies and installs.
+"""A cache a fleet can share: what one box built, as a signed bundle that another box verifies and installs.
 
-A bundle is an uncompressed tar: `manifest.json` first, then `packages/<file>` for every file of every
-package entry. The manifest holds the capability key of the box that built it (torch's CPU capability,
-the CPU's full flag digest, the torch, torchao and openvino versions), and per entry its profile, its
-cache key (the spec key: model digest, inputs, options, versions) and the sha256 of each of its files.
+A bundle is an uncompressed tar in one canonical shape (toolkit/bundle_tar.py): `manifest.json` first, its
+ed25519 signature `manifest.sig` next (toolkit/bundle_keys.py), then `packages/<file>` for every file of every
+package entry and `records/<file>` for each record (a fastest pick). The manifest holds the capability key of
+the box that built it (torch's CPU capability, the CPU's full flag digest, the torch, torchao and openvino
+versions), per entry its profile, its cache key and the sha256 and size of each of its files, the records'
+names, sha256 and sizes, and the build's refusals (which profile of which model did not build, and why).
 
-Importing refuses the whole bundle, installing nothing, when it is not a safe file of ours (strict
-modes), when a member is anything but a plain file under `packages/` (a link, a device, a path that
-climbs out), when a member is missing from the manifest or the manifest from the members, when a sha256
-differs from the manifest's (a corrupted bundle, or a manifest that lies), or when a key does not name its
-own file. Entries built for another capability key are refused one by one, with the field that differs;
-the others are installed into the cache as the workers write their own packages: each file synced and
-renamed into place under the entry's lock, the package itself last. The workers check each package's
-sha256 again at every load, as for packages they built.
+Importing checks the signature against the trusted keys before any member is read, then streams each member
+to a staging folder inside the cache, checking its size (declared, then read) and sha256 against the signed
+manifest; only when every member is what the manifest says are the entries built for this box renamed into
+the cache, each under its lock, the package last. Anything else refuses the whole bundle, installing nothing:
+a member the manifest does not list, a file name that is not an entry's known suffix (a `.failed` marker
+never travels as a file: refusals travel only in the signed manifest), a manifest over its size or depth.
+Entries built for another capability key are refused one by one, with the field that differs.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import io
 import json
 import os
+import secrets
+import shutil
 import subprocess
 import sys
-import tarfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from infervisor.common.cpuinfo import cpu_flags_digest
-from infervisor.common.strict_modes import UnsafePath, check_file, check_stat, check_tree
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-#: The manifest's own version: a bundle of another layout is refused.
-BUNDLE_FORMAT = 1
-MANIFEST = "manifest.json"
-PACKAGES = "packages/"
-#: Suffixes of the files that make one cache entry (`<stem><suffix>`); locks, markers and temp files stay home.
-ENTRY_SUFFIXES = (".json", ".sha256", ".bin.sha256", ".bin", ".buckets.json", ".xml", ".pt2")
+from infervisor.common.cpuinfo import cpu_flags_digest
+from infervisor.common.processes import pid_alive
+from infervisor.common.strict_modes import UnsafePath, check_file, check_stat, check_tree
+from infervisor.supervisor.toolkit import bundle_keys
+from infervisor.supervisor.toolkit.bundle_manifest import (
+    ENTRY_SUFFIXES,
+    MANIFEST,
+    PACKAGES,
+    RECORDS,
+    file_sha256,
+    is_record,
+    parse_manifest,
+    stem_for,
+)
+from infervisor.supervisor.toolkit.bundle_tar import BundleError, CanonicalReader, CanonicalWriter, Member
+
+#: The manifest's own version: a bundle of another layout is refused (2: signed, sizes, records, refusals).
+BUNDLE_FORMAT = 2
+#: The largest manifest read (its size is checked in its header, before a byte of it is read).
+MAX_MANIFEST_BYTES = 4 << 20
+#: The largest member: an AOTInductor package of a large model is a few GB.
+MAX_MEMBER_BYTES = 8 << 30
 #: The key fields that say which machine and software a package runs on: a bundle entry must match all of them.
 CAPABILITY_FIELDS = ("cpu_capability", "cpu_flags", "torch", "torchao")
 #: The capability key of this box, read by the interpreter the workers run (torch is never imported here).
@@ -51,18 +66,21 @@ _PROBE = (
     " 'torchao': v('torchao'), 'openvino': v('openvino')}))"
 )
 
-
-class BundleError(Exception):
-    """The bundle is refused whole; nothing of it was installed. The message says why."""
+__all__ = ["BundleError", "ImportOutcome", "capability_key", "export_bundle", "import_bundle", "stem_for"]
 
 
 @dataclass
 class ImportOutcome:
-    """What an import did: entries installed, already present, and refused (stem: reason)."""
+    """What an import did: who signed it, entries installed, already present, refused (stem: reason), records
+    installed, and the refusals the build recorded (shown, never installed as markers)."""
 
+    signer: str = ""
     installed: list[str] = field(default_factory=list)
     present: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    records: list[str] = field(default_factory=list)
+    records_refused: str | None = None
+    build_refusals: list[dict[str, str]] = field(default_factory=list)
 
 
 def capability_key() -> dict[str, Any]:
@@ -75,21 +93,12 @@ def capability_key() -> dict[str, Any]:
     return key
 
 
-def stem_for(profile: str, key: dict[str, Any]) -> str:
-    """The name the workers give this key's files (infervisor/worker/profiles/cache.py, ArtifactCache.stem_for)."""
-    return f"{profile}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}"
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def cache_entries(cache: Path) -> dict[str, dict[str, Any]]:
     """Each complete package entry of the cache by stem: its key (its `.json`) and the files that make it."""
     entries: dict[str, dict[str, Any]] = {}
     for key_file in sorted(cache.glob("*.json")):
         stem = key_file.name.removesuffix(".json")
-        if stem.endswith(".buckets") or stem.startswith("pick-"):
+        if stem.endswith(".buckets") or is_record(key_file.name):
             continue
         try:
             key = json.loads(key_file.read_text())
@@ -102,26 +111,48 @@ def cache_entries(cache: Path) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def export_bundle(cache: Path, destination: Path) -> dict[str, Any]:
-    """Write the cache's package entries to `destination` (through a temp file renamed into place); the manifest."""
+def _described(path: Path) -> dict[str, Any]:
+    return {"sha256": file_sha256(path), "size": path.stat().st_size}
+
+
+def export_bundle(
+    cache: Path,
+    destination: Path,
+    refusals: list[dict[str, str]] | None = None,
+    signing_key: Ed25519PrivateKey | None = None,
+    here: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the cache's package entries, its records and the build's `refusals` to `destination` (a temp file
+    renamed into place), signed with `signing_key` when given; the manifest. `here`: this box's capability key
+    when the caller has it."""
     try:
         check_tree(cache, f"cache_dir {cache}")
     except UnsafePath as exc:
         raise BundleError(str(exc)) from exc
     entries = cache_entries(cache)
-    if not entries:
-        raise BundleError(f"{cache} holds no compiled package to export")
-    manifest: dict[str, Any] = {"format": BUNDLE_FORMAT, "capability": capability_key(), "entries": []}
+    records = sorted(p.name for p in cache.iterdir() if is_record(p.name) and p.is_file()) if cache.is_dir() else []
+    if not entries and not records and not refusals:
+        raise BundleError(f"{cache} holds no compiled package, no pick and no refusal to export")
+    manifest: dict[str, Any] = {"format": BUNDLE_FORMAT, "capability": here or capability_key(), "entries": [],
+                                "records": [], "refusals": list(refusals or [])}  # fmt: skip
     for stem, entry in entries.items():
-        digests = {name: _sha256((cache / name).read_bytes()) for name in entry["files"]}
-        manifest["entries"].append({"stem": stem, "profile": entry["profile"], "key": entry["key"], "files": digests})
+        files = {name: _described(cache / name) for name in entry["files"]}
+        manifest["entries"].append({"stem": stem, "profile": entry["profile"], "key": entry["key"], "files": files})
+    manifest["records"] = [{"name": name, **_described(cache / name)} for name in records]
+    text = json.dumps(manifest, indent=1, sort_keys=True).encode()
     temporary = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
     try:
-        with tarfile.open(temporary, "w", format=tarfile.PAX_FORMAT) as tar:
-            _add(tar, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        with temporary.open("wb") as stream:
+            tar = CanonicalWriter(stream)
+            tar.add_bytes(MANIFEST, text)
+            if signing_key is not None:
+                tar.add_bytes(bundle_keys.SIGNATURE, bundle_keys.sign(text, signing_key))
             for entry in manifest["entries"]:
                 for name in entry["files"]:
-                    _add(tar, PACKAGES + name, (cache / name).read_bytes())
+                    tar.add_file(PACKAGES + name, cache / name)
+            for record in manifest["records"]:
+                tar.add_file(RECORDS + record["name"], cache / record["name"])
+            tar.close()
         os.chmod(temporary, 0o644)
         os.replace(temporary, destination)
     finally:
@@ -129,115 +160,106 @@ def export_bundle(cache: Path, destination: Path) -> dict[str, Any]:
     return manifest
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), 0o644
-    tar.addfile(info, io.BytesIO(data))
-
-
 @contextmanager
-def _open_safely(bundle: Path) -> Iterator[IO[bytes]]:
-    """The bundle opened for reading once it passes the strict modes, checked again by its descriptor."""
+def _open_safely(bundle: Path) -> Iterator[tuple[IO[bytes], int]]:
+    """The bundle opened for reading once it passes the strict modes, checked again by its descriptor; its size."""
     try:
         check_file(bundle, "bundle")
         handle = os.open(os.path.realpath(bundle), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (UnsafePath, OSError) as exc:
         raise BundleError(str(exc)) from exc
     with os.fdopen(handle, "rb") as stream:
+        info = os.fstat(handle)
         try:
-            check_stat(bundle, os.fstat(handle), "bundle")
+            check_stat(bundle, info, "bundle")
         except UnsafePath as exc:
             raise BundleError(str(exc)) from exc
-        yield stream
+        yield stream, info.st_size
 
 
-def read_bundle(bundle: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The manifest and every package file of a bundle, each checked against the manifest; BundleError if any is
-    not what the manifest says (nothing is written anywhere by this)."""
-    files: dict[str, bytes] = {}
-    manifest_bytes: bytes | None = None
-    with _open_safely(bundle) as stream:
+@dataclass
+class _Staged:
+    """A verified bundle whose members wait in `folder` (inside the cache) to be renamed into place."""
+
+    manifest: dict[str, Any]
+    signer: str
+    folder: Path
+
+
+def _read_signed_manifest(reader: CanonicalReader, trusted: dict[str, Any], allow_unsigned: bool) -> tuple[
+        dict[str, Any], str, Member | None]:  # fmt: skip
+    """The manifest once its signature checks out, who signed it, and the first member after them."""
+    first = reader.next_member(MAX_MEMBER_BYTES)
+    if first is None or first.name != MANIFEST:
+        raise BundleError(f"the bundle does not start with {MANIFEST}")
+    if first.size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{MANIFEST} is {first.size:,} bytes, over the {MAX_MANIFEST_BYTES:,}-byte cap: refused")
+    text = reader.read_all(first)
+    signature: bytes | None = None
+    after = reader.next_member(MAX_MEMBER_BYTES)
+    if after is not None and after.name == bundle_keys.SIGNATURE:
+        if after.size > bundle_keys.MAX_SIGNATURE_BYTES:
+            raise BundleError(f"{bundle_keys.SIGNATURE} is {after.size:,} bytes: not a signature")
+        signature = reader.read_all(after)
+        after = reader.next_member(MAX_MEMBER_BYTES)
+    signer = bundle_keys.verify(text, signature, trusted, allow_unsigned)
+    return parse_manifest(text, BUNDLE_FORMAT), signer, after
+
+
+def _stage(bundle: Path, cache: Path, trusted: dict[str, Any], allow_unsigned: bool) -> _Staged:
+    """Verify the signature, then stream every member into a fresh staging folder of the cache, each checked
+    against the manifest; BundleError (the folder removed) at the first thing that is not what it says."""
+    with _open_safely(bundle) as (stream, length):
+        reader = CanonicalReader(stream, length)
+        manifest, signer, member = _read_signed_manifest(reader, trusted, allow_unsigned)
+        expected: dict[str, dict[str, Any]] = dict(manifest["members"])
+        folder = cache / f".import-{os.getpid()}-{secrets.token_hex(4)}"
+        folder.mkdir(mode=0o700)
         try:
-            with tarfile.open(fileobj=stream, mode="r:") as tar:
-                for member in tar:
-                    data = _member_bytes(tar, member)
-                    if member.name == MANIFEST:
-                        manifest_bytes = data
-                    else:
-                        files[member.name.removeprefix(PACKAGES)] = data
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise BundleError(f"{bundle} is not a readable bundle (corrupted?): {exc}") from exc
-    if manifest_bytes is None:
-        raise BundleError(f"{bundle} has no {MANIFEST}")
-    manifest = _parse_manifest(manifest_bytes)
-    _check_files(manifest, files)
-    return manifest, files
+            while member is not None:
+                want = expected.pop(member.name, None)
+                if want is None:
+                    raise BundleError(f"bundle member {member.name!r} is not listed in {MANIFEST} (or is there "
+                                      "twice): refused")  # fmt: skip
+                if member.size != want["size"]:
+                    raise BundleError(f"{member.name}: {member.size:,} bytes, but {MANIFEST} says {want['size']:,}")
+                handle = os.open(folder / Path(member.name).name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    digest = reader.copy_to(member, handle)
+                    os.fsync(handle)
+                finally:
+                    os.close(handle)
+                if digest != want["sha256"]:
+                    raise BundleError(f"{member.name}: sha256 {digest[:16]}... differs from {want['sha256'][:16]}... "
+                                      f"in {MANIFEST}")  # fmt: skip
+                member = reader.next_member(MAX_MEMBER_BYTES)
+            if expected:
+                raise BundleError(f"bundle members and {MANIFEST} differ: missing {sorted(expected)}")
+            _check_entry_files(manifest, folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+    return _Staged(manifest, signer, folder)
 
 
-def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    """A member's bytes when it is a plain file named `manifest.json` or `packages/<plain name>`."""
-    name = member.name
-    if not member.isreg():
-        kind = "a symbolic link" if member.issym() else "a hard link" if member.islnk() else "not a regular file"
-        raise BundleError(f"bundle member {name!r} is {kind}: refused")
-    leaf = name.removeprefix(PACKAGES)
-    plain = leaf and "/" not in leaf and leaf not in (".", "..") and not leaf.startswith(".") and "\0" not in leaf
-    if name != MANIFEST and not (name.startswith(PACKAGES) and plain):
-        raise BundleError(f"bundle member {name!r} is outside packages/ or not a plain file name: refused")
-    extracted = tar.extractfile(member)
-    if extracted is None:
-        raise BundleError(f"bundle member {name!r} cannot be read")
-    return extracted.read()
-
-
-def _parse_manifest(data: bytes) -> dict[str, Any]:
-    try:
-        manifest = json.loads(data)
-    except ValueError as exc:
-        raise BundleError(f"{MANIFEST} is not valid JSON: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{MANIFEST} is not a bundle manifest of format {BUNDLE_FORMAT}")
-    entries = manifest.get("entries")
-    if not isinstance(entries, list) or not isinstance(manifest.get("capability"), dict):
-        raise BundleError(f"{MANIFEST} has no capability or entries")
-    for entry in entries:
-        ok = isinstance(entry, dict) and isinstance(entry.get("key"), dict) and isinstance(entry.get("files"), dict)
-        if not ok or entry.get("stem") != stem_for(str(entry.get("profile")), entry["key"]):
-            raise BundleError(f"{MANIFEST}: entry {entry.get('stem') if isinstance(entry, dict) else entry!r} does "
-                              "not name its own key (stem differs from the key's sha256)")  # fmt: skip
-    return manifest
-
-
-def _check_files(manifest: dict[str, Any], files: dict[str, bytes]) -> None:
-    """Every file of the manifest present with its sha256, no file the manifest does not list, each key file the
-    entry's key and each stored `.sha256` the digest of its package."""
-    listed: dict[str, str] = {}
-    for entry in manifest["entries"]:
-        for name, digest in entry["files"].items():
-            if not str(name).startswith(entry["stem"]) or name in listed:
-                raise BundleError(f"{MANIFEST}: {name!r} does not belong to entry {entry['stem']}")
-            listed[str(name)] = str(digest)
-    extra = sorted(files.keys() - listed.keys())
-    missing = sorted(listed.keys() - files.keys())
-    if extra or missing:
-        raise BundleError(f"bundle members and {MANIFEST} differ: not listed {extra}, missing {missing}")
-    for name, digest in listed.items():
-        actual = _sha256(files[name])
-        if actual != digest:
-            raise BundleError(f"{name}: sha256 {actual[:16]}... differs from {digest[:16]}... in {MANIFEST}")
+def _check_entry_files(manifest: dict[str, Any], folder: Path) -> None:
+    """Each key file the entry's key, each stored `.sha256` the digest of its package."""
     for entry in manifest["entries"]:
         stem = entry["stem"]
-        if json.loads(files.get(f"{stem}.json", b"null")) != entry["key"]:
+        try:
+            key = json.loads((folder / f"{stem}.json").read_bytes())
+        except (OSError, ValueError, RecursionError):
+            key = None
+        if key != entry["key"]:
             raise BundleError(f"{stem}.json differs from the key {MANIFEST} gives for it")
         for package, stored in ((f"{stem}.pt2", f"{stem}.sha256"), (f"{stem}.xml", f"{stem}.sha256"),
                                 (f"{stem}.bin", f"{stem}.bin.sha256")):  # fmt: skip
-            if package in files and (stored not in files or _digest_text(files[stored]) != _sha256(files[package])):
+            if package not in entry["files"]:
+                continue
+            words = (folder / stored).read_bytes()[:200].decode("ascii", "replace").split() if stored in entry[
+                "files"] else []  # fmt: skip
+            if not words or words[0] != entry["files"][package]["sha256"]:
                 raise BundleError(f"{stored} does not hold the sha256 of {package}")
-
-
-def _digest_text(data: bytes) -> str:
-    words = data.decode("ascii", "replace").split()
-    return words[0] if words else ""
 
 
 def mismatch(key: dict[str, Any], here: dict[str, Any]) -> str | None:
@@ -250,16 +272,40 @@ def mismatch(key: dict[str, Any], here: dict[str, Any]) -> str | None:
     return None
 
 
-def import_bundle(bundle: Path, cache: Path, here: dict[str, Any] | None = None) -> ImportOutcome:
-    """Verify `bundle` whole, then install into `cache` each entry built for this box's capability key."""
-    manifest, files = read_bundle(bundle)
-    here = capability_key() if here is None else here
+def import_bundle(
+    bundle: Path,
+    cache: Path,
+    here: dict[str, Any] | None = None,
+    trusted_keys: tuple[str, ...] = (),
+    allow_unsigned: bool = False,
+) -> ImportOutcome:
+    """Verify `bundle` whole (signed by one of `trusted_keys` unless `allow_unsigned`), then install into `cache`
+    each entry built for this box's capability key, and the records when the whole bundle was built for it."""
+    trusted = bundle_keys.load_trusted_keys(trusted_keys)
     try:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         check_tree(cache, f"cache_dir {cache}")
     except (UnsafePath, OSError) as exc:
         raise BundleError(str(exc)) from exc
-    outcome = ImportOutcome()
+    _sweep_staging(cache)
+    staged = _stage(bundle, cache, trusted, allow_unsigned)
+    try:
+        return _install_staged(staged, cache, capability_key() if here is None else here)
+    finally:
+        shutil.rmtree(staged.folder, ignore_errors=True)
+
+
+def _sweep_staging(cache: Path) -> None:
+    """Remove the staging folders an import killed midway left (its pid gone): never installed, only in the way."""
+    for folder in cache.glob(".import-*-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _install_staged(staged: _Staged, cache: Path, here: dict[str, Any]) -> ImportOutcome:
+    manifest = staged.manifest
+    outcome = ImportOutcome(signer=staged.signer, build_refusals=list(manifest["refusals"]))
     for entry in manifest["entries"]:
         stem = entry["stem"]
         why = mismatch(entry["key"], here)
@@ -267,13 +313,20 @@ def import_bundle(bundle: Path, cache: Path, here: dict[str, Any] | None = None)
             outcome.refused[stem] = why
             continue
         names = sorted(entry["files"], key=_install_order)
-        if all((cache / n).is_file() and _sha256((cache / n).read_bytes()) == entry["files"][n] for n in names):
+        if all((cache / n).is_file() and file_sha256(cache / n) == entry["files"][n]["sha256"] for n in names):
             outcome.present.append(stem)
             continue
         with _entry_lock(cache, stem):
             for name in names:
-                _install(cache / name, files[name])
+                _install(staged.folder / name, cache / name)
         outcome.installed.append(stem)
+    whole = mismatch(manifest["capability"], here)
+    for record in manifest["records"]:
+        if whole is not None:
+            outcome.records_refused = whole
+            break
+        _install(staged.folder / record["name"], cache / record["name"])
+        outcome.records.append(record["name"])
     return outcome
 
 
@@ -293,17 +346,9 @@ def _entry_lock(cache: Path, stem: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _install(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.import.tmp")
-    try:
-        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+def _install(staged: Path, path: Path) -> None:
+    """Rename a verified staged file (already synced) into place, then sync the folder."""
+    os.replace(staged, path)
     directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(directory)
