@@ -134,7 +134,9 @@ def main() -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="oip-bench-") as folder:
         runtime = Path(folder) / "run"
-        process = start_daemon(config, runtime)
+        # This checkout's code in the daemon's children too (the gateway and workers start with -P).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        process = start_daemon(config, runtime, env={**os.environ, "PYTHONPATH": path})
         endpoints = {"zeromq": f"ipc://{runtime / CLIENT_SOCKET_NAME}", "grpc": grpc_at, "http": http_at}
         try:
             wait_for_gateway(runtime, http_at, args.model)

@@ -85,7 +85,11 @@ class GatewayProcess:
         }
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", "-m", "infervisor.gateway", json.dumps(launch)], stdin=subprocess.DEVNULL
+                [sys.executable, "-P", "-m", "infervisor.gateway", json.dumps(launch)],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                # Its own session, as a worker's: a terminal's Ctrl-C reaches the daemon, which stops it in order.
+                start_new_session=True,
             )
         except OSError as exc:
             log.error("gateway_spawn_failed", error=str(exc))
