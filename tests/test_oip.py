@@ -20,6 +20,9 @@ from tritonclient.utils import InferenceServerException
 from infervisor.protocol.constants import ErrorCode
 from infervisor.protocol.errors import InferenceError
 from tests.conftest import TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
+from tests.stream_models import FEATURES, STATE_ROWS, reference
+
+LEAKY = {"python": "tests.stream_models:leaky"}
 
 #: The daemon's frame limit: the HTTP body cap follows it (3 bytes a byte for JSON, and 1 MiB for the header).
 _MAX_FRAME_BYTES = 4 * 2**20
@@ -30,10 +33,16 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon serving `tiny` with the OIP gateway on two free loopback ports, up and ready."""
     folder = tmp_path_factory.mktemp("oip")
     http_at, grpc_at = f"127.0.0.1:{free_loopback_port()}", f"127.0.0.1:{free_loopback_port()}"
+    leaky_inputs = [
+        {"name": "x", "dtype": "float32", "shape": [None, FEATURES]},
+        {"name": "h", "dtype": "float32", "shape": [None, STATE_ROWS, FEATURES]},
+    ]
+    leaky = model_entry(LEAKY, leaky_inputs, state=[{"input": "h", "output": "h_next"}])
     config = {
+        "oversubscribe": True,
         "max_frame_bytes": _MAX_FRAME_BYTES,
         "oip": {"http": http_at, "grpc": grpc_at},
-        "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)},
+        "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS), "leaky": leaky},
     }
     started = Daemon(folder, config)
     try:
@@ -260,3 +269,46 @@ def _ready(client: httpclient.InferenceServerClient) -> bool:
         return bool(client.is_model_ready("tiny"))
     except Exception:  # noqa: BLE001 - not listening yet
         return False
+
+
+def test_triton_sequences_are_streams_of_the_stateful_model(daemon: Daemon, grpc: Any, http: Any) -> None:
+    """sequence_id/start/end over gRPC and HTTP step a stream: each answer is the step-by-step reference's."""
+    rng = np.random.default_rng(5)
+    steps = [rng.standard_normal((1, FEATURES)).astype(np.float32) for _ in range(4)]
+    expected, _ = reference(steps)
+    for module, client, sequence_id in ((grpcclient, grpc, 5701), (httpclient, http, "oip-5702")):
+        for index, step in enumerate(steps):
+            tensor = module.InferInput("x", [1, FEATURES], "FP32")
+            tensor.set_data_from_numpy(step)
+            answer = client.infer(
+                "leaky",
+                [tensor],
+                outputs=[module.InferRequestedOutput("y")],
+                sequence_id=sequence_id,
+                sequence_start=index == 0,
+                sequence_end=index == len(steps) - 1,
+            )
+            assert answer.as_numpy("y").tobytes() == expected[index].tobytes(), (module.__name__, index)
+    tensor = grpcclient.InferInput("x", [1, FEATURES], "FP32")
+    tensor.set_data_from_numpy(steps[0])
+    with pytest.raises(InferenceServerException) as ended:
+        grpc.infer("leaky", [tensor], sequence_id=5701)
+    assert ended.value.status() == "StatusCode.FAILED_PRECONDITION"
+    assert ended.value.message().startswith("UNKNOWN_STREAM: ")
+
+
+def test_no_gateway_outlives_a_daemon_killed_with_sigkill(start_daemon: Any) -> None:
+    """kill -9 of the daemon: the kernel kills its gateway (parent-death signal), no orphan keeps the ports."""
+    http_at = f"127.0.0.1:{free_loopback_port()}"
+    config = {"oip": {"http": http_at, "grpc": None}, "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)}}
+    killed: Daemon = start_daemon(config)
+    gateway_pid = wait_for(
+        lambda: (s := killed.try_status()) and (s["endpoints"]["oip"] or {}).get("pid"), 120, "the gateway"
+    )
+    killed.process.kill()
+    killed.process.wait(30)
+    wait_for(
+        lambda: not psutil.pid_exists(gateway_pid) or psutil.Process(gateway_pid).status() == "zombie",
+        30,
+        "the gateway to die with the daemon",
+    )
