@@ -210,19 +210,26 @@ def test_bad_input_is_answered_with_the_protocol_error(
 
 
 def test_huge_headers_and_bodies_are_refused_and_the_gateway_serves_on(daemon: Daemon, http: Any) -> None:
-    """A 64 KiB header field and a body over the cap are refused by the HTTP layer; the next request is answered."""
+    """A 64 KiB header field, an HTTP body and a gRPC message over the cap are refused; the next request is served."""
     host, port = _oip(daemon)["http"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as raw:
         raw.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 65536 + b"\r\n\r\n")
         assert raw.recv(64).split(b" ")[1] == b"400"
     status, answer = _post(daemon, b"{" + b" " * (_MAX_FRAME_BYTES * 3 + 2**20) + b"}")
     assert status == 413
+    grpc_client = grpcclient.InferenceServerClient(_oip(daemon)["grpc"])
+    with pytest.raises(InferenceServerException) as too_big:
+        _grpc_infer(grpc_client, np.zeros(((_MAX_FRAME_BYTES * 3 + 2**20) // 64 + 1, 16), np.float32))
+    assert too_big.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
     assert _http_infer(http, np.ones((2, 16), np.float32), True).as_numpy("y") is not None
 
 
 def test_a_client_that_vanishes_mid_request_loses_nothing(daemon: Daemon, http: Any) -> None:
-    """Clients that send an infer and hang up at once: the daemon answers every request, the next client too."""
-    before = daemon.status()["models"]["tiny"]["completed"]
+    """HTTP and gRPC clients that send an infer and hang up at once: every request the gateway sent is answered
+    (none fails, no worker is lost), and the next client is served."""
+    tiny = daemon.status()["models"]["tiny"]
+    before, errors_before = tiny["completed"], tiny["errors"]
+    pids_before = [w["pid"] for w in tiny["workers"]]
     host, port = _oip(daemon)["http"].rsplit(":", 1)
     x = np.ones((2, 16), np.float32)
     header = json.dumps(
@@ -235,9 +242,15 @@ def test_a_client_that_vanishes_mid_request_loses_nothing(daemon: Daemon, http: 
     for _ in range(5):
         with socket.create_connection((host, int(port)), timeout=30) as raw:
             raw.sendall(request + header + x.tobytes())
+    for _ in range(3):  # gRPC callers that close their channel with the call in flight
+        vanishing = grpcclient.InferenceServerClient(_oip(daemon)["grpc"])
+        tensor = grpcclient.InferInput("x", [2, 16], "FP32")
+        tensor.set_data_from_numpy(x)
+        vanishing.async_infer("tiny", [tensor], callback=lambda result, error: None)
+        vanishing.close()
     wait_for(lambda: daemon.status()["models"]["tiny"]["completed"] >= before + 5, 30, "the vanished clients' answers")
-    status = daemon.status()
-    assert status["models"]["tiny"]["errors"] == {} or "WORKER_LOST" not in status["models"]["tiny"]["errors"]
+    tiny = daemon.status()["models"]["tiny"]
+    assert tiny["errors"] == errors_before and [w["pid"] for w in tiny["workers"]] == pids_before
     assert _http_infer(http, x, True).as_numpy("y").shape[0] == 2
 
 
