@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from infervisor.gateway.tensors import NUMPY_DTYPES, OIP_DTYPES
+from infervisor.gateway.tensors import NUMPY_DTYPES
 from infervisor.protocol.control_client import ControlError, control_request
 
 #: How often status is read (a model's readiness in the protocol lags the daemon's by at most this).
@@ -101,6 +101,3 @@ class Catalog:
             else:
                 self.refresh(status)
             await asyncio.sleep(REFRESH_S)
-
-
-__all__ = ["OIP_DTYPES", "Catalog", "ModelEntry"]

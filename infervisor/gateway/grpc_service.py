@@ -16,7 +16,7 @@ from infervisor.gateway.http_app import SERVER_METADATA
 from infervisor.gateway.serving import Gateway
 from infervisor.gateway.status_codes import grpc_status
 from infervisor.gateway.tensors import (
-    OIP_DTYPES,
+    NUMPY_DTYPES,
     OipRequest,
     bad,
     chosen_outputs,
@@ -122,8 +122,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             raise AssertionError("unreachable: abort raises") from None
         response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
         for name, array, _ in chosen:
-            datatype = next(oip for oip, numpy in OIP_DTYPES.items() if numpy == array.dtype.name)
-            response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+            response.outputs.add(name=name, datatype=NUMPY_DTYPES[array.dtype.name], shape=array.shape)
             response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
         return response
 

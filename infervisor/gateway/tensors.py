@@ -35,7 +35,7 @@ _JSON_KINDS: Final[dict[str, tuple[type, ...]]] = {"b": (bool,), "i": (int,), "u
 
 
 @dataclass(frozen=True, slots=True)
-class Sequence_:
+class SequenceStep:
     """Triton's sequence parameters: the stream id and whether this step starts or ends it."""
 
     stream: str
@@ -53,7 +53,7 @@ class OipRequest:
     outputs: dict[str, bool] | None
     binary_default: bool
     timeout_us: int | None
-    sequence: Sequence_ | None
+    sequence: SequenceStep | None
 
 
 def invalid(message: str) -> ProtocolError:
@@ -152,7 +152,7 @@ def _parameters(raw: object, what: str) -> dict[str, Any]:
     return raw
 
 
-def sequence_of(parameters: Mapping[str, Any]) -> Sequence_ | None:
+def sequence_of(parameters: Mapping[str, Any]) -> SequenceStep | None:
     """Triton's sequence_id/sequence_start/sequence_end as a stream of the daemon; None without a sequence_id."""
     raw = parameters.get("sequence_id")
     if raw is None or raw == 0 or raw == "":
@@ -162,7 +162,7 @@ def sequence_of(parameters: Mapping[str, Any]) -> Sequence_ | None:
     start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
     if not isinstance(start, bool) or not isinstance(end, bool):
         raise bad("sequence_start and sequence_end must be booleans")
-    return Sequence_(str(raw), start, end)
+    return SequenceStep(str(raw), start, end)
 
 
 def timeout_of(parameters: Mapping[str, Any]) -> int | None:
