@@ -784,6 +784,7 @@ def _another(key: Key, folder: Path) -> object:
         "curve": {"server_secret_key": "server.key_secret", "authorized_clients": "clients"},
         "tcp_endpoint": "tcp://127.0.0.1:5555",
         "metrics_listen": "127.0.0.1:9464",
+        "oip": {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"},
         "socket_group": os.getegid(),  # a gid is taken as it is: one that exists on any box
     }
     return custom[key.name]

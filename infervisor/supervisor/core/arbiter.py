@@ -27,6 +27,7 @@ from infervisor.supervisor.observe import status
 from infervisor.supervisor.observe.capture import Figures, take_snapshot
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.workers.gateway_process import GatewayProcess
 from infervisor.supervisor.workers.health import daemon_state, status_line
 from infervisor.supervisor.workers.launcher import Launcher, launch_worker
 
@@ -62,6 +63,8 @@ class Arbiter:
         self.status_server = status_server(self.control_context, runtime_dir, parts.anomalies, config.socket_group)
         if (reader := self.status_server) is not None:
             self.loop.register(reader.socket, CONTROL, lambda flags: reader.handle(self.control_command))
+        # The OIP gateway (config `oip`): a child process that is a client of the broker's ipc endpoint.
+        self.gateway = GatewayProcess(runtime_dir, parts.endpoints.ipc_endpoint)
         self.signals: collections.deque[int] = collections.deque()
         self.exit_code = 0
         self.next_housekeeping = 0.0
@@ -158,6 +161,7 @@ class Arbiter:
         if self.pool.stop.stopping:
             return
         self.reloader.react_to_file_changes(now)
+        self.gateway.tick(now, self.config)
         self.monitor(now)
         parts.affinity.reconcile((s.assignment.cpus for s in self.pool.roster.all_slots()), self.config.pin_supervisor)
         # Polling idle adds heat: a throttling box lets go of the request until it cools.
@@ -199,6 +203,7 @@ class Arbiter:
 
     def shutdown(self) -> None:
         """Kill anything still alive, then close sockets so no file is left behind."""
+        self.gateway.stop()
         self.parts.metrics.close()
         self.parts.monitors.audit.stop_all()
         self.pool.stop.shutdown()
@@ -255,6 +260,7 @@ class Arbiter:
                 "tcp": config.tcp_endpoint,
                 "metrics": parts.metrics.url,
                 "metrics_error": parts.metrics.error,
+                "oip": self.gateway.status(),
             },
             "counters": dict(snapshot.anomalies),
             "template": parts.home.status(),

@@ -70,6 +70,14 @@ class CurveConfig:
 
 
 @dataclass(frozen=True)
+class OipConfig:
+    """Where the Open Inference Protocol gateway listens (infervisor/gateway/): HOST:PORT for each, or None."""
+
+    http: str | None
+    grpc: str | None
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole daemon configuration: one field per declaration of TOP_KEYS, then the file's digest."""
 
@@ -88,6 +96,10 @@ class Config:
     metrics_allow_remote: bool
     #: HOST:PORT of the Prometheus endpoint (infervisor/supervisor/observe/exposition.py), or None for none.
     metrics_listen: str | None
+    #: Let `oip` name addresses that are not loopback.
+    oip_allow_remote: bool
+    #: The OIP gateway's addresses (supervisor/workers/gateway_process.py), or None for no gateway.
+    oip: OipConfig | None
     oversubscribe: bool
     #: Fork children from a template that imported torch once (infervisor/supervisor/workers/child_home.py).
     warm_template: bool
@@ -191,10 +203,8 @@ def _read_tcp_endpoint(ctx: ReadContext, raw: Any, path: str) -> str | None:
     return tcp
 
 
-def _read_metrics_listen(ctx: ReadContext, raw: Any, path: str) -> str | None:
-    listen = ctx.fields.string_or_null(raw, path)
-    if listen is None:
-        return None
+def _check_listen(ctx: ReadContext, listen: str, path: str, remote_flag: str) -> str | None:
+    """A HOST:PORT to listen on: HOST an IP address or localhost, loopback unless `remote_flag` was set true."""
     match = _LISTEN.fullmatch(listen)
     if match is None or not 1 <= int(match["port"]) <= 65535:
         ctx.fields.fail(path, f"must look like 127.0.0.1:9464 (HOST:PORT, PORT 1-65535), got {listen!r}")
@@ -207,10 +217,28 @@ def _read_metrics_listen(ctx: ReadContext, raw: Any, path: str) -> str | None:
         # A name would be resolved at bind time, to whatever it means then: an address says where it listens.
         ctx.fields.fail(path, f"HOST must be an IP address or localhost, got {host!r}")
         return None
-    if not _is_loopback(host) and not ctx.earlier["metrics_allow_remote"]:
-        # Metrics say what runs, how much and where it hurts: beyond this box only when the operator says so.
-        ctx.fields.fail(path, f"host {host!r} is not loopback; that needs `metrics_allow_remote: true`")
+    if not _is_loopback(host) and not ctx.earlier[remote_flag]:
+        # What runs, how much, and the models themselves: beyond this box only when the operator says so.
+        ctx.fields.fail(path, f"host {host!r} is not loopback; that needs `{remote_flag}: true`")
     return listen
+
+
+def _read_metrics_listen(ctx: ReadContext, raw: Any, path: str) -> str | None:
+    listen = ctx.fields.string_or_null(raw, path)
+    return None if listen is None else _check_listen(ctx, listen, path, "metrics_allow_remote")
+
+
+def _read_oip(ctx: ReadContext, raw: Any, path: str) -> OipConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not raw or set(raw) - {"http", "grpc"}:
+        ctx.fields.fail(path, 'must be null or an object with "http" and/or "grpc" (HOST:PORT each)')
+        return None
+    ends = {key: ctx.fields.string_or_null(raw.get(key), f"{path}.{key}") for key in ("http", "grpc")}
+    checked = {k: v if v is None else _check_listen(ctx, v, f"{path}.{k}", "oip_allow_remote") for k, v in ends.items()}
+    if checked["http"] is not None and checked["http"] == checked["grpc"]:
+        ctx.fields.fail(path, "http and grpc need two addresses")
+    return OipConfig(checked["http"], checked["grpc"])
 
 
 # fmt: off
@@ -254,6 +282,13 @@ TOP_KEYS: tuple[Key, ...] = (
         "serve Prometheus metrics over HTTP there, e.g. `127.0.0.1:9464`; a host that is not loopback is refused "
         "unless `metrics_allow_remote` is true. `infervisor metrics` prints the same text without it "
         "([operations.md](operations.md#metrics))."),
+    Key("oip_allow_remote", Flag(False), Applied.DAEMON_RESTART,
+        "let `oip` name addresses that are not loopback (a pod's IP, behind KServe's or the mesh's TLS)."),
+    Key("oip", Custom(_read_oip, '`{"http": HOST:PORT, "grpc": HOST:PORT}` (either may be null), or null'),
+        Applied.DAEMON_RESTART,
+        "serve the Open Inference Protocol (KServe v2) over HTTP and gRPC there, from a gateway process that is a "
+        "client of the broker ([protocol.md](protocol.md#open-inference-protocol)); a host that is not loopback is "
+        "refused unless `oip_allow_remote` is true."),
     Key("oversubscribe", Flag(False), Applied.DAEMON_RESTART,
         "when the workers ask for more physical cores than the cpuset has, share cores round-robin (status shows "
         "`shared_cores`) instead of refusing to start."),

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -287,6 +287,21 @@ class ChildHome:
         # Without a daemon (`infervisor build`) every child is exec'd: not news on the command's console.
         say = log.debug if self.state is TemplateState.OFF else log.info
         say("child_started", child=name, pid=process.pid, entry=entry, start="exec", template=self.state.value)
+        return process
+
+    def exec_fresh(self, argv: Sequence[str], name: str) -> subprocess.Popen[bytes]:
+        """Start a child that must not carry torch (the OIP gateway) as a fresh interpreter, known as ours."""
+        process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            # Its own session, as a worker's: a terminal's Ctrl-C reaches the daemon, which stops it in order.
+            start_new_session=True,
+        )
+        self.execed += 1
+        self.children[process.pid] = process
+        log.info("child_started", child=name, pid=process.pid, entry=argv[-2] if len(argv) > 1 else argv[0],
+                 start="exec")  # fmt: skip
         return process
 
     def fork(

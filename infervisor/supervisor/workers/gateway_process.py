@@ -1,0 +1,142 @@
+"""The Open Inference Protocol gateway as the daemon holds it: started, reaped, restarted with back-off, stopped.
+
+The gateway (`python -P -m infervisor.gateway`, infervisor/gateway/) is a client of the broker on the ipc
+endpoint, in its own process so HTTP and gRPC never share the broker's loop. It asks the kernel to kill it when
+the daemon dies, so even a kill -9 of the daemon leaves no gateway behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from infervisor.supervisor.settings.config import Config, OipConfig
+from infervisor.supervisor.workers.child_home import HOME
+from infervisor.supervisor.workers.slot import describe_exit
+
+log = structlog.get_logger("supervisor")
+
+#: Back-off after the gateway ends unasked: doubled per end in a row, from 1 s up to 30 s.
+_FIRST_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 30.0
+#: A gateway that served this long before ending starts its back-off afresh.
+_STABLE_S = 60.0
+#: The largest request body (HTTP) or message (gRPC) whatever max_frame_bytes says: grpcio's caps are C ints.
+_MAX_BODY_BYTES = 2**31 - 1
+#: How long a stopping gateway has to close its listeners before SIGKILL.
+_STOP_GRACE_S = 2.0
+
+
+class GatewayState(enum.Enum):
+    """Where the gateway stands (status `endpoints.oip.state`)."""
+
+    OFF = "off"  # no `oip` in the config
+    RUNNING = "running"
+    BACKOFF = "backoff"  # ended unasked: started again at `next_start`
+
+
+class GatewayProcess:
+    """The one gateway process and its restarts."""
+
+    def __init__(self, runtime_dir: Path, endpoint: str) -> None:
+        self.runtime_dir = runtime_dir
+        self.endpoint = endpoint
+        self.process: subprocess.Popen[bytes] | None = None
+        self.state = GatewayState.OFF
+        self.oip: OipConfig | None = None
+        self.started_at = 0.0
+        self.next_start = 0.0
+        self.failures_in_row = 0
+        self.restarts = 0
+        self.last_exit: str | None = None
+
+    def tick(self, now: float, config: Config) -> None:
+        """Reap an ended gateway and start one when config wants it and its back-off has passed."""
+        self.oip = config.oip
+        if self.process is not None and self.process.poll() is not None:
+            self.reap(now, self.process.returncode)
+        if self.oip is None or self.process is not None or now < self.next_start:
+            return
+        self.start(now, config)
+
+    def start(self, now: float, config: Config) -> None:
+        """Spawn the gateway with its launch (addresses, limits, our pid)."""
+        oip = config.oip
+        if oip is None:
+            return
+        launch = {
+            "endpoint": self.endpoint,
+            "runtime_dir": str(self.runtime_dir),
+            "http": oip.http,
+            "grpc": oip.grpc,
+            "max_frame_bytes": config.max_frame_bytes,
+            # A request's whole body: JSON text of a tensor at the frame limit (~3 characters a byte in binary), and
+            # room for the header; within what grpcio takes as a message cap.
+            "max_body_bytes": min(config.max_frame_bytes * 3 + 2**20, _MAX_BODY_BYTES),
+            "supervisor_pid": os.getpid(),
+        }
+        try:
+            # A fresh interpreter, not a fork of the warm template: the gateway never imports torch.
+            self.process = HOME.exec_fresh(
+                [sys.executable, "-P", "-m", "infervisor.gateway", json.dumps(launch)], "gateway"
+            )
+        except OSError as exc:
+            log.error("gateway_spawn_failed", error=str(exc))
+            self.back_off(now)
+            return
+        self.state, self.started_at = GatewayState.RUNNING, now
+        log.info("gateway_started", pid=self.process.pid, http=oip.http, grpc=oip.grpc)
+
+    def reap(self, now: float, returncode: int) -> None:
+        """Note how the gateway ended and back off before the next start."""
+        pid = self.process.pid if self.process is not None else None
+        self.process = None
+        self.last_exit = describe_exit(returncode)
+        if now - self.started_at >= _STABLE_S:
+            self.failures_in_row = 0
+        log.warning("gateway_exited", pid=pid, exit=self.last_exit)
+        self.restarts += 1
+        self.back_off(now)
+
+    def back_off(self, now: float) -> None:
+        """Wait 1 s, 2 s, 4 s ... (up to 30 s) before the next start."""
+        delay = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2**self.failures_in_row)
+        self.failures_in_row += 1
+        self.state, self.next_start = GatewayState.BACKOFF, now + delay
+
+    def stop(self) -> None:
+        """SIGTERM, a short grace to close the listeners, then SIGKILL; reaped before returning."""
+        process, self.process = self.process, None
+        self.state = GatewayState.OFF
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def status(self) -> dict[str, Any] | None:
+        """Status `endpoints.oip`: None without `oip`; else where it listens and how the process stands."""
+        if self.oip is None:
+            return None
+        return {
+            **dataclasses.asdict(self.oip),
+            "state": self.state.value,
+            "pid": self.process.pid if self.process is not None else None,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "next_start_in_s": (
+                round(max(0.0, self.next_start - time.monotonic()), 3) if self.state is GatewayState.BACKOFF else None
+            ),
+        }
