@@ -6,8 +6,8 @@ Each round starts the daemon twice on the same config and cache, `warm_template`
 every other round, so a box that slows mid-run weighs on both arms alike). Each start waits until every worker
 serves and no build is running, sends `--requests` batch-1 requests to every model, reads /proc/PID/smaps_rollup of
 every process of the daemon's tree (workers, audit processes, the template, the supervisor), then kills a serving
-worker with SIGKILL `--kills` times and times how long until a request of its model is answered by a worker of the
-new process (the pool holds the model's other workers: with one worker this is the whole gap in service).
+worker with SIGKILL `--kills` times and times how long until its slot serves again (a new process past READY)
+and a request of the model is answered.
 
 Run it on a warm cache (one start of the config before, or `infervisor build`) so that both arms load the same
 packages; a cold cache makes the first arm build them.
@@ -36,7 +36,6 @@ from bench.memory import smaps_rollup  # noqa: E402
 from infervisor.protocol.client import Client  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from infervisor.protocol.control_client import control_request  # noqa: E402
-from infervisor.protocol.errors import InferenceError  # noqa: E402
 from infervisor.supervisor.toolkit.inputs import random_inputs  # noqa: E402
 
 MB = 2**20
@@ -92,21 +91,19 @@ def _kind(title: str) -> str:
 
 
 def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> float:
-    """kill -9 one serving worker of `model`; seconds until a request is answered by a worker that is not it."""
-    victim = _status(runtime_dir)["models"][model]["workers"][0]["pid"]
+    """kill -9 one serving worker of `model`; seconds until its slot serves again (a new process, READY) and a
+    request of the model is answered."""
+    victim = _status(runtime_dir)["models"][model]["workers"][0]
     killed = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
-        while time.monotonic() - killed < 120:
-            try:
+    os.kill(victim["pid"], signal.SIGKILL)
+    while time.monotonic() - killed < 120:
+        slot = next(w for w in _status(runtime_dir)["models"][model]["workers"] if w["slot"] == victim["slot"])
+        if slot["pid"] != victim["pid"] and slot["state"] == "serving":
+            with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
                 client.infer(model, arrays, timeout=60)
-            except InferenceError:
-                time.sleep(0.005)
-                continue
-            pids = [w["pid"] for w in _status(runtime_dir)["models"][model]["workers"] if w["state"] == "serving"]
-            if victim not in pids and pids:
-                return time.monotonic() - killed
-    raise SystemExit(f"{model}: no answer within 120 s of the kill")
+            return time.monotonic() - killed
+        time.sleep(0.01)
+    raise SystemExit(f"{model}: slot {victim['slot']} not serving again within 120 s of the kill")
 
 
 def one_start(config: dict[str, Any], folder: Path, template: bool, requests: int, kills: int) -> dict[str, Any]:

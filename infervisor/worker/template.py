@@ -27,6 +27,8 @@ from infervisor.protocol import template_link as tl
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.worker.pinning import ParentGone, die_with_parent
 
+#: The optional argument that asks for the compiler's modules too (a config with an AOTInductor or int8 profile).
+COMPILER = "compiler"
 #: How long a new child waits for the middle process's exit to hand it to the supervisor.
 _REPARENT_WAIT_S = 5.0
 
@@ -34,18 +36,20 @@ _REPARENT_WAIT_S = 5.0
 def main(argv: list[str]) -> int:
     """Import what children share, say READY, then fork a child for each request until the link closes."""
     try:
-        fd_text, pid_text = argv
+        fd_text, pid_text, *extras = argv
         link_fd, supervisor_pid = int(fd_text), int(pid_text)
+        if extras not in ([], [COMPILER]):
+            raise ValueError(f"unknown extras {extras}")
     except ValueError:
-        print(f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID, not {argv}",
-              file=sys.stderr)
+        print(f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID [{COMPILER}], "
+              f"not {argv}", file=sys.stderr)  # fmt: skip
         return WorkerExitCode.BAD_LAUNCH
     try:
         die_with_parent(supervisor_pid)
     except ParentGone:
         return WorkerExitCode.SUPERVISOR_LOST
     link = socket.socket(fileno=link_fd)
-    warm_up()
+    warm_up(compiler=bool(extras))
     threads = threading.active_count(), len(os.listdir("/proc/self/task"))
     if threads != (1, 1):
         # A fork copies only the calling thread: a lock another thread held would stay locked in every child.
@@ -55,8 +59,9 @@ def main(argv: list[str]) -> int:
     return serve_forks(link, supervisor_pid)
 
 
-def warm_up() -> None:
-    """Import torch and every module a child runs, and move them out of the collector's generations."""
+def warm_up(compiler: bool) -> None:
+    """Import torch and every module a child runs (with `compiler`, what loads and builds compiled packages too),
+    and move them out of the collector's generations."""
     import torch  # noqa: F401  (the point: imported once, shared by every child)
 
     # What the entry modules import, not the entry modules: runpy warns when it runs one already imported.
@@ -66,6 +71,16 @@ def warm_up() -> None:
     import infervisor.worker.process_entry  # noqa: F401
     import infervisor.worker.serve  # noqa: F401
 
+    if compiler:
+        # What an AOTInductor or int8 worker imports to load or build its package: about 90 MB each would hold.
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.package  # noqa: F401
+        import torch.export  # noqa: F401
+
+        try:
+            import torchao.quantization.pt2e  # noqa: F401
+        except ImportError:
+            pass  # the int8 profiles are skipped without it (and say why): nothing to share
     gc.collect()
     # Objects the collector never visits are never written by it, so their pages stay shared with the children.
     gc.freeze()
