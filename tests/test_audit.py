@@ -118,10 +118,12 @@ def test_the_audit_catches_an_off_profile_and_falls_back_or_only_reports(
     assert rep["audit"]["last_finding"]["failure"].startswith("cosine 0.998"), rep["audit"]
 
 
-def test_a_killed_audit_process_is_restarted_and_serving_never_notices(
+def test_a_killed_or_stopped_audit_process_is_restarted_and_serving_never_notices(
     start_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
-    """kill -9 of the audit process: every request still succeeds, status counts the restart, a new one audits."""
+    """kill -9 of the audit process: every request still succeeds, status counts the restart, a new one audits.
+    SIGSTOP of the next one while samples wait: it is found stuck, shown so (not `ready`, then its last exit),
+    killed and replaced by one that audits."""
     daemon = start_daemon({"models": {"m": _entry(_validation(tmp_path), audit=FAST)}})
     daemon.wait_ready(240)
     with daemon.client() as client:
@@ -134,10 +136,35 @@ def test_a_killed_audit_process_is_restarted_and_serving_never_notices(
         audited = again["models"]["m"]["audit"]["rows_audited"]
         _send_until(daemon, client, "m", -1.0, lambda s: s["models"]["m"]["audit"]["rows_audited"] > audited, 120,
                     "audits after the restart")  # fmt: skip
-    process = again["models"]["m"]["audit"]["process"]
-    assert process["pid"] != first and process["last_exit"] == "killed by SIGKILL", process
+        process = again["models"]["m"]["audit"]["process"]
+        assert process["pid"] != first and process["last_exit"] == "killed by SIGKILL", process
+        stopped = _stop_audit_process(daemon, client, process["pid"])
+    assert "stuck: stopped for" in stopped["last_exit"] and "samples waiting: killed" in stopped["last_exit"], stopped
+    assert stopped["restarts"] >= 2 and stopped["state"] == "ready", stopped
     status = daemon.status()["models"]["m"]
     assert status["errors"] == {} and status["serving"] == ["jit"] and status["audit"]["rows_below_tolerance"] == 0
+
+
+def _stop_audit_process(daemon: Daemon, client: Client, pid: int) -> dict[str, Any]:
+    """SIGSTOP the audit process `pid` and send until another one is ready: that one's status, once a state other
+    than `ready` was seen meanwhile and `pid` is gone (a daemon that never notices leaves it stopped: killed here)."""
+    process = psutil.Process(pid)
+    process.suspend()  # SIGSTOP
+    seen: set[str] = set()
+
+    def replaced(status: dict[str, Any]) -> dict[str, Any] | None:
+        now: dict[str, Any] = status["models"]["m"]["audit"]["process"]
+        seen.add(now["state"])
+        return now if now["pid"] not in (None, pid) and now["state"] == "ready" else None
+
+    try:
+        status = _send_until(daemon, client, "m", -1.0, replaced, 120, "the stopped audit process replaced")
+        wait_for(lambda: not process.is_running() or process.status() == psutil.STATUS_ZOMBIE, 10, "it is gone")
+    finally:
+        if process.is_running():  # psutil checks the start time: never another process that took the pid
+            process.kill()
+    assert seen - {"ready"}, seen
+    return replaced(status) or {}
 
 
 def test_a_fast_model_is_sampled_at_most_once_a_second_whatever_its_budget(

@@ -767,7 +767,7 @@ def _another(key: Key, folder: Path) -> object:
     np.savez(folder / "samples.npz", x=np.zeros((4, 16), np.float32))
     # Real key files: an empty one is refused when the config is read (no public-key line).
     (folder / "clients").mkdir(exist_ok=True)
-    zmq.auth.create_certificates(folder, "server")
+    Path(zmq.auth.create_certificates(folder, "server")[1]).chmod(0o600)  # a secret others can read is refused
     zmq.auth.create_certificates(folder / "clients", "client")
     custom: dict[str, object] = {
         "source": {"builtin": "tiny"},

@@ -26,6 +26,7 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     for folder in ("server", "clients", "stranger"):
         (tmp_path / folder).mkdir()
     server_public, server_secret = zmq.auth.create_certificates(tmp_path / "server", "server")
+    Path(server_secret).chmod(0o600)  # pyzmq writes it 0644 under umask 022: refused as sshd refuses host keys
     client_public, client_secret = zmq.auth.create_certificates(tmp_path / "clients", "app")
     _, stranger_secret = zmq.auth.create_certificates(tmp_path / "stranger", "stranger")
     Path(client_secret).rename(tmp_path / "app.key_secret")  # the allow-list folder holds public keys only

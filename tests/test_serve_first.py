@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from infervisor.supervisor.settings.config import load_config
 from infervisor.supervisor.workers.launcher import Launched
 from infervisor.supervisor.workers.slot import WorkerSlot
 from infervisor.worker.profiles.cache import ArtifactCache, NotBuiltYet
-from tests.conftest import Daemon, model_entry, notify_messages, wait_for
+from tests.conftest import STATIC_TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
 from tests.gated_models import GATE_ENV, GATED_INPUTS, expected
 
 GATED = {"python": "tests.gated_models:gated"}
@@ -135,6 +136,59 @@ def test_answers_before_the_build_ends_survives_a_killed_builder_and_switches_un
     model = _model(daemon)
     assert model["build"]["state"] == "done" and model["build"]["picked"] == "jit", model["build"]
     assert model["serving"] == ["jit"] and model["health"] == "serving"
+
+
+def _group(leader: int) -> list[psutil.Process]:
+    """The live processes of the process group `leader` led (zombies are dead already)."""
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == leader and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return members
+
+
+def test_a_builder_killed_while_it_compiles_takes_its_compilers_with_it(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """kill -9 of a background builder while g++ compiles for aoti: no g++ or cc1plus of its process group (nor any
+    other process of it) is alive shortly after. The compile is held in flight: the real g++ is told to include a
+    FIFO nobody writes, so its cc1plus waits there until it is killed."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("aoti compiles with g++")
+    hold = tmp_path / "held-compile.h"
+    os.mkfifo(hold)
+    wrapper = tmp_path / "bin" / "g++"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} -include {hold} "$@"\n')
+    wrapper.chmod(0o755)
+    entry = model_entry({"builtin": "tiny"}, STATIC_TINY_INPUTS, outputs=["y"], profiles=["aoti", "eager"],
+                        build="background")  # fmt: skip
+    daemon = start_daemon({"models": {"t": entry}}, env={"CXX": str(wrapper)})
+    daemon.wait_ready(timeout=120)
+
+    def compiling() -> tuple[int, list[psutil.Process]] | None:
+        builder = (daemon.status()["models"]["t"]["build"] or {}).get("pid")
+        try:
+            below = psutil.Process(builder).children(recursive=True) if builder else []
+            compilers = [p for p in below if p.name().startswith(("g++", "cc1plus"))]
+        except psutil.Error:
+            return None
+        names = {p.name().rstrip("-0123456789") for p in compilers}
+        return (builder, compilers) if {"g++", "cc1plus"} <= names else None
+
+    builder, compilers = wait_for(compiling, 300, "g++ and cc1plus compiling under the builder")
+    try:
+        os.kill(builder, signal.SIGKILL)
+        wait_for(lambda: not _group(builder), 10, "every process of the killed builder's group gone")
+        assert not [p for p in compilers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:  # what a daemon that leaves them running left behind: ours alone name the FIFO
+        for process in psutil.process_iter(["cmdline"]):
+            if str(hold) in " ".join(process.info["cmdline"] or ()):
+                process.kill()
 
 
 def test_a_worker_serving_first_never_builds_nor_waits_and_loads_only_verified_packages(tmp_path: Path) -> None:

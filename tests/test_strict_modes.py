@@ -264,6 +264,7 @@ def _curve_config(tmp_path: Path) -> tuple[Path, Path, Path]:
     clients = keys / "clients"
     clients.mkdir(parents=True)
     _, secret = zmq.auth.create_certificates(keys, "server")
+    Path(secret).chmod(0o600)
     zmq.auth.create_certificates(clients, "app")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({
@@ -295,6 +296,100 @@ def test_a_key_another_user_can_write_is_refused(tmp_path: Path) -> None:
     (clients / "app.key").chmod(0o666)
     output = refused_at_start(config, tmp_path / "run")
     assert "app.key is writable by group and others" in output, output
+
+
+def test_a_server_secret_key_others_can_read_stops_the_start_with_78(tmp_path: Path) -> None:
+    """The server's secret key at 0644 (pyzmq's mode under umask 022) lets every local user pose as the daemon:
+    exit 78 naming the file, as sshd refuses such a host key."""
+    config, secret, _ = _curve_config(tmp_path)
+    secret.chmod(0o644)
+    output = refused_at_start(config, tmp_path / "run")
+    assert f"secret key file {secret} is readable by group and others (mode 0644)" in output, output
+
+
+# ------------------------------------------------------------------------------ a read-only bind mount is no pass
+
+
+def _bound(source: Path, target: Path, command: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """`command` run in a private mount namespace where `source` is bind-mounted read-only on `target`: its exit
+    code and output (-1 when it was still running after 60 s, as a daemon that accepted the config is)."""
+    script = 'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@"'
+    namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(source), str(target)]
+    environment = {**os.environ, **(env or {})}
+    process = subprocess.Popen(
+        [*namespace, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment
+    )
+    try:
+        output, _ = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        return -1, output.decode()
+    return process.returncode, output.decode()
+
+
+@pytest.fixture
+def bind_source(tmp_path: Path) -> tuple[Path, Path]:
+    """A root-owned 0777 folder holding a 0666 config.json and a 0666 `python` model module (anyone may rewrite
+    both through this path), and an empty 0755 folder to bind it on read-only."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a private mount namespace and a bind mount need root and unshare")
+    source, target = tmp_path / "shared", tmp_path / "etc-infervisor"
+    source.mkdir()
+    target.mkdir(mode=0o755)
+    module = f"bound_{secrets.token_hex(3)}"
+    (source / f"{module}.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(16, 4)\n")
+    model = model_entry({"python": f"{module}:make"}, TINY_INPUTS, workers=1)
+    (source / "config.json").write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"m": model}}))
+    for path in (source / f"{module}.py", source / "config.json", source):
+        path.chmod(0o777 if path == source else 0o666)
+    return source, target
+
+
+def test_a_config_on_a_read_only_bind_of_a_writable_folder_is_refused(
+    tmp_path: Path, bind_source: tuple[Path, Path]
+) -> None:
+    """config.json on a read-only bind mount whose source is a 0777 folder: exit 78 saying the file is writable
+    (the mount being read-only says nothing of its source, which anyone may rewrite)."""
+    source, target = bind_source
+    serve = [sys.executable, "-m", "infervisor", "serve", "--config", str(target / "config.json"),
+             "--runtime-dir", str(tmp_path / "run")]  # fmt: skip
+    code, output = _bound(source, target, serve)
+    assert code == 78, output[-3000:]
+    assert f"{target / 'config.json'} is writable by group and others (mode 0666)" in output, output[-3000:]
+
+
+def test_a_model_module_on_a_read_only_bind_of_a_writable_folder_is_refused(
+    tmp_path: Path, bind_source: tuple[Path, Path]
+) -> None:
+    """A safe config naming a `python` model found on that mount: exit 78 refusing the module, never imported."""
+    source, target = bind_source
+    (module,) = (path.stem for path in source.glob("bound_*.py"))
+    config = tmp_path / "config.json"
+    config.write_text((source / "config.json").read_text())
+    serve = [sys.executable, "-m", "infervisor", "serve", "--config", str(config),
+             "--runtime-dir", str(tmp_path / "run")]  # fmt: skip
+    python_path = os.pathsep.join([os.environ["PYTHONPATH"], str(target)])
+    code, output = _bound(source, target, serve, {"PYTHONPATH": python_path})
+    assert code == 78, output[-3000:]
+    assert f"refused '{module}'" in output and "writable by group and others" in output, output[-3000:]
+
+
+def test_only_a_read_only_mount_point_the_operator_names_waives_mode_bits(bind_source: tuple[Path, Path]) -> None:
+    """INFERVISOR_TRUSTED_MOUNTS naming that read-only mount point waives its mode bits (a ConfigMap volume); naming
+    a folder that is not a mount point, or nothing, waives nothing."""
+    source, target = bind_source
+    probe = ("import sys\nfrom pathlib import Path\nfrom infervisor.common.strict_modes import UnsafePath, check_file\n"
+             "try:\n    check_file(Path(sys.argv[1]))\n    print('passed')\nexcept UnsafePath as exc:\n"
+             "    print('refused:', exc)\n")  # fmt: skip
+    verdicts = {}
+    for named in ("", str(target), str(target.parent)):
+        code, output = _bound(source, target, [sys.executable, "-c", probe, str(target / "config.json")],
+                              {"INFERVISOR_TRUSTED_MOUNTS": named})  # fmt: skip
+        assert code == 0, output
+        verdicts[named] = output.strip()
+    assert verdicts[str(target)] == "passed", verdicts
+    assert verdicts[""].startswith("refused:") and verdicts[str(target.parent)].startswith("refused:"), verdicts
 
 
 # ------------------------------------------------------------------------------------ attack 1: code from the cache

@@ -5,9 +5,13 @@ the daemon's uid or root and writable by neither group nor others. One exception
 the one that holds the file only: a sticky folder (`/tmp`, mode 1777) owned by root or us, because there
 nobody may rename or remove an entry they do not own, so the next folder down (owned by us or root, and
 checked in turn) cannot be swapped. The folder that holds the file gets no such exception: in it another
-user could add a name (a package that shadows a module, a package named like a cache key). A file or
-folder on a read-only mount passes whatever its mode bits say: nobody can write it (a Kubernetes
-ConfigMap volume shows 0777 folders, mounted read-only).
+user could add a name (a package that shadows a module, a package named like a cache key).
+
+A read-only mount is no pass by itself: a bind mount's `ST_RDONLY` says nothing of its source, which others may
+write through another path, and the source cannot be found, let alone checked, from inside a mount namespace (a
+container). Mode bits are waived only below a read-only mount point the operator names in
+`INFERVISOR_TRUSTED_MOUNTS` (a Kubernetes ConfigMap volume: 0777 folders, its source under the kubelet's
+root-only folders), and never the owner.
 
 `INFERVISOR_STRICT_MODES=off` turns the checks off, for development on a shared checkout only; the
 supervisor passes its environment to the workers, so both sides then agree.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -24,6 +29,8 @@ from pathlib import Path
 #: The environment variable that turns the strict modes off ("off", "0", "no" or "false").
 STRICT_ENV = "INFERVISOR_STRICT_MODES"
 _OFF = frozenset({"off", "0", "no", "false"})
+#: Read-only mount points whose source the operator vouches for (`:`-separated): their mode bits are waived.
+TRUSTED_MOUNTS_ENV = "INFERVISOR_TRUSTED_MOUNTS"
 #: The largest config or key file read (a config past it is refused, not read): 1 MB.
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -41,13 +48,44 @@ def _trusted_uids() -> tuple[int, int]:
     return (os.geteuid(), 0)
 
 
-def _read_only_mount(path: Path) -> bool:
-    """Whether `path` is on a read-only mount: its mode bits then let nobody write (a Kubernetes ConfigMap or
-    Secret volume shows 0777 folders, mounted read-only)."""
+def _read_only(path: Path) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+def _vouched_mount(path: Path) -> bool:
+    """Whether `path` is on a read-only mount, at or below a mount point named in INFERVISOR_TRUSTED_MOUNTS that
+    is itself a read-only mount point (a name that is not one vouches for nothing)."""
+    for entry in os.environ.get(TRUSTED_MOUNTS_ENV, "").split(":"):
+        if not entry.strip():
+            continue
+        mount = Path(os.path.realpath(entry.strip()))
+        if (path == mount or mount in path.parents) and _is_mount_point(mount) and _read_only(mount):
+            return _read_only(path)
+    return False
+
+
+def _is_mount_point(path: Path) -> bool:
+    """Whether `path` is a mount point in this mount namespace (/proc/self/mountinfo: a bind mount within one file
+    system has the same st_dev as its parent, so `os.path.ismount` misses it)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
+            lines = mounts.read().splitlines()
+    except OSError:
+        return False
+    wanted = str(path)
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4 and _unescape(fields[4]) == wanted:
+            return True
+    return False
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field with its octal escapes (`\\040` for a space) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
 def _owner_problem(path: Path, info: os.stat_result, what: str) -> str | None:
@@ -55,7 +93,7 @@ def _owner_problem(path: Path, info: os.stat_result, what: str) -> str | None:
     if info.st_uid not in _trusted_uids():
         return f"{what} {path} is owned by uid {info.st_uid}, not by the daemon's uid {os.geteuid()} or root"
     mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022 and not _read_only_mount(path):
+    if mode & 0o022 and not _vouched_mount(path):
         who = "group and others" if mode & 0o022 == 0o022 else "its group" if mode & 0o020 else "others"
         return f"{what} {path} is writable by {who} (mode {mode:04o})"
     return None
@@ -72,7 +110,7 @@ def _folder_problem(folder: Path, holder: bool) -> str | None:
     if info.st_uid not in _trusted_uids():
         return f"folder {folder} is owned by uid {info.st_uid}, not by the daemon's uid {os.geteuid()} or root"
     mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022 and (holder or not mode & stat.S_ISVTX) and not _read_only_mount(folder):
+    if mode & 0o022 and (holder or not mode & stat.S_ISVTX) and not _vouched_mount(folder):
         return _owner_problem(folder, info, "folder")
     return None
 

@@ -116,8 +116,8 @@ def serve_forks(link: socket.socket, supervisor_pid: int) -> int:
 
 
 def fork_child(request: dict[str, Any], fds: list[int], link: socket.socket, supervisor_pid: int) -> int:
-    """Fork twice: the middle process starts the child in a session of its own and exits at once, which hands the
-    child to the supervisor (the nearest subreaper); returns the child's pid."""
+    """Fork twice: the middle process forks the child and exits at once, which hands the child to the supervisor
+    (the nearest subreaper); returns the child's pid."""
     entry, spec, env = str(request["entry"]), str(request["spec"]), dict(request["env"])
     title = str(request.get("title", entry))
     if not fds:
@@ -130,10 +130,13 @@ def fork_child(request: dict[str, Any], fds: list[int], link: socket.socket, sup
         code = 0
         try:
             os.close(read_end)
-            os.setsid()  # a Ctrl-C or a group SIGTERM reaches the supervisor, which stops children in order
             child = os.fork()
             if child == 0:
                 os.close(write_end)
+                # The leader of a session and process group of its own, as an exec'd child is: a Ctrl-C or a group
+                # SIGTERM reaches the supervisor, which stops children in order, and the supervisor ends what the
+                # child started (a compiler) by killing its group (supervisor/workers/process_tree.py).
+                os.setsid()
                 run_child(entry, spec, env, title, fds, link, supervisor_pid)
             os.write(write_end, str(child).encode())
         except OSError as exc:

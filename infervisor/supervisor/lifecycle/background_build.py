@@ -37,6 +37,7 @@ from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import ExitRecord, Launched, launch_worker
+from infervisor.supervisor.workers.process_tree import end_group_if_exited, kill_group
 from infervisor.supervisor.workers.slot import WorkerSlot, describe_exit
 
 log = structlog.get_logger("supervisor")
@@ -272,6 +273,8 @@ class BackgroundBuilds:
         launched = build.launched
         if launched is None:
             return
+        # Its compilers go with it (kill -9 included): its process group is killed before it is reaped.
+        end_group_if_exited(launched.process.pid)
         code = launched.process.poll()
         if code is None:
             return
@@ -330,6 +333,7 @@ class BackgroundBuilds:
             return
         log.info("builder_stopped", model=build.model, pid=launched.process.pid, reason=reason)
         launched.process.kill()
+        kill_group(launched.process.pid)  # its compilers too, while its unreaped pid still names the group
         launched.process.wait()
         if launched.link is not None:
             launched.link.close()

@@ -125,7 +125,7 @@ class WorkerPool:
         for slot in self.roster.all_slots():
             if slot.proc.process is None or slot.state not in LIVE_STATES:
                 continue
-            code = slot.proc.process.poll()
+            code = slot.exit_code()
             if code is not None:
                 self.on_exit(slot, code, now)
 

@@ -243,7 +243,11 @@ class AuditWatch:
         if process.settle(now):
             self.forget_samples(audit, dropped=True)
         oldest = min((s.sent_at for s in audit.sent.values() if s.sent_at is not None), default=None)
-        if oldest is not None and now - oldest > HANG_S:
+        stuck = process.stuck(len(audit.waiting) + len(audit.sent), now) if process.launched is not None else None
+        if stuck is not None:
+            process.kill(f"{stuck}: killed", now)
+            self.forget_samples(audit, dropped=True)
+        elif oldest is not None and now - oldest > HANG_S:
             process.kill(f"no verdict for {HANG_S:.0f} s: ended as hung", now)
             self.forget_samples(audit, dropped=True)
         due = process.state is AuditState.OFF or now >= process.next_start

@@ -3,7 +3,8 @@
 The process (`python -P -m infervisor.worker.audit`, worker/audit.py) runs at the lowest CPU priority on the
 model's cores and the supervisor's, with one thread and its own memory cap. Everything here is non-blocking: a
 send that does not fit waits in the link's outbox, a dead process is noticed by its exit code, a hung one by its
-oldest sample's age.
+oldest sample's age, a stuck one (no progress while samples wait for it: stopped by SIGSTOP or a debugger, or no
+CPU time gained at all) by the kernel's word on its state and CPU time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import AUDIT_ENTRY, Launched, launch_worker
+from infervisor.supervisor.workers.process_tree import own_child
 from infervisor.supervisor.workers.slot import describe_exit
 
 log = structlog.get_logger("supervisor")
@@ -33,6 +35,12 @@ _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 300.0
 #: A sample unanswered this long means the process hangs (at idle priority on a busy box it may be slow, not dead).
 HANG_S = 300.0
+#: Stopped (SIGSTOP, a debugger) this long while samples wait for it: stuck, killed and started again.
+STOPPED_S = 3.0
+#: No CPU time gained this long while samples wait: stuck. Even at idle priority on a saturated box a live process
+#: gains some (SCHED_IDLE has a small weight, not none), so this is a wedged process, not a slow one.
+STALLED_S = 60.0
+_HALTED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
 
 
 class AuditState(enum.Enum):
@@ -56,6 +64,11 @@ class AuditProcess:
         self.next_start = 0.0
         self.last_exit: str | None = None
         self.error: str | None = None
+        #: The process as psutil sees it, and its progress: CPU seconds, when they last grew, when it was seen stopped.
+        self.tree_root: psutil.Process | None = None
+        self.cpu_s = 0.0
+        self.progress_at = 0.0
+        self.stopped_at: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -74,6 +87,8 @@ class AuditProcess:
             self.ended(f"could not start: {exc}", now)
             return
         self.state = AuditState.STARTING
+        self.tree_root, self.progress_at, self.stopped_at = own_child(self.launched.process.pid), now, None
+        self.cpu_s = 0.0
         log.info("audit_started", model=self.model, pid=self.launched.process.pid)
 
     def send(self, seq: int, inputs: Sequence[Any], answer: Sequence[Any]) -> bool:
@@ -126,6 +141,28 @@ class AuditProcess:
             code = launched.process.wait()
         self.ended(describe_exit(code), now)
         return True
+
+    def stuck(self, waiting: int, now: float) -> str | None:
+        """Why the process is stuck while `waiting` samples wait for it (stopped for STOPPED_S, or no CPU time gained
+        for STALLED_S), else None; with nothing waiting, idling is no fault and counts as progress."""
+        root = self.tree_root
+        if root is None or not waiting:
+            self.progress_at, self.stopped_at = now, None
+            return None
+        try:
+            with root.oneshot():
+                halted = root.status() in _HALTED
+                times = root.cpu_times()
+        except psutil.Error:
+            return None  # it ended: settle() says how
+        if times.user + times.system != self.cpu_s:
+            self.cpu_s, self.progress_at = times.user + times.system, now
+        self.stopped_at = (now if self.stopped_at is None else self.stopped_at) if halted else None
+        if self.stopped_at is not None and now - self.stopped_at >= STOPPED_S:
+            return f"stuck: stopped for {now - self.stopped_at:.0f} s with {waiting} samples waiting"
+        if now - self.progress_at >= STALLED_S:
+            return f"stuck: no CPU time for {now - self.progress_at:.0f} s with {waiting} samples waiting"
+        return None
 
     def ended(self, how: str, now: float) -> None:
         """The process is gone (or never started): count it, and wait longer after each end in a row."""

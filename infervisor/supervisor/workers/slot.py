@@ -19,7 +19,13 @@ from infervisor.protocol.worker_link import Link
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import Launched, WorkerProcess
-from infervisor.supervisor.workers.process_tree import descendants_of, kill_all, own_child
+from infervisor.supervisor.workers.process_tree import (
+    descendants_of,
+    end_group_if_exited,
+    kill_all,
+    kill_group,
+    own_child,
+)
 from infervisor.supervisor.workers.start_clock import StartClock
 
 log = structlog.get_logger("supervisor")
@@ -252,6 +258,7 @@ class WorkerSlot:
         # Walked before the kill: once the worker is gone its orphans are re-parented out of its tree.
         proc.descendants = descendants_of(proc.tree_root)
         proc.process.kill()
+        kill_group(proc.process.pid)  # not reaped yet: the group's id is still the worker's
         kill_all(proc.descendants, self.name)
         proc.killed, proc.kill_reason, proc.kill_cause = True, reason, cause
         return True
@@ -260,8 +267,16 @@ class WorkerSlot:
         """Remember what runs below the live process, so what a crash leaves behind can be killed at its reap."""
         # A process that ended (not reaped yet) has no children left: keep the last look for its reap.
         proc = self.proc
-        if proc.process is not None and self.state in LIVE_STATES and proc.process.poll() is None:
+        if proc.process is not None and self.state in LIVE_STATES and self.exit_code() is None:
             proc.descendants = descendants_of(proc.tree_root)
+
+    def exit_code(self) -> int | None:
+        """The process's exit code, None while it runs; an exit is reaped only after its process group is killed."""
+        process = self.proc.process
+        if process is None:
+            return None
+        end_group_if_exited(process.pid)
+        return process.poll()
 
     def end_descendants(self) -> None:
         """Kill what the ended process left running (as last seen), then forget it."""
