@@ -785,6 +785,7 @@ def _another(key: Key, folder: Path) -> object:
         "tcp_endpoint": "tcp://127.0.0.1:5555",
         "metrics_listen": "127.0.0.1:9464",
         "oip": {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"},
+        "bundle_keys": ["fleet.pub"],
         "socket_group": os.getegid(),  # a gid is taken as it is: one that exists on any box
     }
     return custom[key.name]
