@@ -99,17 +99,19 @@ def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refus
     status = daemon.wait_ready(240)
     assert status["models"]["off"]["serving"] == ["eager"], status["models"]["off"]
     # Built, and waiting for traffic in shadow: nothing switches without it.
-    waiting = wait_for(lambda: _when(daemon, lambda s: all(_build(s, m).get("state") == "shadow" for m in ("off", "good"))),
-                       240, "both picks in shadow")  # fmt: skip
+    in_shadow = lambda s: all(_build(s, m).get("state") == "shadow" for m in ("off", "good"))  # noqa: E731
+    waiting = wait_for(lambda: _when(daemon, in_shadow), 240, "both picks in shadow")
     assert "no traffic = no switch" in _build(waiting, "off")["summary"], _build(waiting, "off")
     assert _build(waiting, "off")["shadow"]["profile"] == "bf16", _build(waiting, "off")
     with daemon.client() as client:
         traffic = Traffic(client)
         mix = np.random.default_rng(0)  # exact rows and off rows, in no order the sampling could follow
         refused = traffic.until(daemon, lambda: [traffic.send("off", v) for v in mix.choice([-1.0, 1.5], 3)],
-                                lambda s: _build(s, "off").get("state") == "done", 240, "off's shadow refusal")  # fmt: skip
+                                lambda s: _build(s, "off").get("state") == "done", 240,
+                                "off's shadow refusal")  # fmt: skip
         switched = traffic.until(daemon, lambda: traffic.send("good", -1.0),
-                                 lambda s: s["models"]["good"]["serving"] == ["bf16"], 240, "good switched to bf16")
+                                 lambda s: s["models"]["good"]["serving"] == ["bf16"], 240,
+                                 "good switched to bf16")  # fmt: skip
         for _ in range(10):
             traffic.send("off", 1.5)
     assert traffic.off == 0, f"{traffic.off} answers off eager were served"
