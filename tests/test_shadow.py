@@ -118,11 +118,11 @@ def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refus
     shadow = _build(refused, "off")["shadow"]
     assert shadow["state"] == "refused" and shadow["verdict"]["input_shape"] == "x[1, 8]", shadow
     assert shadow["verdict"]["cosine"] < 0.999 and "off the served exact answer" in shadow["verdict"]["why"], shadow
-    listed = wait_for(lambda: _when(daemon, lambda s: "bf16" in (_build(s, "off").get("recorded_refusals") or {})),
+    listed = wait_for(lambda: _when(daemon, lambda s: "bf16" in (s["models"]["off"]["refusals"] or {})),
                       30, "off's refusal listed")  # fmt: skip
     off = listed["models"]["off"]
     assert off["serving"] == ["eager"], off
-    assert off["build"]["recorded_refusals"]["bf16"]["by"] == "shadow", off["build"]
+    assert off["refusals"]["bf16"]["by"] == "shadow" and off["refusals"]["bf16"]["input_shape"] == "x[1, 8]", off
     assert off["build"]["refused"]["bf16"].startswith("refused by shadow on live traffic"), off["build"]
     good = _build(switched, "good")["shadow"]
     assert good["state"] == "passed" and good["rows_compared"] >= ROWS, good

@@ -121,18 +121,21 @@ def _write(path: Path, document: dict[str, Any]) -> None:
         raise
 
 
-def of_model(root: Path, model: str) -> list[Verdicts]:
-    """Every readable verdicts file of `model` in the cache (an unsafe or damaged one is skipped, never read)."""
+def every(root: Path) -> list[Verdicts]:
+    """Every readable verdicts file in the cache (an unsafe or damaged one is skipped, never read)."""
     found = []
     for path in sorted(root.glob(f"{PREFIX}*{SUFFIX}")) if root.is_dir() else []:
         key = path.name.removeprefix(PREFIX).removesuffix(SUFFIX)
         try:
-            verdicts = read(root, key)
+            found.append(read(root, key))
         except (UnsafePath, ValueError, OSError):
             continue
-        if verdicts.model == model:
-            found.append(verdicts)
     return found
+
+
+def of_model(root: Path, model: str) -> list[Verdicts]:
+    """Every readable verdicts file of `model` in the cache."""
+    return [verdicts for verdicts in every(root) if verdicts.model == model]
 
 
 def clear(root: Path, model: str) -> int:

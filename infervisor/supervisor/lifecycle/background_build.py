@@ -112,8 +112,6 @@ class ModelBuild:
     notes: list[str] = field(default_factory=list)
     #: Its lossy pick in shadow (state SHADOW), or the last shadow's outcome.
     shadow: ShadowRun | None = None
-    #: The verdicts recorded for the model's current spec (common/verdicts.py), read when the build ends.
-    refusals: dict[str, object] = field(default_factory=dict)
 
     def report(self, now: float) -> dict[str, object]:
         """The status document's `build` object of the model."""
@@ -130,7 +128,6 @@ class ModelBuild:
             "refused": {p: why for p, (outcome, why) in self.outcomes.items() if outcome != StartPhase.PASSED.value},
             "passed": [p for p, (outcome, _) in self.outcomes.items() if outcome == StartPhase.PASSED.value],
             "shadow": self.shadow.report() if self.shadow is not None else None,
-            "recorded_refusals": self.refusals or None,
         }
         if self.state is BuildState.BUILDING:
             report.update(
@@ -187,6 +184,8 @@ class BackgroundBuilds:
         self.switch = switch
         self.launcher = launcher
         self.builds: dict[str, ModelBuild] = {}
+        #: Per model, the refusals recorded in the cache (common/verdicts.py), read every _VERDICTS_EVERY_S for status.
+        self.refusals: dict[str, dict[str, object]] = {}
         self.verdicts_read_at = -_VERDICTS_EVERY_S
 
     def serves_first(self, model: ModelConfig) -> bool:
@@ -220,8 +219,7 @@ class BackgroundBuilds:
             self.follow_shadow(build, config, config.models[build.model], now)
         if now - self.verdicts_read_at >= _VERDICTS_EVERY_S:
             self.verdicts_read_at = now
-            for build in self.builds.values():
-                build.refusals = self.recorded_refusals(config, build.model)
+            self.refusals = self.recorded_refusals(config)
         if any(b.launched is not None for b in self.builds.values()):
             return
         for build in self.builds.values():
@@ -385,11 +383,12 @@ class BackgroundBuilds:
             log.error("shadow_verdict_not_recorded", model=name, profile=shadow.candidate, why=str(exc))
 
     @staticmethod
-    def recorded_refusals(config: Config, name: str) -> dict[str, object]:
-        """The refusals recorded for the model (shadow, live audit): profile -> its record."""
-        found: dict[str, object] = {}
-        for each in verdicts.of_model(resolve_cache_dir(config.cache_dir), name):
-            found.update(each.refused)
+    def recorded_refusals(config: Config) -> dict[str, dict[str, object]]:
+        """The refusals recorded for each model (shadow, live audit): model -> profile -> its record."""
+        found: dict[str, dict[str, object]] = {}
+        for each in verdicts.every(resolve_cache_dir(config.cache_dir)):
+            if each.model in config.models and each.refused:
+                found.setdefault(each.model, {}).update(each.refused)
         return found
 
     def offer(self, slot: WorkerSlot, request: PendingRequest, answer: list[Any]) -> None:

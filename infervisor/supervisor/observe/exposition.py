@@ -290,6 +290,7 @@ def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
                 counts[slot.profile] = counts.get(slot.profile, 0) + 1
         for profile, count in sorted(counts.items()):
             serving.add_metric([model.name, profile], count)
+        refusals.add_metric([model.name], float(len(model.refusals or {})))
         build = model.build
         if build is None:
             continue
@@ -301,7 +302,6 @@ def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
         passed = build.get("passed") or []
         outcomes.add_metric([model.name, "passed"], float(len(passed)))  # type: ignore[arg-type]
         outcomes.add_metric([model.name, "refused"], float(len(refused)))  # type: ignore[arg-type]
-        refusals.add_metric([model.name], float(len(build.get("recorded_refusals") or {})))  # type: ignore[arg-type]
         shadow = build.get("shadow")
         if isinstance(shadow, Mapping):
             shadow_rows.add_metric([model.name], float(shadow.get("rows_compared") or 0))
