@@ -3,6 +3,7 @@ cache, 0600 and written whole; a damaged or unsafe file is never honoured; a cha
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -10,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from infervisor.common import verdicts
+from infervisor.common.profiles import PROFILES
 from infervisor.common.strict_modes import UnsafePath
+from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.background_build import needs_builder
+from infervisor.supervisor.settings.config import Config, ConfigError, parse_config
+from infervisor.supervisor.settings.model_entry import ModelConfig
+from infervisor.supervisor.workers.launcher import launch_spec
 
 INPUTS = [["x", "float32", [None, 8]]]
 REFUSAL = {"by": "shadow", "why": "row 0 off", "measure": "cosine 0.0 < 0.999", "cosine": 0.0, "input_shape": "x[1, 8]"}
@@ -66,3 +73,37 @@ def test_a_damaged_or_group_writable_file_is_refused_never_honoured(tmp_path: Pa
     assert verdicts.of_model(tmp_path, "m") == []
     verdicts.record(tmp_path, key, "m", "int8_static", REFUSAL, refused=True)
     assert set(verdicts.read(tmp_path, key).refused) == {"int8_static"}
+
+
+def _config(tmp_path: Path, **keys: object) -> Config:
+    entry = {"source": {"builtin": "tiny"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 16]}], **keys}
+    return parse_config(json.dumps({"models": {"m": entry}}), tmp_path)
+
+
+def _model(tmp_path: Path, **keys: object) -> ModelConfig:
+    return _config(tmp_path, **keys).models["m"]
+
+
+def _held(tmp_path: Path, **keys: object) -> bool:
+    """Whether a worker of this model is launched held to the shadow."""
+    config = _config(tmp_path, **keys)
+    return launch_spec(config.models["m"], Assignment("m", 0, (0,), 0, 1, False), config, "m.0", 3).shadow
+
+
+def test_the_shadow_keys_default_on_hold_lossy_profiles_only_behind_a_builder_and_refuse_nonsense(
+    tmp_path: Path,
+) -> None:
+    """shadow on, 200 rows, a quarter core by default; workers are held to it only with `build: background` (no builder
+    to shadow otherwise) and not with `shadow: off`; lossy is what changes numerics; a bad value is refused."""
+    model = _model(tmp_path, profiles=["int8_static", "eager"])
+    assert (model.shadow, model.shadow_rows, model.shadow_budget) == ("on", 200, 0.25)
+    assert _held(tmp_path, profiles=["int8_static", "eager"]) and needs_builder(model)
+    assert needs_builder(_model(tmp_path, profiles=["bf16", "eager"])), "nothing to build, but a pick to shadow"
+    assert not _held(tmp_path, profiles=["int8_static", "eager"], shadow="off")
+    assert not _held(tmp_path, profiles=["int8_static", "eager"], build="at_start")
+    assert [p for p in PROFILES if verdicts.lossy(p)] == [
+        "int8_static", "int8_dynamic", "bf16", "openvino_bf16", "openvino_int8"
+    ]  # fmt: skip
+    for bad in ({"shadow": "maybe"}, {"shadow_rows": 0}, {"shadow_budget": 2}):
+        with pytest.raises(ConfigError):
+            _model(tmp_path, **bad)
