@@ -18,7 +18,7 @@ def describe(answer: dict[str, Any], reset: bool) -> str:
         return f"infervisor fallback: the daemon refused: {answer.get('error', 'no reason given')}"
     cleared = answer.get("refusals_cleared")
     if "profiles" not in answer:  # no fallback was in force: only the recorded refusals went
-        return f"{answer['model']}: {cleared} recorded refusals cleared; its background build starts again"
+        return f"{answer['model']}: {cleared} recorded refusals cleared; its workers are rebuilt, one at a time"
     tail = f"; {cleared} recorded refusals cleared" if cleared else ""
     chain = ", ".join(answer["profiles"])
     what = "back to its configured chain" if reset else f"down from {answer['from']}"

@@ -91,8 +91,11 @@ class FallbackControl:
         outcome = self.fallbacks.reset(model)
         if isinstance(outcome, str) and cleared:
             log.warning("verdicts_cleared", model=model, refusals=cleared)
-            self.pool.builds.restart(model, "recorded refusals cleared by the operator")
-            return {"ok": True, "model": model, "refusals_cleared": cleared, "queued": 0}
+            why = "recorded refusals cleared by the operator"
+            self.pool.builds.restart(model, why)
+            # Workers serving a later profile of the chain because of a refusal start again without it.
+            queued = self.pool.restart(model, why, RestartReason.OPERATOR)
+            return {"ok": True, "model": model, "refusals_cleared": cleared, "queued": queued}
         if isinstance(outcome, str):
             return {"ok": False, "error": outcome}
         if cleared:
