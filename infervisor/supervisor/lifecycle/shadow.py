@@ -238,7 +238,7 @@ class ShadowRun:
             text += f", worst cosine {cosine_text(float(self.worst['cosine']))} ({self.worst['input_shape']})"
         if self.outcome is ShadowOutcome.RUNNING:
             return f"{text}; waits for {self.waits_for()}"
-        return f"{text}; {self.outcome.value}: {self.verdict.get('why', '')}"
+        return f"shadow: {self.candidate} {self.outcome.value}: {self.verdict.get('why', '')}"
 
     def report(self) -> dict[str, object]:
         """The `shadow` object of the model's build in status."""
