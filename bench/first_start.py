@@ -10,6 +10,8 @@ with eager run in this process, and the same top-1) and READY=1 (from a fake NOT
 it) are timed from `infervisor serve`; the same load runs from the first answer until every worker serves the
 builder's pick. The load is 2 clients, each sending one request every 1/--rate s (a closed loop would leave an
 idle-priority builder no CPU at all). Requests that fail are counted; a run with any is reported as such.
+A lossy pick (int8, bf16) runs in shadow on that load before the switch: when it began, what it came to and
+serving's P99 meanwhile are reported too.
 """
 
 from __future__ import annotations
@@ -172,6 +174,19 @@ def baseline(config: dict[str, Any], name: str, inputs: dict[str, np.ndarray], a
         _stop(process)
 
 
+def _shadow_rows(shadow: dict[str, Any] | None, shadow_at: float | None, done: float, started: float,
+                 base_p99: float, load: PacedLoad) -> list[tuple[str, str]]:  # fmt: skip
+    """The lossy pick's shadow: when it began, what it came to, and serving's P99 meanwhile."""
+    if shadow is None or shadow_at is None:
+        return [("shadow", "none (the pick is exact, or `shadow: off`)")]
+    p99, count = load.p99(shadow_at, done)
+    return [
+        (f"shadow of {shadow['profile']} began", f"{shadow_at - started:.1f} s ({done - shadow_at:.1f} s in shadow)"),
+        ("shadow outcome", f"{shadow['state']}: {shadow['summary']}"),
+        ("P99 during the shadow", f"{p99:.1f} ms ({count} requests), {p99 / base_p99:.2f}x the baseline"),
+    ]
+
+
 def first_answers(args: argparse.Namespace) -> int:
     """The first correct answer and READY=1 of --runs starts, each with an empty cache (nothing else measured)."""
     config = json.loads(Path(args.config).read_text())
@@ -226,13 +241,16 @@ def main() -> int:
         try:
             first_answer = _first_answer(runtime, notify, ready, started + args.limit_s, name, inputs, want)
             load = PacedLoad(f"ipc://{runtime}/infer.sock", name, inputs, 2, 1.0 / args.rate).start()
-            switched = build_done = None
-            picked = "?"
+            switched = build_done = shadow_at = None
+            picked, shadow = "?", None
             while switched is None and time.monotonic() - started < args.limit_s:
                 _ready_at(notify, ready)
                 status = _status(runtime)
                 model = status["models"][name] if status else {}
                 build = model.get("build") or {}
+                if build.get("state") == "shadow" and shadow_at is None:
+                    shadow_at = time.monotonic()
+                shadow = build.get("shadow") or shadow
                 if build.get("state") == "done" and build_done is None:
                     build_done, picked = time.monotonic(), build.get("picked") or "?"
                 members = [w for w in model.get("workers", []) if "role" not in w]
@@ -247,7 +265,7 @@ def main() -> int:
         if first_answer is None or switched is None or build_done is None or load is None:
             print("did not switch within the limit; see", Path(temp) / "first" / "daemon.log")
             return 1
-        during_p99, during_count = load.p99(first_answer, build_done)
+        during_p99, during_count = load.p99(first_answer, shadow_at or build_done)
         rows = [
             ("first correct answer after `infervisor serve`", f"{first_answer - started:.1f} s"),
             ("READY=1 after `infervisor serve`", f"{ready[0] - started:.1f} s" if ready else "not seen"),
@@ -256,6 +274,7 @@ def main() -> int:
             ("P99 without a build (eager-only chain)", f"{base_p99:.1f} ms ({base_count} requests)"),
             ("P99 during the background build", f"{during_p99:.1f} ms ({during_count} requests)"),
             ("ratio", f"{during_p99 / base_p99:.2f}x"),
+            *_shadow_rows(shadow, shadow_at, build_done, started, base_p99, load),
             ("failed requests (baseline, first start)", f"{base_failed}, {len(load.failures)}"),
         ]
         print(f"config {args.config}, load 2 clients x {args.rate:g} req/s, {os.cpu_count()} cpus")

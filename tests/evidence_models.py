@@ -93,3 +93,33 @@ class LongerThan74(nn.Module):
         if x.shape[-1] > 74:
             x = x * 2
         return x.sum(-1, keepdim=True)
+
+
+#: The lift OffInBf16 adds and takes away again per unit of a row's first value (from 1, bf16 keeps multiples of 8).
+LIFT = 1000.0
+
+
+class OffInBf16(nn.Module):
+    """16 tanh features, plus and minus a lift of LIFT x clamp(x[:, 0], 0): in fp32 the lift cancels exactly; under bf16
+    autocast (the `bf16` profile, an 8-bit mantissa) features + lift keeps multiples of 8 only, so the features are
+    lost on rows whose first value is 1 or more, while rows whose first value is at most 0 lift nothing and stay within
+    bf16's rounding: a lossy profile right on its validation set and far off on traffic it did not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        self.features = nn.Linear(8, 16)
+        self.lift = nn.Linear(1, 16, bias=False)
+        with torch.no_grad():
+            for parameter in self.features.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            self.lift.weight.fill_(LIFT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lift = self.lift(x[:, :1].clamp(min=0))
+        return (torch.tanh(self.features(x)) + lift) - lift
+
+
+def off_in_bf16() -> nn.Module:
+    """The factory the config names."""
+    return OffInBf16().eval()

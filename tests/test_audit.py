@@ -79,9 +79,10 @@ def test_the_audit_catches_an_off_profile_and_falls_back_or_only_reports(
     start_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     """jit passes its gate on exact rows; traffic where it is 5% off makes `fallback` move to eager with the audit's
-    reason (row, cosine, tolerance, input shape), while `report` keeps serving jit and counts the rows below."""
+    reason (row, cosine, tolerance, input shape), recorded in the cache so that a restarted daemon never serves jit for
+    that spec again, while `report` keeps serving jit and counts the rows below (and records nothing itself)."""
     validation = _validation(tmp_path)
-    config = {"oversubscribe": True, "models": {
+    config = {"oversubscribe": True, "cache_dir": str(tmp_path / "cache"), "models": {
         "fb": _entry(validation, audit=FAST),
         "rep": _entry(validation, audit={**FAST, "action": "report"}),
     }}  # fmt: skip
@@ -116,6 +117,16 @@ def test_the_audit_catches_an_off_profile_and_falls_back_or_only_reports(
     rep = reported["models"]["rep"]
     assert rep["serving"] == ["jit"] and rep.get("fallback") is None, rep
     assert rep["audit"]["last_finding"]["failure"].startswith("cosine 0.998"), rep["audit"]
+    refusals = wait_for(lambda: daemon.status()["models"]["fb"]["refusals"], 30, "fb's refusal listed")
+    assert refusals["jit"]["by"] == "live audit" and refusals["jit"]["input_shape"] == "x[1, 8]", refusals
+    assert daemon.status()["models"]["rep"]["refusals"] is None
+    daemon.stop()
+    again = start_daemon(config).wait_ready(240)
+    # `rep` is the same weights, inputs and tolerance: one spec key, so fb's verdict on jit holds for it too.
+    for name in ("fb", "rep"):
+        assert again["models"][name]["serving"] == ["eager"], again["models"][name]
+        skipped = again["models"][name]["workers"][0]["profile_skipped"]
+        assert any(s.startswith("jit: refused by live audit on live traffic") for s in skipped), skipped
 
 
 def test_a_killed_or_stopped_audit_process_is_restarted_and_serving_never_notices(

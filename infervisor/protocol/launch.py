@@ -72,6 +72,9 @@ class LaunchSpec:
     #: Serve first: install only what needs no build (a cached package, eager, bf16); what is not built yet is
     #: refused and left to the background builder, which never makes this worker wait.
     ready_only: bool = False
+    #: Config `shadow: on` (with `build: background`): a lossy profile (int8, bf16) serves only once it passed the
+    #: shadow on live traffic (common/verdicts.py); the builder and the shadow process itself are not held to it.
+    shadow: bool = False
     #: The background builder: lowest CPU priority (SCHED_IDLE, else nice 19) before torch is imported.
     background: bool = False
     #: With batching, the batch sizes (rows) the broker will join requests into: the accuracy gate checks them.

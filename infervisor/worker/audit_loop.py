@@ -1,5 +1,9 @@
 """The audit process's loop: load eager fp32 once, then judge each served answer the supervisor sends.
 
+Loaded with another profile than eager (its launch chain), the same process is a model's shadow: it runs each
+sampled request on the lossy candidate the background builder passed and judges the candidate's answer against
+the exact one served, by the same measures (supervisor/lifecycle/shadow.py decides the switch).
+
 Each AUDIT carries a request as the worker got it and the answer it gave; the reply is one AUDIT_RESULT with
 the gate's figures per row (profiles/validate.py: the same `compare` and `Tolerance`, so an answer the gate
 would have refused on its validation set is refused here too). The process reads nothing but its link: no
@@ -31,6 +35,7 @@ from infervisor.worker.profiles.validate import Agreement, Tolerance, compare
 from infervisor.worker.request_path import prepare
 from infervisor.worker.runner import ModelRunner
 from infervisor.worker.shared_inputs import SharedInputs
+from infervisor.worker.start import load_candidate
 
 log = structlog.get_logger("worker")
 
@@ -45,10 +50,15 @@ def run(launch: LaunchSpec) -> int:
     os.set_inheritable(launch.link_fd, False)
     link = Link(socket.socket(fileno=launch.link_fd), WORKER_LINK_FRAMES, max(launch.max_frame_bytes, MAX_HEADER_BYTES))
     started = time.perf_counter()
+    shadow = launch.profiles != (REFERENCE_PROFILE,)
+    notes: list[str] = []
     try:
         names = launch.output_names or default_output_names(launch.source)
-        # The gate's reference: the module as loaded, fp32, NCHW, no profile applied.
-        runner = ModelRunner(load_model(launch.source, launch.inputs), launch.inputs, names)
+        if shadow:  # the shadow: the candidate profile, judged against the exact answers served
+            runner, selection = load_candidate(launch, link, _SEND_TIMEOUT_S)
+            notes = list(selection.notes)
+        else:  # the gate's reference: the module as loaded, fp32, NCHW, no profile applied
+            runner = ModelRunner(load_model(launch.source, launch.inputs), launch.inputs, names)
     except Exception as exc:  # noqa: BLE001 - any load failure is this process's end, said to the supervisor
         error = f"{type(exc).__name__}: {exc}"[:MAX_MESSAGE_LEN]
         log.error("audit_load_failed", error=error)
@@ -58,8 +68,8 @@ def run(launch: LaunchSpec) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     try:
         _send(link, wm.Ready(launch.worker_id, os.getpid(), load_ms, 0.0, torch.get_num_threads(), cpus,
-                             REFERENCE_PROFILE, [], []))  # fmt: skip
-        return _serve(link, launch, runner, Tolerance(**launch.tolerance))
+                             launch.profiles[0], [], notes))  # fmt: skip
+        return _serve(link, launch, runner, Tolerance(**launch.tolerance), shadow)
     except (LinkClosed, ProtocolError) as exc:
         log.info("audit_link_ended", reason=str(exc))
         return WorkerExitCode.SUPERVISOR_LOST
@@ -73,7 +83,7 @@ def _send(link: Link, message: wm.WorkerMessage) -> None:
         link.flush_blocking(_SEND_TIMEOUT_S)
 
 
-def _serve(link: Link, launch: LaunchSpec, runner: ModelRunner, tolerance: Tolerance) -> int:
+def _serve(link: Link, launch: LaunchSpec, runner: ModelRunner, tolerance: Tolerance, shadow: bool) -> int:
     """Answer each AUDIT in turn (the process dies with the supervisor: a quiet link is only waited on)."""
     shared = SharedInputs(client_group=None)
     while True:
@@ -84,7 +94,7 @@ def _serve(link: Link, launch: LaunchSpec, runner: ModelRunner, tolerance: Toler
             if isinstance(message, wm.Stop):
                 return WorkerExitCode.OK
             if isinstance(message, wm.Audit):
-                _send(link, audit(message, frames[1:], launch, runner, shared, tolerance))
+                _send(link, audit(message, frames[1:], launch, runner, shared, tolerance, shadow))
 
 
 def audit(
@@ -94,21 +104,25 @@ def audit(
     runner: ModelRunner,
     shared: SharedInputs,
     tolerance: Tolerance,
+    shadow: bool = False,
 ) -> wm.AuditResult:
-    """One served answer against eager fp32: the gate's figures, and the rows that miss the tolerance."""
+    """One served answer against eager fp32, or (`shadow`) the candidate's answer against the served exact one: the
+    gate's figures, and the rows that miss the tolerance."""
     cpu_started = time.process_time()
     inputs, answer = frames[: message.input_frames], frames[message.input_frames :]
     try:
         prepared = prepare(launch, runner, shared, inputs, None)
         shapes = ", ".join(f"{d.name}{list(d.shape)}" for d in prepared.infer.inputs)
-        eager = runner.forward(prepared.inputs)
+        ran = runner.forward(prepared.inputs)
         served = _served_outputs(answer)
     except (ProtocolError, ValueError) as exc:
         # Not a verdict on the profile: the sample could not be read back (reported as such, counted nowhere).
         why = getattr(exc, "message", str(exc))
         return wm.AuditResult(message.seq, 0, 0, 1.0, 0, 0.0, "", 0.0, True, f"unreadable sample: {why}", "",
                               (time.process_time() - cpu_started) * 1000.0)  # fmt: skip
-    agreement = compare([array for _, array in eager], served, [name for name, _ in eager])
+    mine = [array for _, array in ran]
+    reference, judged = (served, mine) if shadow else (mine, served)
+    agreement = compare(reference, judged, [name for name, _ in ran])
     failure = agreement.failure(tolerance)
     rows = max(1, agreement.rows)
     below = rows_below(agreement, tolerance)

@@ -11,10 +11,13 @@ from pathlib import Path
 import structlog
 import torch
 
+from infervisor.common import verdicts
 from infervisor.common.cpuinfo import read_caps
 from infervisor.common.json_logs import adopt_library_handlers
 from infervisor.common.profiles import PROFILES, REFERENCE_PROFILE
+from infervisor.common.strict_modes import UnsafePath
 from infervisor.common.text import clip
+from infervisor.common.verdicts import Verdicts
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import MAX_MESSAGE_LEN, StartPhase, WorkerExitCode
 from infervisor.protocol.launch import LaunchSpec
@@ -54,19 +57,39 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
     # Hashing every weight costs ~0.2 s on ResNet-50: only paid when something is kept under the digest (a
     # package, a fastest pick, or the crash markers of any profile but the eager reference).
     cached = launch.pick == "fastest" or any(p != REFERENCE_PROFILE for p in launch.profiles)
+    digest = model_digest(runner.module, launch.source) if cached else ""
+    cache = ArtifactCache(Path(launch.cache_dir), progress) if launch.cache_dir else None
     return BuildContext(
         module=runner.module,
         example=example,
         specs=runner.specs,
-        digest=model_digest(runner.module, launch.source) if cached else "",
+        digest=digest,
         channels_last=launch.channels_last,
-        cache=ArtifactCache(Path(launch.cache_dir), progress) if launch.cache_dir else None,
+        cache=cache,
         calibration=Path(launch.calibration) if launch.calibration else None,
         validation=Path(launch.validation) if launch.validation else None,
         served_batches=tuple(launch.served_batches),
         typical_shape=launch.typical_shape,
         sequences=sequence_gate_for(launch, runner),
+        verdicts=read_verdicts(launch, cache, runner, digest) if digest else None,
+        needs_evidence=launch.shadow and not launch.build_only,
     )
+
+
+def read_verdicts(launch: LaunchSpec, cache: ArtifactCache | None, runner: ModelRunner, digest: str) -> Verdicts:
+    """What live traffic proved about this model's profiles (none from a cache that fails the strict modes, or a
+    damaged file: then no refusal is honoured and no lossy profile counts as proven)."""
+    specs = [[s.name, s.dtype, s.config_shape()] for s in runner.specs]
+    key = verdicts.spec_key(digest, specs, launch.tolerance, launch.calibration or "", launch.channels_last)
+    if cache is None or not cache.trusted():
+        return verdicts.Verdicts(launch.model, key, {}, {})
+    try:
+        if launch.build_only:  # the weights, spec, tolerance or calibration changed: older verdicts do not hold
+            verdicts.forget_others(cache.root, launch.model, key)
+        return verdicts.read(cache.root, key)
+    except (UnsafePath, ValueError, OSError) as exc:
+        log.error("verdicts_refused", key=key, error=str(exc))
+        return verdicts.Verdicts(launch.model, key, {}, {})
 
 
 def attempt_log(launch: LaunchSpec, context: BuildContext) -> AttemptLog:
@@ -119,6 +142,20 @@ def start_model(launch: LaunchSpec, link: Link, progress: LinkProgress) -> Start
         log.error("model_warmup_failed", error=error)
         return _load_failed(link, progress, error)
     return Started(runner, _ready(launch, selection, load_ms, warmup_ms))
+
+
+def load_candidate(launch: LaunchSpec, link: Link, send_timeout_s: float) -> tuple[ModelRunner, Selection]:
+    """The shadow process's runner: the model with the one profile of its chain loaded from what the background
+    builder built (ready_only: nothing is built here) and gated as a worker gates it; ModelLoadError when that
+    profile did not come up (the shadow never judges eager in its place)."""
+    progress = LinkProgress(link, launch.profiles, send_timeout_s)
+    chosen = _load_and_select(launch, link, progress, time.perf_counter())
+    if isinstance(chosen, int):
+        raise ModelLoadError(f"the shadow of {launch.profiles[0]} ended its start ({chosen})")
+    runner, selection, _ = chosen
+    if selection.profile != launch.profiles[0]:
+        raise ModelLoadError(f"{launch.profiles[0]} did not load for the shadow: {'; '.join(selection.skipped)}")
+    return runner, selection
 
 
 def _eager_runner(launch: LaunchSpec) -> ModelRunner:
@@ -177,6 +214,11 @@ def _load_and_select(
         progress,
         ready_only=launch.ready_only,
     )
+    if context.verdicts is not None:  # the key the supervisor records what live traffic shows about it under
+        selection.notes.append(f"{verdicts.SPEC_KEY_NOTE}{context.verdicts.key}")
+        shadowed = context.verdicts.passed.get(selection.profile)
+        if shadowed is not None:
+            selection.notes.append(f"{verdicts.SHADOW_PASSED_NOTE}{shadowed.get('why', '')}")
     if selection.profile != REFERENCE_PROFILE:
         # The profile serves only the input shapes where it answers as eager does (coverage.Covered). With a dim
         # other than the batch open, each new shape is checked against eager, so the worker keeps the eager

@@ -31,6 +31,8 @@ from infervisor.supervisor.toolkit.scratch import log_reason
 _SETTLED = ("serving", "failed")
 #: A starting worker in the same phase this long gets its progress line again, so the demo never goes quiet.
 _REPEAT_PROGRESS_S = 15.0
+#: Requests sent to a model in shadow per turn of the wait for the switch (a turn is about half a second).
+_SHADOW_FEED = 5
 
 
 class DemoError(Exception):
@@ -107,7 +109,7 @@ def _switched(status: dict[str, Any]) -> bool:
     """Every model's background build ended, and where it picked a profile every worker serves it."""
     for model in status["models"].values():
         build = model.get("build") or {}
-        if build.get("state") in ("waiting", "building"):
+        if build.get("state") in ("waiting", "building", "shadow"):
             return False
         members = [w for w in model["workers"] if "role" not in w]
         if build.get("state") == "done" and not all(
@@ -128,6 +130,7 @@ def _wait_switch(process: subprocess.Popen[bytes], runtime_dir: Path, timeout: f
             return None
         if _switched(status):
             return status
+        _feed_shadows(runtime_dir, status)
         now = time.monotonic()
         for name, model in status["models"].items():
             summary = str((model.get("build") or {}).get("summary") or "")
@@ -141,6 +144,17 @@ def _wait_switch(process: subprocess.Popen[bytes], runtime_dir: Path, timeout: f
                 )
         time.sleep(0.5)
     return None
+
+
+def _feed_shadows(runtime_dir: Path, status: dict[str, Any]) -> None:
+    """A few requests to each model whose lossy pick is in shadow: it switches only on live traffic."""
+    endpoint = f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}"
+    for name, model in status["models"].items():
+        if (model.get("build") or {}).get("state") != "shadow":
+            continue
+        with Client(endpoint) as client:
+            for _ in range(_SHADOW_FEED):
+                client.infer(name, random_inputs(model["inputs"], 1), timeout=60)
 
 
 def _load(

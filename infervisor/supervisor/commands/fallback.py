@@ -16,12 +16,16 @@ def describe(answer: dict[str, Any], reset: bool) -> str:
     """One sentence on what the daemon did."""
     if not answer.get("ok"):
         return f"infervisor fallback: the daemon refused: {answer.get('error', 'no reason given')}"
+    cleared = answer.get("refusals_cleared")
+    if "profiles" not in answer:  # no fallback was in force: only the recorded refusals went
+        return f"{answer['model']}: {cleared} recorded refusals cleared; its workers are rebuilt, one at a time"
+    tail = f"; {cleared} recorded refusals cleared" if cleared else ""
     chain = ", ".join(answer["profiles"])
     what = "back to its configured chain" if reset else f"down from {answer['from']}"
     workers = "its worker is" if answer["queued"] == 1 else f"its {answer['queued']} workers are"
     return (
         f"{answer['model']}: {what}; {workers} rebuilt with profiles [{chain}], one at a "
-        "time, each retired only once its successor serves; `infervisor status` shows the fallback"
+        f"time, each retired only once its successor serves; `infervisor status` shows the fallback{tail}"
     )
 
 

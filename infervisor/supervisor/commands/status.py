@@ -114,6 +114,8 @@ def format_status(status: dict[str, Any], notes: bool = True) -> str:
         lines.append(f"  serves {serving}" + (f"; {build['summary']}" if build.get("summary") else ""))
         if model.get("audit"):
             lines.append(f"  audit: {describe_audit(model['audit'])}")
+        for profile, refusal in (model.get("refusals") or {}).items():
+            lines.append(f"  refused on live traffic: {profile} ({refusal.get('why', '')}); `fallback --reset` clears")
         lines.append(header)
         for w in model["workers"]:
             cores = ",".join(str(c) for c in w["cores"])

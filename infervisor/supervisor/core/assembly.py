@@ -34,10 +34,12 @@ from infervisor.supervisor.monitors.registry import Monitors, build_monitors
 from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.child_home import HOME, ChildHome
 from infervisor.supervisor.workers.launcher import Launcher
+from infervisor.supervisor.workers.slot import WorkerSlot
 from infervisor.supervisor.workers.worker_inbox import WorkerInbox
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
@@ -116,7 +118,14 @@ def assemble(
     broker = Broker(endpoints, loop, links, serving, anomalies)
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
-    broker.audit_tap = monitors.audit.offer
+    audit, shadows = monitors.audit.offer, pool.builds.offer
+
+    def tap(slot: WorkerSlot, request: PendingRequest, frames: list[Any]) -> None:
+        """Each successful answer: the live audit's and the shadow's sampler (each never raises)."""
+        audit(slot, request, frames)
+        shadows(slot, request, frames)
+
+    broker.audit_tap = tap
     fallback = FallbackControl(serving, pool)
     responses = Responses(serving, pool, broker, links, fallback, monitors.canaries)
     # Each worker message goes straight to its owner; a link that lost its framing, to the pool.

@@ -12,6 +12,8 @@ from typing import Any
 
 import structlog
 
+from infervisor.common import verdicts
+from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.monitors.findings import Finding
 from infervisor.supervisor.settings.fallback import Fallback, FallbackOrigin, Fallbacks
@@ -77,19 +79,34 @@ class FallbackControl:
         )
 
     def reset(self, model: str) -> dict[str, Any]:
-        """Rebuild a fallen-back model's workers, rolling, with the chain config.json gives it."""
+        """Forget the refusals recorded for the model (common/verdicts.py) and rebuild a fallen-back model's
+        workers, rolling, with the chain config.json gives it; with no fallback in force, its build starts again."""
         refused = self.refusal(model)
         if refused is not None:
             return {"ok": False, "error": refused}
+        try:
+            cleared = verdicts.clear(resolve_cache_dir(self.serving.current.cache_dir), model)
+        except OSError as exc:
+            return {"ok": False, "error": f"the recorded verdicts of {model!r} could not be removed: {exc}"}
         outcome = self.fallbacks.reset(model)
+        if isinstance(outcome, str) and cleared:
+            log.warning("verdicts_cleared", model=model, refusals=cleared)
+            why = "recorded refusals cleared by the operator"
+            self.pool.builds.restart(model, why)
+            # Workers serving a later profile of the chain because of a refusal start again without it.
+            queued = self.pool.restart(model, why, RestartReason.OPERATOR)
+            return {"ok": True, "model": model, "refusals_cleared": cleared, "queued": queued}
         if isinstance(outcome, str):
             return {"ok": False, "error": outcome}
+        if cleared:
+            log.warning("verdicts_cleared", model=model, refusals=cleared)
         # `from` is the profile the reset leaves: what the workers serve now under the fallback's chain.
         serving = [p for p in self.serving_profiles(model) if p in outcome.chain]
         leaving = min(serving, key=outcome.chain.index) if serving else outcome.chain[0]
-        return self.roll_chain(
+        answer = self.roll_chain(
             model, outcome.configured, outcome, "fallback reset by the operator", "fallback_reset_started", leaving
         )
+        return {**answer, "refusals_cleared": cleared}
 
     def serving_profiles(self, model: str) -> list[str]:
         """The profile of each serving member of the model."""

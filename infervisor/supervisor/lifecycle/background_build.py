@@ -24,16 +24,22 @@ import enum
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 import structlog
 
+from infervisor.common import verdicts
 from infervisor.common.profiles import PROFILES, TIMED_AT_NOTE
+from infervisor.common.verdicts import SHADOW_PASSED_NOTE, lossy
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import OUTCOME_PHASES, StartPhase
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
+from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.shadow import ShadowOutcome, ShadowRun
+from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import ExitRecord, Launched, launch_worker
@@ -42,6 +48,8 @@ from infervisor.supervisor.workers.slot import WorkerSlot, describe_exit
 
 log = structlog.get_logger("supervisor")
 
+#: How often the recorded refusals (common/verdicts.py) are read again for status.
+_VERDICTS_EVERY_S = 2.0
 #: SIGKILL: the OOM killer, kill -9, a stop that did not wait. Retried once per profile before it is a refusal.
 _SIGKILL = 9
 
@@ -51,16 +59,21 @@ class BuildState(enum.Enum):
 
     WAITING = "waiting"  # for its model to serve, or for another model's builder to finish
     BUILDING = "building"  # a builder process runs
+    SHADOW = "shadow"  # its pick is lossy: it runs in shadow on live requests before the switch (shadow.py)
     DONE = "done"  # built, checked and timed: the pick serves or the switch to it is under way
     FAILED = "failed"  # the builder could not finish; the workers serve on what was ready (never a serving failure)
 
 
 def needs_builder(model: ModelConfig) -> bool:
-    """A model whose chain has something to build or time, built in the background."""
+    """A model whose chain has something to build, time or shadow, built in the background."""
     if model.build != "background":
         return False
     chain = model.profiles
-    return any(not PROFILES[p].builds_nothing for p in chain) or (model.pick == "fastest" and len(chain) > 1)
+    return (
+        any(not PROFILES[p].builds_nothing for p in chain)
+        or (model.pick == "fastest" and len(chain) > 1)
+        or (model.shadow == "on" and any(lossy(p) for p in chain))
+    )
 
 
 def builder_memory_mb(config: Config, model: ModelConfig) -> int:
@@ -96,6 +109,10 @@ class ModelBuild:
     error: str = ""
     #: SIGKILLs per profile: the first is retried, the second refuses it.
     kills: dict[str, int] = field(default_factory=dict)
+    #: The builder's READY notes (its pick's evidence: the spec key, a shadow it already passed).
+    notes: list[str] = field(default_factory=list)
+    #: Its lossy pick in shadow (state SHADOW), or the last shadow's outcome.
+    shadow: ShadowRun | None = None
 
     def report(self, now: float) -> dict[str, object]:
         """The status document's `build` object of the model."""
@@ -111,6 +128,7 @@ class ModelBuild:
             "error": self.error or None,
             "refused": {p: why for p, (outcome, why) in self.outcomes.items() if outcome != StartPhase.PASSED.value},
             "passed": [p for p, (outcome, _) in self.outcomes.items() if outcome == StartPhase.PASSED.value],
+            "shadow": self.shadow.report() if self.shadow is not None else None,
         }
         if self.state is BuildState.BUILDING:
             report.update(
@@ -145,6 +163,8 @@ class ModelBuild:
             return f"optimized: picked {self.picked or '?'}" + (f", {refused} refused" if refused else "")
         if self.state is BuildState.FAILED:
             return f"optimizing stopped: {self.error}"
+        if self.state is BuildState.SHADOW and self.shadow is not None:
+            return f"optimized, before the switch: {self.shadow.line()}"
         return "optimizing: waiting"
 
 
@@ -165,6 +185,9 @@ class BackgroundBuilds:
         self.switch = switch
         self.launcher = launcher
         self.builds: dict[str, ModelBuild] = {}
+        #: Per model, the refusals recorded in the cache (common/verdicts.py), read every _VERDICTS_EVERY_S for status.
+        self.refusals: dict[str, dict[str, object]] = {}
+        self.verdicts_read_at = -_VERDICTS_EVERY_S
 
     def serves_first(self, model: ModelConfig) -> bool:
         """Whether a worker of `model` starts on what is ready only (its build is not done)."""
@@ -193,6 +216,11 @@ class BackgroundBuilds:
         for build in running:
             self.read(build, now)
             self.settle(build, config.models[build.model], now, ready)
+        for build in [b for b in self.builds.values() if b.state is BuildState.SHADOW]:
+            self.follow_shadow(build, config, config.models[build.model], now)
+        if now - self.verdicts_read_at >= _VERDICTS_EVERY_S:
+            self.verdicts_read_at = now
+            self.refusals = self.recorded_refusals(config)
         if any(b.launched is not None for b in self.builds.values()):
             return
         for build in self.builds.values():
@@ -249,6 +277,7 @@ class BackgroundBuilds:
             return
         if isinstance(message, wm.Ready):
             build.picked = message.profile
+            build.notes = list(message.build_notes)
             timed = [note for note in message.build_notes if note.startswith(TIMED_AT_NOTE)]
             build.timed_at = timed[0].removeprefix(TIMED_AT_NOTE) if timed else ""
             return
@@ -307,19 +336,82 @@ class BackgroundBuilds:
         build.phase = "restarting"
 
     def finish(self, build: ModelBuild, now: float, ready: Callable[[str], list[str] | None]) -> None:
-        """Built: roll the workers over to the pick unless every one serves it already."""
+        """Built: roll the workers over to the pick unless every one serves it already; a lossy pick not proven on
+        live traffic yet runs in shadow first."""
         build.state, build.ended_at = BuildState.DONE, now
         served = ready(build.model) or []
         log.info(
             "builder_done", model=build.model, picked=build.picked, seconds=round(now - (build.started_at or now), 1)
         )
+        model = self.config().models[build.model]
+        proven = any(note.startswith(SHADOW_PASSED_NOTE) for note in build.notes)
+        tried = build.shadow is not None and build.shadow.candidate == build.picked
+        if model.shadow == "on" and lossy(build.picked) and not proven and not tried:
+            open_dims = any(None in spec.shape[1:] for spec in model.inputs)
+            build.state = BuildState.SHADOW
+            build.shadow = ShadowRun(build.model, build.picked, model.shadow_rows, open_dims, now)
+            log.info("shadow_started", model=build.model, profile=build.picked, rows_needed=model.shadow_rows)
+            return
         if build.picked and served and all(p == build.picked for p in served):
             return
         self.switch(build.model, f"background build done: switching to {build.picked or 'its pick'}")
 
+    def follow_shadow(self, build: ModelBuild, config: Config, model: ModelConfig, now: float) -> None:
+        """Drive the pick's shadow; passed: record it and switch; refused: record it and build again (the builder
+        then refuses the profile and picks the next); failed: switch (a worker does not serve it unproven)."""
+        shadow = build.shadow
+        if shadow is None:
+            return
+        outcome = shadow.tick(now, config, model, list(self.cores_of(build.model)[0]))
+        if outcome is ShadowOutcome.RUNNING:
+            return
+        if outcome is not ShadowOutcome.FAILED:
+            self.record(config, build.model, shadow, refused=outcome is ShadowOutcome.REFUSED)
+        if outcome is ShadowOutcome.REFUSED:
+            self.builds[build.model] = ModelBuild(build.model, shadow=shadow)
+            return
+        build.state = BuildState.DONE
+        self.switch(build.model, f"{shadow.line()}: switching")
+
+    def record(self, config: Config, name: str, shadow: ShadowRun, refused: bool) -> None:
+        """Keep the shadow's verdict beside the pick in the cache, under the spec key it ran on."""
+        key = shadow.spec_key
+        if key is None:
+            log.error("shadow_verdict_not_recorded", model=name, profile=shadow.candidate, why="no spec key")
+            return
+        try:
+            verdicts.record(resolve_cache_dir(config.cache_dir), key, name, shadow.candidate,
+                            {"by": "shadow", **shadow.verdict}, refused=refused)  # fmt: skip
+        except OSError as exc:
+            log.error("shadow_verdict_not_recorded", model=name, profile=shadow.candidate, why=str(exc))
+
+    @staticmethod
+    def recorded_refusals(config: Config) -> dict[str, dict[str, object]]:
+        """The refusals recorded for each model (shadow, live audit): model -> profile -> its record."""
+        found: dict[str, dict[str, object]] = {}
+        for each in verdicts.every(resolve_cache_dir(config.cache_dir)):
+            if each.model in config.models and each.refused:
+                found.setdefault(each.model, {}).update(each.refused)
+        return found
+
+    def offer(self, slot: WorkerSlot, request: PendingRequest, answer: list[Any]) -> None:
+        """The broker's tap: an exact answer of a model whose pick is in shadow may be its next sample (never
+        raises: a bug here costs a sample, never the reply)."""
+        build = self.builds.get(slot.model.name)
+        if build is None or build.state is not BuildState.SHADOW or build.shadow is None:
+            return
+        try:
+            model = self.config().models.get(slot.model.name)
+            if model is not None:
+                build.shadow.offer(slot, request, answer, model.shadow_budget)
+        except Exception:  # noqa: BLE001 - the shadow must not reach serving
+            log.exception("shadow_offer_failed", model=slot.model.name)
+
     def forget(self, name: str, reason: str) -> None:
         """Drop a model's build (removed, or its chain changed): its builder is killed and reaped."""
         build = self.builds.pop(name, None)
+        if build is not None and build.shadow is not None:
+            build.shadow.stop()
         if build is not None and build.launched is not None:
             self.end(build, reason)
 
@@ -343,3 +435,5 @@ class BackgroundBuilds:
         """The daemon stops: every builder goes (a build left half-done is never loaded; the next start builds)."""
         for build in self.builds.values():
             self.end(build, reason)
+            if build.shadow is not None:
+                build.shadow.stop()

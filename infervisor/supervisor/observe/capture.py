@@ -102,6 +102,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
                 config_error=error,
                 build=build.report(time.monotonic()) if build is not None else None,
                 streams=broker.streams.report(pool.serving.desired(name) or model),
+                refusals=pool.builds.refusals.get(name),
                 **_queue_figures(queue),
             )
         )

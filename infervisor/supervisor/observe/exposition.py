@@ -13,7 +13,7 @@ counters end in `_total`; the list with labels and meaning is in docs/operations
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, make_wsgi_app
@@ -252,7 +252,7 @@ def _worker_families(snapshot: Snapshot) -> Iterator[Metric]:
 
 
 #: The states of a model's background build (lifecycle/background_build.py: BuildState), each a 0/1 series.
-_BUILD_STATES = ("waiting", "building", "done", "failed")
+_BUILD_STATES = ("waiting", "building", "shadow", "done", "failed")
 
 
 def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
@@ -274,6 +274,15 @@ def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
         "profiles of the chain the build decided, by outcome",
         labels=["model", "outcome"],
     )
+    shadow_rows = GaugeMetricFamily(
+        "infervisor_model_shadow_rows", "live rows the lossy candidate in shadow matched so far", labels=["model"]
+    )
+    shadow_worst = GaugeMetricFamily(
+        "infervisor_model_shadow_worst_cosine", "the lowest row cosine the shadow measured", labels=["model"]
+    )
+    refusals = GaugeMetricFamily(
+        "infervisor_model_recorded_refusals", "profiles refused on live traffic (in the cache)", labels=["model"]
+    )
     for model in snapshot.models:
         counts: dict[str, int] = {}
         for slot in snapshot.slots_of(model.name):
@@ -281,6 +290,7 @@ def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
                 counts[slot.profile] = counts.get(slot.profile, 0) + 1
         for profile, count in sorted(counts.items()):
             serving.add_metric([model.name, profile], count)
+        refusals.add_metric([model.name], float(len(model.refusals or {})))
         build = model.build
         if build is None:
             continue
@@ -292,7 +302,13 @@ def _build_families(snapshot: Snapshot) -> Iterator[Metric]:
         passed = build.get("passed") or []
         outcomes.add_metric([model.name, "passed"], float(len(passed)))  # type: ignore[arg-type]
         outcomes.add_metric([model.name, "refused"], float(len(refused)))  # type: ignore[arg-type]
-    yield from (serving, state, step, elapsed, outcomes)
+        shadow = build.get("shadow")
+        if isinstance(shadow, Mapping):
+            shadow_rows.add_metric([model.name], float(shadow.get("rows_compared") or 0))
+            worst = shadow.get("worst")
+            if isinstance(worst, Mapping):
+                shadow_worst.add_metric([model.name], float(worst["cosine"]))
+    yield from (serving, state, step, elapsed, outcomes, shadow_rows, shadow_worst, refusals)
 
 
 def _daemon_families(snapshot: Snapshot) -> Iterator[Metric]:

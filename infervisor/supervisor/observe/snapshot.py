@@ -109,6 +109,8 @@ class ModelSample:
     build: Mapping[str, object] | None = None
     #: A stateful model's streams (routing/streams.py: StreamTable.report), None for a stateless one.
     streams: Mapping[str, Any] | None = None
+    #: Profiles refused on live traffic and recorded in the cache (common/verdicts.py): profile -> its record.
+    refusals: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
                 {s.profile for s in snapshot.slots_of(sample.name) if s.state.value == "serving" and s.profile}
             ),
             "build": sample.build,
+            "refusals": dict(sample.refusals) if sample.refusals else None,
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
             "streams": None if sample.streams is None else dict(sample.streams),

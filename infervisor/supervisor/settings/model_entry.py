@@ -41,6 +41,8 @@ from infervisor.supervisor.settings.tolerance_keys import DEFAULT_TOLERANCE, rea
 ROLLOUT_STRATEGIES = ("surge", "drain_first")
 #: When a model's profiles are built: by the background builder while the workers serve, or in each worker's start.
 BUILD_MODES = ("background", "at_start")
+#: `shadow`: whether a lossy profile must match the served exact answers on live traffic before it serves.
+SHADOW_MODES = ("on", "off")
 SOURCE_KINDS = ("builtin", "torchscript", "exported", "python")
 _PYTHON_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 
@@ -109,6 +111,10 @@ class ModelConfig:
     canary_tolerance: float
     batching: BatchingConfig | None
     audit: AuditConfig
+    #: "on": a lossy profile (int8, bf16) serves only after matching the served exact answers in shadow.
+    shadow: str
+    shadow_rows: int
+    shadow_budget: float
 
 
 def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
@@ -302,5 +308,16 @@ MODEL_KEYS: tuple[Key, ...] = (
         "at most once a second, re-run on eager fp32 at the lowest CPU priority and judged by `tolerance`; a row "
         "below it makes the model "
         "fall back one step (`fallback`) or is only reported (`report`) ([more](optimization.md#the-live-audit))."),
+    Key("shadow", Choice("on", SHADOW_MODES), Applied.ROLLING,
+        "`on` (with `build: background`): a lossy profile (int8, bf16, openvino_bf16/int8) serves only after "
+        "`shadow_rows` live rows, run on it beside the exact profile that serves, stayed within `tolerance`; one "
+        "row outside refuses it for good (recorded in the cache); `off`: it serves once its gate passes "
+        "([more](optimization.md#the-shadow))."),
+    Key("shadow_rows", Integer(200, 1), Applied.LIVE,
+        "live rows the shadow compares before a lossy profile serves (and at least 3 shapes when an input has an "
+        "open dim besides the batch)."),
+    Key("shadow_budget", Fraction(0.25, 1.0), Applied.LIVE,
+        "share of one core the shadow process may spend (at the lowest CPU priority) running sampled requests on "
+        "the lossy candidate."),
 )
 # fmt: on

@@ -22,9 +22,11 @@ RECORDS = "records/"
 #: stay home: a refusal travels only inside the signed manifest, never as a marker file.
 ENTRY_SUFFIXES = (".json", ".sha256", ".bin.sha256", ".bin", ".buckets.json", ".xml", ".pt2")
 #: The kinds of record a bundle carries beside the packages, each as the pattern of its file name in the cache.
-#: A new kind (the refusal store's records) is one more line here: export, signing, import and install follow.
+#: A new kind is one more line here: export, signing, import and install follow.
 RECORD_KINDS: tuple[re.Pattern[str], ...] = (
     re.compile(r"pick-[0-9a-f]{32}\.json"),  # a fastest pick (infervisor/worker/profiles/pick_record.py)
+    # What live traffic proved of a spec key's lossy profiles: shadow passes and refusals (common/verdicts.py).
+    re.compile(r"verdicts-[0-9a-f]{32}\.json"),
 )
 #: Files the import reads into memory (keys, digests, bucket tables, records) are at most this big.
 MAX_SMALL_FILE_BYTES = 1 << 20

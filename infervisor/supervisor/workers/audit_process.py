@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import structlog
 
+from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
@@ -55,8 +56,12 @@ class AuditState(enum.Enum):
 class AuditProcess:
     """The audit process of one model, with its restarts; the samples it holds are the watch's."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, profile: str = REFERENCE_PROFILE) -> None:
         self.model = model
+        #: What the process runs: eager fp32 (the audit), or a lossy candidate (the shadow, lifecycle/shadow.py).
+        self.profile = profile
+        #: The build notes of its READY (the shadow's: the spec key its verdict is recorded under).
+        self.notes: list[str] = []
         self.state = AuditState.OFF
         self.launched: Launched | None = None
         self.restarts = 0
@@ -75,21 +80,25 @@ class AuditProcess:
         return self.launched.process.pid if self.launched is not None else None
 
     def start(self, config: Config, model: ModelConfig, cpus: Sequence[int], now: float) -> None:
-        """Spawn the process for `model` (eager fp32 only, one thread) on `cpus`; on OSError, a back-off."""
+        """Spawn the process for `model` (its profile only, one thread) on `cpus`; on OSError, a back-off."""
         cap = config.builder_memory_mb or model.max_memory_mb or int(psutil.virtual_memory().total // 2**20 // 4)
-        eager = dataclasses.replace(model, profiles=("eager",), channels_last=False, max_memory_mb=max(512, cap))
+        if self.profile == REFERENCE_PROFILE:
+            loaded = dataclasses.replace(model, profiles=("eager",), channels_last=False, max_memory_mb=max(512, cap))
+        else:  # the shadow: what the builder built, loaded as a serving worker would (never held to a shadow itself)
+            loaded = dataclasses.replace(model, profiles=(self.profile,), max_memory_mb=max(512, cap), shadow="off")
         # The model's cores and the supervisor's: on the model's cores alone a 300 ms pass raised resnet50's P99
         # 1.27x (the worker shares its core with it), while beside the supervisor it did not move.
         assignment = Assignment(model.name, 0, tuple(sorted(set(cpus) | os.sched_getaffinity(0))), 0, 1, True)
         try:
-            self.launched = launch_worker(eager, assignment, config, entry=AUDIT_ENTRY)
+            ready_only = self.profile != REFERENCE_PROFILE
+            self.launched = launch_worker(loaded, assignment, config, entry=AUDIT_ENTRY, ready_only=ready_only)
         except OSError as exc:
             self.ended(f"could not start: {exc}", now)
             return
         self.state = AuditState.STARTING
         self.tree_root, self.progress_at, self.stopped_at = own_child(self.launched.process.pid), now, None
         self.cpu_s = 0.0
-        log.info("audit_started", model=self.model, pid=self.launched.process.pid)
+        log.info("audit_started", model=self.model, pid=self.launched.process.pid, profile=self.profile)
 
     def send(self, seq: int, inputs: Sequence[Any], answer: Sequence[Any]) -> bool:
         """Queue one sample on the link (never blocks); False when the process is gone."""
@@ -119,8 +128,9 @@ class AuditProcess:
                     message = wm.decode(frames[0])
                     if isinstance(message, wm.Ready):
                         self.state, self.failures_in_row = AuditState.READY, 0
+                        self.notes = list(message.build_notes)
                     elif isinstance(message, wm.LoadError):
-                        self.error = f"eager fp32 did not load: {message.error}"
+                        self.error = f"{self.profile} did not load: {message.error}"
                     elif isinstance(message, wm.AuditResult):
                         results.append(message)
         except (LinkClosed, ProtocolError):

@@ -129,6 +129,7 @@ def launch_spec(
         build_only=build_only,
         ready_only=ready_only,
         background=background,
+        shadow=model.shadow == "on" and model.build == "background",
     )
 
 

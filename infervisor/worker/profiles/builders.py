@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.common.profiles import PROFILES
+from infervisor.common.verdicts import UNPROVEN, Verdicts, lossy
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.cache import ArtifactCache, file_digest
 from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
@@ -52,6 +53,18 @@ class BuildContext:
     typical_shape: dict[str, list[int]] | None = None
     #: A stateful model's sequence gate: every profile that passes the single-call gate is walked over it too.
     sequences: SequenceGate | None = None
+    #: What live traffic proved about this model's profiles (common/verdicts.py): refusals are honoured.
+    verdicts: Verdicts | None = None
+    #: A lossy profile serves only with a shadow pass in `verdicts` (a serving worker with config `shadow: on`).
+    needs_evidence: bool = False
+
+    def evidence_refusal(self, name: str) -> str | None:
+        """Why live traffic's verdicts keep `name` from serving (refused, or lossy and not yet shadowed), or None."""
+        refusal = self.verdicts.refusal(name) if self.verdicts is not None else None
+        if refusal is None and self.needs_evidence and lossy(name):
+            if self.verdicts is None or name not in self.verdicts.passed:
+                refusal = UNPROVEN
+        return refusal
 
 
 @dataclass

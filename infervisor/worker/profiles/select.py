@@ -127,7 +127,7 @@ class _Trial:
 
     def attempt(self, name: str) -> _Candidate | str:
         """The validated candidate installed on the runner, or why it does not qualify (runner back on eager)."""
-        refusal = cpu_refusal(name, self.caps) or self.attempts.refusal(name)
+        refusal = cpu_refusal(name, self.caps) or self.attempts.refusal(name) or self.context.evidence_refusal(name)
         if refusal is None and self.ready_only and not (PROFILES[name].builds_nothing or PROFILES[name].packaged):
             refusal = NEEDS_BUILD
         if refusal is not None:
