@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,65 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+#: Fixtures that start a daemon, worker processes or a long build: a test using one (directly or through another
+#: fixture) is marked `daemon`, and the fast tier (`./dev test fast`: `-m "not daemon"`) leaves it out.
+DAEMON_FIXTURES = frozenset({"start_daemon", "built_tiny_aoti"})
+#: Names whose use in a fixture's or a test's own code marks it the same way (a module's shared daemon, a worker).
+DAEMON_NAMES = frozenset({"Daemon", "start_daemon", "launch_worker", "built_tiny_aoti"})
+#: Set before each test's fixtures: whether that test is marked `daemon` (see `Daemon.__init__`).
+_RUNNING: dict[str, Any] = {"marked": True, "fast_tier": False, "test": ""}
+
+
+def _names_used(function: Any, seen: set[int] | None = None) -> set[str]:
+    """The global and attribute names a function's code refers to, with those of its nested functions and of the
+    functions of its own module it calls (a module's `_start_daemon(...)` helper)."""
+    seen = set() if seen is None else seen
+    code = getattr(function, "__code__", None)
+    if code is None or id(code) in seen:
+        return set()
+    seen.add(id(code))
+    found: set[str] = set()
+    codes = [code]
+    while codes:
+        current = codes.pop()
+        found |= set(current.co_names)
+        codes += [const for const in current.co_consts if isinstance(const, types.CodeType)]
+    module_globals = getattr(function, "__globals__", {})
+    for name in list(found):
+        helper = module_globals.get(name)
+        if isinstance(helper, types.FunctionType) and helper.__module__ == function.__module__:
+            found |= _names_used(helper, seen)
+    return found
+
+
+def _starts_daemon(item: pytest.Item) -> bool:
+    """Whether the test uses a daemon fixture, or its code or one of its fixtures' refers to a daemon or a worker."""
+    if DAEMON_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in (info.name2fixturedefs.values() if info is not None else ()):
+        functions += [definition.func for definition in definitions]
+    return any(DAEMON_NAMES.intersection(_names_used(function)) for function in functions if function is not None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `daemon` every test that starts a daemon or worker processes (by the fixtures and names it uses)."""
+    for item in items:
+        if item.get_closest_marker("daemon") is None and _starts_daemon(item):
+            item.add_marker(pytest.mark.daemon)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Remember whether the test about to run is marked `daemon`, for the fast tier's guard in `Daemon`."""
+    markexpr = str(item.config.getoption("markexpr", "") or "")
+    _RUNNING.update(
+        marked=item.get_closest_marker("daemon") is not None,
+        fast_tier="not daemon" in markexpr,
+        test=item.nodeid,
+    )
+
+
 class Daemon:
     """A running `infervisor serve` child process with its runtime dir and log file."""
 
@@ -73,6 +133,9 @@ class Daemon:
         cwd: Path = ROOT,
     ) -> None:
         """`command_prefix` runs `infervisor serve` through another command (as another user, for one)."""
+        if _RUNNING["fast_tier"] and not _RUNNING["marked"]:
+            # The fast tier must stay fast: a daemon started by a test it kept means a mark is missing.
+            raise AssertionError(f"{_RUNNING['test']} starts a daemon: mark it @pytest.mark.daemon")
         self.tmp = tmp
         self.runtime_dir = tmp / "run"
         self.config_path = tmp / "config.json"
