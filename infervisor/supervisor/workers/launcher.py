@@ -83,6 +83,8 @@ def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
         env[name] = str(threads)
     # torch.compile's own on-disk caches then survive reboots and are shared with our packages' lifetime.
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    # A library's tqdm progress bar (a model's own code, a hub download) would land between the JSON log lines.
+    env.setdefault("TQDM_DISABLE", "1")
     return env
 
 
