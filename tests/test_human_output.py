@@ -21,6 +21,7 @@ from infervisor.supervisor.commands.infer import output_text, summarize, timing_
 from infervisor.supervisor.commands.status import format_status
 from infervisor.supervisor.lifecycle.background_build import BuildState
 from infervisor.supervisor.lifecycle.background_build import ModelBuild as BackgroundBuild
+from infervisor.supervisor.toolkit.config_edit import rewrite
 from infervisor.supervisor.toolkit.provenance import command_line
 from infervisor.supervisor.workers.launcher import worker_environment
 from infervisor.worker.runner import FailedAtSize, ModelRunner
@@ -178,3 +179,37 @@ def test_a_stateless_model_failing_its_first_call_is_not_blamed_on_the_state_che
         refuse_stateful(runner)
     text = str(info.value)
     assert text.startswith("the model failed on its first call") and "state" not in text, text
+
+
+HAND_WRITTEN = """{
+  "log_level": "info",
+  "models": {
+    "other": {"source": {"builtin": "tiny"}, "workers": 1},
+    "clf": {
+      "source": {"builtin": "resnet50"},
+      "inputs": [{"name": "image", "dtype": "float32", "shape": [null, 3, 224, 224]}],
+      "workers": 2,   "profiles": ["int8_static", "eager"],
+      "pick": "fastest"
+    }
+  }
+}
+"""
+
+
+def test_optimize_writes_only_the_changed_keys_and_keeps_the_authors_layout() -> None:
+    """Changed values replaced in place, a new key on a line of its own, every other line as written; the diff
+    shows the changed keys and nothing else."""
+    changes = {"profiles": ["jit", "eager"], "pick": "first", "workers": 2, "cores_per_worker": 1}
+    new, diff = rewrite(HAND_WRITTEN, "clf", changes)
+    assert json.loads(new)["models"]["clf"] == {**json.loads(HAND_WRITTEN)["models"]["clf"], **changes}
+    assert new.replace('"cores_per_worker": 1,\n      ', "").replace('["jit", "eager"]', '["int8_static", "eager"]') \
+        .replace('"pick": "first"', '"pick": "fastest"') == HAND_WRITTEN, new  # fmt: skip
+    shown = [line for line in diff.splitlines() if line[:1] in "+-" and not line.startswith(("---", "+++"))]
+    assert shown == [
+        '+      "cores_per_worker": 1,',
+        '-      "workers": 2,   "profiles": ["int8_static", "eager"],',
+        '-      "pick": "fastest"',
+        '+      "workers": 2,   "profiles": ["jit", "eager"],',
+        '+      "pick": "first"',
+    ], diff
+    assert rewrite(new, "clf", changes) == (new, "")
