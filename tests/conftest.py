@@ -67,41 +67,57 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 DAEMON_FIXTURES = frozenset({"start_daemon", "built_tiny_aoti"})
 #: Names whose use in a fixture's or a test's own code marks it the same way (a module's shared daemon, a worker).
 DAEMON_NAMES = frozenset({"Daemon", "start_daemon", "launch_worker", "built_tiny_aoti"})
+#: `infervisor` subcommands that start workers or a daemon: a test that runs one as a process is marked too, as is
+#: one that runs a script of bench/ (they start daemons and measure).
+WORKER_COMMANDS = frozenset({"serve", "demo", "optimize", "bench", "build", "probe", "harden"})
 #: Set before each test's fixtures: whether that test is marked `daemon` (see `Daemon.__init__`).
 _RUNNING: dict[str, Any] = {"marked": True, "fast_tier": False, "test": ""}
 
 
-def _names_used(function: Any, seen: set[int] | None = None) -> set[str]:
-    """The global and attribute names a function's code refers to, with those of its nested functions and of the
-    functions of its own module it calls (a module's `_start_daemon(...)` helper)."""
+def _code_used(function: Any, seen: set[int] | None = None) -> tuple[set[str], set[str]]:
+    """The global and attribute names and the string constants of a function's code, with those of its nested
+    functions and of the functions of its own module it calls (a module's `_start_daemon(...)` helper)."""
     seen = set() if seen is None else seen
     code = getattr(function, "__code__", None)
     if code is None or id(code) in seen:
-        return set()
+        return set(), set()
     seen.add(id(code))
-    found: set[str] = set()
+    names: set[str] = set()
+    strings: set[str] = set()
     codes = [code]
     while codes:
         current = codes.pop()
-        found |= set(current.co_names)
+        names |= set(current.co_names)
+        strings |= {const for const in current.co_consts if isinstance(const, str)}
         codes += [const for const in current.co_consts if isinstance(const, types.CodeType)]
     module_globals = getattr(function, "__globals__", {})
-    for name in list(found):
+    for name in list(names):
         helper = module_globals.get(name)
         if isinstance(helper, types.FunctionType) and helper.__module__ == function.__module__:
-            found |= _names_used(helper, seen)
-    return found
+            more_names, more_strings = _code_used(helper, seen)
+            names |= more_names
+            strings |= more_strings
+    return names, strings
 
 
 def _starts_daemon(item: pytest.Item) -> bool:
-    """Whether the test uses a daemon fixture, or its code or one of its fixtures' refers to a daemon or a worker."""
+    """Whether the test uses a daemon fixture, or its code or one of its fixtures' refers to a daemon or a worker,
+    or runs an infervisor command that starts workers (or a bench/ script) as a process."""
     if DAEMON_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         return True
     functions = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
     for definitions in (info.name2fixturedefs.values() if info is not None else ()):
         functions += [definition.func for definition in definitions]
-    return any(DAEMON_NAMES.intersection(_names_used(function)) for function in functions if function is not None)
+    for function in functions:
+        if function is None:
+            continue
+        names, strings = _code_used(function)
+        if DAEMON_NAMES & names or any(s.startswith("bench/") for s in strings):
+            return True
+        if "infervisor" in strings and WORKER_COMMANDS & strings:
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

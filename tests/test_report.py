@@ -234,6 +234,7 @@ def _chromium(*argv: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.daemon  # a headless Chromium render and print (not the fast tier)
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary: apt-get install -y chromium poppler-utils")
 def test_the_page_fits_1280_px_and_prints_in_a_real_browser(tmp_path: Path) -> None:
     """Headless Chromium at 1280 px: no image wider than the page, nothing scrolls sideways; printed to PDF (Letter),
