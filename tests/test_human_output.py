@@ -213,3 +213,17 @@ def test_optimize_writes_only_the_changed_keys_and_keeps_the_authors_layout() ->
         '+      "pick": "first"',
     ], diff
     assert rewrite(new, "clf", changes) == (new, "")
+
+
+@pytest.mark.parametrize("stamp", ["", "all\n", "serve\n"])
+def test_dev_demo_installs_nothing_over_a_venv_that_holds_the_serving_set(tmp_path: Path, stamp: str) -> None:
+    """`./dev setup serve` (what `./dev demo` runs first) is a no-op on a venv stamped serve or all (an empty stamp is
+    the old ./dev's, which installed every extra); an unknown set is a usage error."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").write_text(stamp)
+    env = {"PATH": "/usr/bin:/bin", "VENV": str(venv), "PYTHON": "/nonexistent/python"}
+    done = subprocess.run([str(ROOT / "dev"), "setup", "serve"], capture_output=True, text=True, env=env, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), done
+    wrong = subprocess.run([str(ROOT / "dev"), "setup", "dev"], capture_output=True, text=True, env=env, timeout=60)
+    assert wrong.returncode == 2 and "usage: ./dev" in wrong.stderr, wrong
