@@ -93,8 +93,14 @@ def _code_used(function: Any, seen: set[int] | None = None) -> tuple[set[str], s
     module_globals = getattr(function, "__globals__", {})
     for name in list(names):
         helper = module_globals.get(name)
-        if isinstance(helper, types.FunctionType) and helper.__module__ == function.__module__:
-            more_names, more_strings = _code_used(helper, seen)
+        if getattr(helper, "__module__", None) != function.__module__:
+            continue
+        # A helper function of the module, or the methods of a class it defines (a Daemon subclass of its own).
+        helpers = [helper] if isinstance(helper, types.FunctionType) else []
+        if isinstance(helper, type):
+            helpers = [member for member in vars(helper).values() if isinstance(member, types.FunctionType)]
+        for each in helpers:
+            more_names, more_strings = _code_used(each, seen)
             names |= more_names
             strings |= more_strings
     return names, strings
