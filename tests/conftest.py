@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,87 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+#: Fixtures that start a daemon, worker processes or a long build: a test using one (directly or through another
+#: fixture) is marked `daemon`, and the fast tier (`./dev test fast`: `-m "not daemon"`) leaves it out.
+DAEMON_FIXTURES = frozenset({"start_daemon", "built_tiny_aoti"})
+#: Names whose use in a fixture's or a test's own code marks it the same way (a module's shared daemon, a worker).
+DAEMON_NAMES = frozenset({"Daemon", "start_daemon", "launch_worker", "built_tiny_aoti"})
+#: `infervisor` subcommands that start workers or a daemon: a test that runs one as a process is marked too, as is
+#: one that runs a script of bench/ (they start daemons and measure).
+WORKER_COMMANDS = frozenset({"serve", "demo", "optimize", "bench", "build", "probe", "harden"})
+#: Set before each test's fixtures: whether that test is marked `daemon` (see `Daemon.__init__`).
+_RUNNING: dict[str, Any] = {"marked": True, "fast_tier": False, "test": ""}
+
+
+def _code_used(function: Any, seen: set[int] | None = None) -> tuple[set[str], set[str]]:
+    """The global and attribute names and the string constants of a function's code, with those of its nested
+    functions and of the functions of its own module it calls (a module's `_start_daemon(...)` helper)."""
+    seen = set() if seen is None else seen
+    code = getattr(function, "__code__", None)
+    if code is None or id(code) in seen:
+        return set(), set()
+    seen.add(id(code))
+    names: set[str] = set()
+    strings: set[str] = set()
+    codes = [code]
+    while codes:
+        current = codes.pop()
+        names |= set(current.co_names)
+        strings |= {const for const in current.co_consts if isinstance(const, str)}
+        codes += [const for const in current.co_consts if isinstance(const, types.CodeType)]
+    module_globals = getattr(function, "__globals__", {})
+    for name in list(names):
+        helper = module_globals.get(name)
+        if getattr(helper, "__module__", None) != function.__module__:
+            continue
+        # A helper function of the module, or the methods of a class it defines (a Daemon subclass of its own).
+        helpers = [helper] if isinstance(helper, types.FunctionType) else []
+        if isinstance(helper, type):
+            helpers = [member for member in vars(helper).values() if isinstance(member, types.FunctionType)]
+        for each in helpers:
+            more_names, more_strings = _code_used(each, seen)
+            names |= more_names
+            strings |= more_strings
+    return names, strings
+
+
+def _starts_daemon(item: pytest.Item) -> bool:
+    """Whether the test uses a daemon fixture, or its code or one of its fixtures' refers to a daemon or a worker,
+    or runs an infervisor command that starts workers (or a bench/ script) as a process."""
+    if DAEMON_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in (info.name2fixturedefs.values() if info is not None else ()):
+        functions += [definition.func for definition in definitions]
+    for function in functions:
+        if function is None:
+            continue
+        names, strings = _code_used(function)
+        if DAEMON_NAMES & names or any(s.startswith("bench/") for s in strings):
+            return True
+        if "infervisor" in strings and WORKER_COMMANDS & strings:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `daemon` every test that starts a daemon or worker processes (by the fixtures and names it uses)."""
+    for item in items:
+        if item.get_closest_marker("daemon") is None and _starts_daemon(item):
+            item.add_marker(pytest.mark.daemon)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Remember whether the test about to run is marked `daemon`, for the fast tier's guard in `Daemon`."""
+    markexpr = str(item.config.getoption("markexpr", "") or "")
+    _RUNNING.update(
+        marked=item.get_closest_marker("daemon") is not None,
+        fast_tier="not daemon" in markexpr,
+        test=item.nodeid,
+    )
+
+
 class Daemon:
     """A running `infervisor serve` child process with its runtime dir and log file."""
 
@@ -73,6 +155,9 @@ class Daemon:
         cwd: Path = ROOT,
     ) -> None:
         """`command_prefix` runs `infervisor serve` through another command (as another user, for one)."""
+        if _RUNNING["fast_tier"] and not _RUNNING["marked"]:
+            # The fast tier must stay fast: a daemon started by a test it kept means a mark is missing.
+            raise AssertionError(f"{_RUNNING['test']} starts a daemon: mark it @pytest.mark.daemon")
         self.tmp = tmp
         self.runtime_dir = tmp / "run"
         self.config_path = tmp / "config.json"

@@ -137,6 +137,7 @@ def test_a_model_openvino_cannot_convert_falls_down_the_chain(start_daemon: Call
     assert reason.startswith("openvino: openvino failed to build: "), reason
 
 
+@pytest.mark.daemon  # a long build: NNCF int8 quantization in process (not the fast tier)
 def test_openvino_int8_keeps_a_real_transformer_within_tolerance(tmp_path: Path) -> None:
     """NNCF's transformer recipe quantizes the real MiniLM's attention graph: NNCF's default left cosine 0.63."""
     minilm = pytest.importorskip("infervisor.worker.models.minilm")
@@ -161,6 +162,7 @@ def test_openvino_int8_keeps_a_real_transformer_within_tolerance(tmp_path: Path)
     assert selection.cosine >= 0.98
 
 
+@pytest.mark.daemon  # a long build: resnet18 converted and compiled by OpenVINO in process (not the fast tier)
 def test_an_openvino_worker_keeps_no_mapped_copy_of_the_weights_it_serves_from(tmp_path: Path) -> None:
     """The cached IR's weights the plugin maps go at the worker's release; it answers the same, at a new size too."""
     from infervisor.worker.bench import BUILTIN_SPECS

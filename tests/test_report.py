@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from infervisor.supervisor.toolkit.harden import Target, check_thermal
 from infervisor.supervisor.toolkit.probe import STAGES
-from infervisor.supervisor.toolkit.provenance import cpu_model
+from infervisor.supervisor.toolkit.provenance import cpu_model, infervisor_command
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "configs" / "constraints.example.json"
@@ -152,8 +153,9 @@ def test_met_names_the_choice_and_still_lists_what_it_does_not_prove(tmp_path: P
     assert "QPS, total of 2 workers × 1 core each" in page and "P99 ms, 1 worker, in process" in page
     assert "40 QPS offered by 2 clients for 10 s" in page and "20 QPS offered by 2 clients for 10 s" in page
     # The check's daemon is gone: its load is offered for the served daemon, not as a Repeat of a step.
-    assert ("The check's load against the daemon serving the written config: <code>infervisor probe --model tiny "
-            "--qps 40 --clients 2 --duration 10 --runtime-dir YOUR_DAEMONS_RUNTIME_DIR</code>") in page  # fmt: skip
+    program = shlex.join(infervisor_command())  # the infervisor that made the report: runnable, not a bare name
+    assert ("The check's load against the daemon serving the written config: <code>" + program + " probe --model "
+            "tiny --qps 40 --clients 2 --duration 10 --runtime-dir YOUR_DAEMONS_RUNTIME_DIR</code>") in page
     assert "Repeat: <code>infervisor harden --model tiny --duration 60</code>" in page
     for unrounded in ("118.4932", "0.9999999999995801", "5000.0", "300.4"):
         assert unrounded not in page
@@ -232,6 +234,7 @@ def _chromium(*argv: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.daemon  # a headless Chromium render and print (not the fast tier)
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary: apt-get install -y chromium poppler-utils")
 def test_the_page_fits_1280_px_and_prints_in_a_real_browser(tmp_path: Path) -> None:
     """Headless Chromium at 1280 px: no image wider than the page, nothing scrolls sideways; printed to PDF (Letter),

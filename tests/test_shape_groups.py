@@ -119,6 +119,7 @@ def test_a_daemon_gates_and_calibrates_on_two_shape_groups(start_daemon: Callabl
     )
 
 
+@pytest.mark.daemon  # a long build: NNCF int8 quantization in process (not the fast tier)
 def test_openvino_int8_calibrates_and_is_gated_on_two_shape_groups(tmp_path: Path) -> None:
     """NNCF observes each sample of both groups at its own size; the IR serves both sizes as eager does."""
     pytest.importorskip("nncf", reason="the openvino extra is not installed")

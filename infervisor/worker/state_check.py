@@ -38,7 +38,8 @@ def refuse_stateful(runner: ModelRunner) -> None:
     """ModelLoadError naming what changed when the loaded module's outputs or state depend on earlier calls."""
     module = runner.module
     golden = runner.example_inputs(batch=1, seed=0)
-    first = _copied(runner.forward_at(golden, "the state check"))
+    # The model's first call: a failure here is no finding about state, so the reason names the call, not the check.
+    first = _copied(runner.forward_at(golden, "its first call (the daemon's synthetic input, before warm-up)"))
     state_after_first = dict(_state(module))
     repeated = _copied(runner.forward(golden))
     for seed in _OTHER_SEEDS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import ConfigError, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
 from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.provenance import infervisor_command
 from infervisor.supervisor.toolkit.scratch import log_reason
 
 #: Worker states the demo waits out: anything else is still on its way to serving (or to giving up).
@@ -155,6 +157,22 @@ def _feed_shadows(runtime_dir: Path, status: dict[str, Any]) -> None:
         with Client(endpoint) as client:
             for _ in range(_SHADOW_FEED):
                 client.infer(name, random_inputs(model["inputs"], 1), timeout=60)
+
+
+def _served(status: dict[str, Any]) -> dict[str, list[str]]:
+    """model -> the profiles its workers serve (status `serving`)."""
+    return {name: sorted(model.get("serving") or []) for name, model in status["models"].items()}
+
+
+def switch_line(before: dict[str, Any], after: dict[str, Any], seconds: float) -> tuple[str, bool]:
+    """What the background build came to, and whether any model's workers moved to another profile."""
+    was, now = _served(before), _served(after)
+    moved = [f"{name} {', '.join(was.get(name) or ['nothing'])} -> {', '.join(profiles) or 'nothing'}"
+             for name, profiles in now.items() if profiles != was.get(name)]  # fmt: skip
+    if moved:
+        return f"switched to the builder's pick after {seconds:.1f} s: {'; '.join(moved)}", True
+    kept = "; ".join(f"{name} {', '.join(profiles) or 'nothing'}" for name, profiles in now.items())
+    return f"the builder's pick is what already served ({kept}), checked after {seconds:.1f} s: nothing switched", False
 
 
 def _load(
@@ -289,14 +307,19 @@ def run_demo(args: argparse.Namespace) -> int:
             )  # fmt: skip
         status = _wait_serving(process, runtime_dir, log_path, args.start_timeout)
         print(f"every worker serves after {time.monotonic() - started:.2f} s\n")
-        print(format_status(status) + "\n")
+        print(format_status(status, notes=args.notes) + "\n")
+        if not args.notes:
+            status_command = shlex.join([*infervisor_command(), "status", "--runtime-dir", str(runtime_dir)])
+            print(f"why each worker serves its profile: {status_command} while the demo runs (or demo --notes)\n")
         outcome = _exercise(runtime_dir, status, args, stop)
         if args.switch_timeout > 0 and not _switched(status):
-            print("\nthe background builder optimizes behind the answers; waiting for the switch (Ctrl-C ends it)")
+            print("\nthe background builder optimizes behind the answers; waiting for its pick (Ctrl-C ends it)")
             switched = _wait_switch(process, runtime_dir, args.switch_timeout)
             if switched is not None:
-                print(f"switched to the builder's pick after {time.monotonic() - started:.1f} s\n")
-                outcome = _exercise(runtime_dir, switched, args, stop) or outcome
+                line, moved = switch_line(status, switched, time.monotonic() - started)
+                print(line + "\n")
+                if moved:
+                    outcome = _exercise(runtime_dir, switched, args, stop) or outcome
     except DemoError as exc:
         print(f"infervisor demo: {exc}", file=sys.stderr)
     except (ControlError, InferenceError) as exc:

@@ -21,10 +21,11 @@ from infervisor.supervisor.settings.config import Config, ConfigError, load_conf
 from infervisor.supervisor.settings.config_path import ConfigChoice, ConfigPathError, resolve_config_path
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.toolkit.check import CheckFailed, DaemonCheck, check
+from infervisor.supervisor.toolkit.config_edit import rewrite
 from infervisor.supervisor.toolkit.constraints import Accuracy, Constraints, ConstraintsError, Sla, load_constraints
 from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
 from infervisor.supervisor.toolkit.models import entry_of, launch_of
-from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, rewrite, within_budget
+from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, within_budget
 from infervisor.supervisor.toolkit.provenance import command_line, measured_on
 from infervisor.supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
 

@@ -147,6 +147,10 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=_positive_int, default=50, help="requests per model, all clients together")
     parser.add_argument("--clients", type=_positive_int, default=2, help="concurrent clients per model")
     parser.add_argument(
+        "--notes", action="store_true",
+        help="print under the worker table why each worker serves its profile (what was built, checked, skipped)",
+    )  # fmt: skip
+    parser.add_argument(
         "--build", action="store_true",
         help="run `infervisor build` before the daemon starts (by default the daemon serves first and builds behind)",
     )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import structlog
@@ -25,6 +26,13 @@ from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_
 EXIT_CONFIG = 78
 
 
+def say_refusal(config: object, problems: list[str]) -> None:
+    """Why the daemon does not start, as plain lines on stderr before the JSON log line: what a person reads."""
+    where = f"{config}: " if config else ""
+    for problem in problems:
+        print(f"infervisor serve: {where}{problem}", file=sys.stderr, flush=True)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; non-zero when it cannot start or every worker failed."""
     configure_logging()
@@ -32,6 +40,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         choice = resolve_config_path(args.config)
     except ConfigPathError as exc:
+        say_refusal(None, [str(exc)])
         log.error("config_invalid", config=None, problems=[str(exc)])
         return EXIT_CONFIG
     config_path = choice.path
@@ -49,15 +58,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
         arbiter = Arbiter(config, config_path, runtime_dir, Path(args.sysfs_root), source_dir=source_dir)
     except ConfigError as exc:
+        say_refusal(config_path, list(exc.problems))
         log.error("config_invalid", config=str(config_path), problems=exc.problems)
         return EXIT_CONFIG
     except SocketGroupError as exc:  # the group exists, but the daemon's user may not give it files
+        say_refusal(config_path, [f"socket_group: {exc}"])
         log.error("config_invalid", config=str(config_path), problems=[f"socket_group: {exc}"])
         return EXIT_CONFIG
     except InstanceLockError as exc:
+        say_refusal(None, [str(exc)])
         log.error("cannot_start", error=str(exc), holder_pid=exc.holder_pid)
         return EXIT_CONFIG
     except (PlanError, TopologyError, RuntimeDirError) as exc:
+        say_refusal(None, [str(exc)])
         log.error("cannot_start", error=str(exc))
         return EXIT_CONFIG
     with lock:  # released only once the daemon has removed its sockets and reaped its workers

@@ -137,25 +137,20 @@ class ModelBuild:
                 index=self.index or None,
                 count=self.count or None,
                 phase_elapsed_s=round(now - self.phase_at, 1) if self.phase_at else None,
-                estimate_s=self.estimate(now),
             )
         return report
 
-    def estimate(self, now: float) -> float | None:
-        """Seconds left, from the profiles done so far (None before the first is done, or when unknown)."""
-        done = len(self.outcomes)
-        if self.started_at is None or not self.count or done == 0 or done >= self.count:
-            return None
-        per_profile = (now - self.started_at) / done
-        return round(per_profile * (self.count - done), 0)
-
     def line(self, now: float) -> str:
-        """One phrase for `infervisor status`: what the builder does, or what it came to."""
+        """One phrase for `infervisor status`: what the builder does, or what it came to.
+
+        No time left is guessed: one profile's compile takes seconds and the next one's minutes (an average over
+        the profiles done was off six-fold), so the phrase says what is measured, the time so far and what is done.
+        """
         if self.state is BuildState.BUILDING:
             where = f"{self.profile} ({self.index} of {self.count})" if self.index else (self.profile or "the model")
             elapsed = now - self.started_at if self.started_at is not None else 0.0
-            left = self.estimate(now)
-            tail = f", about {left:.0f} s left" if left is not None else ""
+            done = len(self.outcomes)
+            tail = f", {done} of {self.count} profiles decided" if done and self.count else ""
             doing = f"{self.phase} {where}" if self.phase else "starting the builder"
             return f"optimizing: {doing}, {elapsed:.0f} s{tail}"
         if self.state is BuildState.DONE:

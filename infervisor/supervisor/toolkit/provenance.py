@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,6 +68,17 @@ def measured_on() -> dict[str, Any]:
 _NEEDED_ENVIRONMENT = ("INFERVISOR_CONFIG", "PYTHONPATH")
 
 
+def infervisor_command() -> list[str]:
+    """The infervisor that runs now, as a command that runs it again from any shell: the console script's absolute
+    path (`.venv/bin/infervisor` is on no PATH after `./dev demo`), else `python -m infervisor` with this Python."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is not None and script.name == "infervisor":
+        found = shutil.which(str(script)) if script.parent == Path() else str(script)
+        if found:
+            return [os.path.abspath(found)]
+    return [sys.executable, "-m", "infervisor"]
+
+
 def command_line(resolved: dict[str, str] | None = None) -> str:
     """The command that was run, as a shell line that repeats it from anywhere: the folder it ran in (relative
     paths), the environment it read, and each `resolved` option (a --config or --runtime-dir found by default)
@@ -76,7 +88,7 @@ def command_line(resolved: dict[str, str] | None = None) -> str:
         if not any(arg == option or arg.startswith(f"{option}=") for arg in argv):
             argv += [option, value]
     environment = [f"{name}={shlex.quote(os.environ[name])}" for name in _NEEDED_ENVIRONMENT if os.environ.get(name)]
-    return " ".join(["cd", shlex.quote(os.getcwd()), "&&", *environment, shlex.join(["infervisor", *argv])])
+    return " ".join(["cd", shlex.quote(os.getcwd()), "&&", *environment, shlex.join([*infervisor_command(), *argv])])
 
 
 def sha256_of(path: Path) -> str:

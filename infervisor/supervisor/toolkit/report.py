@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import shlex
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,6 +21,7 @@ from infervisor.common.accuracy import cosine_text
 from infervisor.common.profiles import PROFILES
 from infervisor.supervisor.toolkit.constraints import Constraints
 from infervisor.supervisor.toolkit.doctor import Check, Status
+from infervisor.supervisor.toolkit.provenance import infervisor_command
 
 
 class Outcome(Enum):
@@ -312,6 +314,11 @@ def _table(headers: list[str], rows: list[list[Any]], classes: list[str] | None 
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _program() -> str:
+    """The infervisor that makes this report, as a shell word that runs it again (not a bare name off PATH)."""
+    return shlex.join(infervisor_command())
+
+
 def _command(text: str) -> str:
     return f"<p class=repeat>Repeat: <code>{html.escape(text)}</code></p>"
 
@@ -456,13 +463,13 @@ def _optimize_html(evidence: Evidence) -> list[str]:
                      f"P99 {check['p99_ms']:.2f} ms, {check['errors']} errors{saturated}. This P99 is the one the "
                      "promise rests on.</p>")  # fmt: skip
         # Not a Repeat: the check's daemon is gone; this is its load, for the daemon that serves the written config.
-        same = (f"infervisor probe --model {optimize['model']} --qps {check['qps']:g} --clients {check['clients']} "
+        same = (f"{_program()} probe --model {optimize['model']} --qps {check['qps']:g} --clients {check['clients']} "
                 f"--duration {check['seconds']:g} --runtime-dir YOUR_DAEMONS_RUNTIME_DIR")  # fmt: skip
         parts.append(f"<p class=repeat>The check's load against the daemon serving the written config: "
                      f"<code>{html.escape(same)}</code></p>")  # fmt: skip
     else:
         parts.append(f"<p>Not checked through a daemon: {html.escape(_unchecked(optimize))}.</p>")
-    parts.append(_command(optimize.get("command") or f"infervisor optimize --model {optimize['model']}"))
+    parts.append(_command(optimize.get("command") or f"{_program()} optimize --model {optimize['model']}"))
     return parts
 
 
@@ -542,7 +549,7 @@ def render(evidence: Evidence, drawn: list[Chart] | None) -> str:
     ))  # fmt: skip
     config = evidence.inputs.get("config")
     constraints = evidence.inputs.get("constraints")
-    parts.append(_command("infervisor doctor" + (f" --config {config}" if config else "")
+    parts.append(_command(f"{_program()} doctor" + (f" --config {config}" if config else "")
                           + (f" --constraints {constraints}" if constraints else "")))  # fmt: skip
     if drawn is None:
         parts.append("<p>Charts: not drawn (install the optional extra <code>report</code> for matplotlib).</p>")

@@ -43,6 +43,9 @@ _FORK_ANSWER_S = 5.0
 _FIRST_READY_S = 60.0
 #: Between two template starts after a death or a failed start.
 _RESTART_DELAY_S = 5.0
+#: What every child's environment holds unless the daemon's says otherwise: third-party progress bars (NNCF's)
+#: would land between the daemon's JSON log lines.
+CHILD_ENV_DEFAULTS = {"TQDM_DISABLE": "1"}
 #: How often adopted children nobody holds are looked for.
 _REAP_INTERVAL_S = 1.0
 #: The environment variables each child sets for itself; a change of any other one makes the template stale.
@@ -184,7 +187,7 @@ class ChildHome:
             return
         finally:
             theirs.close()
-        self.template = Template(process, ours, (), (), _shared_env(os.environ))
+        self.template = Template(process, ours, (), (), _shared_env(template_environment()))
         self.children[process.pid] = process
         self.templates_started += 1
         self.state, self.why = TemplateState.STARTING, f"pid {process.pid} importing torch"
@@ -317,7 +320,7 @@ class ChildHome:
         template = self.template
         if template is None or self.state is not TemplateState.WARM:
             return None
-        if fingerprint(template.roots) != template.fingerprint or _shared_env(os.environ) != template.env:
+        if fingerprint(template.roots) != template.fingerprint or _shared_env(template_environment()) != template.env:
             self.end_template()
             self.start_template()
             self.why = "replaced: torch, this package or the environment changed since the last one started"
@@ -423,8 +426,11 @@ def needs_compiler(chains: Iterable[Sequence[str]]) -> bool:
 
 
 def template_environment() -> dict[str, str]:
-    """The supervisor's environment with every thread pool that starts at import held to one thread."""
-    return {**os.environ, **_TEMPLATE_THREADS}
+    """The supervisor's environment with every thread pool that starts at import held to one thread, and what every
+    child gets (launcher.worker_environment)."""
+    env = {**os.environ, **_TEMPLATE_THREADS}
+    env.setdefault("TQDM_DISABLE", CHILD_ENV_DEFAULTS["TQDM_DISABLE"])
+    return env
 
 
 def _shared_env(env: Mapping[str, str]) -> dict[str, str]:

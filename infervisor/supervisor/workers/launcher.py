@@ -18,7 +18,7 @@ from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
-from infervisor.supervisor.workers.child_home import HOME, ChildHome, ChildProcess
+from infervisor.supervisor.workers.child_home import CHILD_ENV_DEFAULTS, HOME, ChildHome, ChildProcess
 
 _generations = itertools.count(1)
 
@@ -75,6 +75,9 @@ def worker_environment(threads: int, cache_dir: Path) -> dict[str, str]:
         env[name] = str(threads)
     # torch.compile's own on-disk caches then survive reboots and are shared with our packages' lifetime.
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    # A library's tqdm progress bar (a model's own code, a hub download) would land between the JSON log lines.
+    for name, value in CHILD_ENV_DEFAULTS.items():
+        env.setdefault(name, value)
     return env
 
 

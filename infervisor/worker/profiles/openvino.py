@@ -11,8 +11,10 @@ converting and compiling. Registered with the other builders by infervisor/worke
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.metadata
+import io
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infervisor.common.json_logs import adopt_library_handlers
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.builders import (
     REJECTED_NOTE,
@@ -146,9 +149,12 @@ def _quantized(ov_model: Any, calibration: list[Inputs]) -> Any:
     those in float and smooths the activations of the MatMuls it quantizes (SmoothQuant).
     """
     nncf = _nncf()
+    adopt_library_handlers()  # nncf's logger prints through a console handler of its own: made JSON like ours
     dataset = nncf.Dataset(calibration, lambda sample: [t.contiguous().numpy() for t in sample])
     kind = {"model_type": nncf.ModelType.TRANSFORMER} if is_transformer(ov_model) else {}
-    return nncf.quantize(ov_model, dataset, subset_size=len(calibration), **kind)
+    # Its progress bars (rich, on sys.stdout) would land between the daemon's JSON log lines: drawn nowhere.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return nncf.quantize(ov_model, dataset, subset_size=len(calibration), **kind)
 
 
 def _saved_ir(cache: ArtifactCache, profile: str, key: dict[str, Any], make: Any) -> tuple[Path, bool, str | None]:
