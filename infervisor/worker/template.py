@@ -27,8 +27,6 @@ from infervisor.protocol import template_link as tl
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.worker.pinning import ParentGone, die_with_parent
 
-#: The optional argument that asks for the compiler's modules too (a config with an AOTInductor or int8 profile).
-COMPILER = "compiler"
 #: How long a new child waits for the middle process's exit to hand it to the supervisor.
 _REPARENT_WAIT_S = 5.0
 
@@ -36,20 +34,18 @@ _REPARENT_WAIT_S = 5.0
 def main(argv: list[str]) -> int:
     """Import what children share, say READY, then fork a child for each request until the link closes."""
     try:
-        fd_text, pid_text, *extras = argv
+        fd_text, pid_text = argv
         link_fd, supervisor_pid = int(fd_text), int(pid_text)
-        if extras not in ([], [COMPILER]):
-            raise ValueError(f"unknown extras {extras}")
     except ValueError:
-        print(f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID [{COMPILER}], "
-              f"not {argv}", file=sys.stderr)  # fmt: skip
+        print(f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID, not {argv}",
+              file=sys.stderr)
         return WorkerExitCode.BAD_LAUNCH
     try:
         die_with_parent(supervisor_pid)
     except ParentGone:
         return WorkerExitCode.SUPERVISOR_LOST
     link = socket.socket(fileno=link_fd)
-    warm_up(compiler=bool(extras))
+    warm_up()
     threads = threading.active_count(), len(os.listdir("/proc/self/task"))
     if threads != (1, 1):
         # A fork copies only the calling thread: a lock another thread held would stay locked in every child.
@@ -59,9 +55,14 @@ def main(argv: list[str]) -> int:
     return serve_forks(link, supervisor_pid)
 
 
-def warm_up(compiler: bool) -> None:
-    """Import torch and every module a child runs (with `compiler`, what loads and builds compiled packages too),
-    and move them out of the collector's generations."""
+def warm_up() -> None:
+    """Import torch and every module a child runs, and move them out of the collector's generations.
+
+    Not the compiler's modules (torch._dynamo, inductor, torch.export, torchao: ~90 MB): measured with them
+    (bench/process_tree.py, default config), an int8 worker's PSS rose from 176 to 225 MB and the tree's from 613
+    to 851 MB, since the children that use them write their objects' reference counts (copies) and the ones that
+    do not (eager, the audit) carry a share of pages they never use.
+    """
     import torch  # noqa: F401  (the point: imported once, shared by every child)
 
     # What the entry modules import, not the entry modules: runpy warns when it runs one already imported.
@@ -71,16 +72,6 @@ def warm_up(compiler: bool) -> None:
     import infervisor.worker.process_entry  # noqa: F401
     import infervisor.worker.serve  # noqa: F401
 
-    if compiler:
-        # What an AOTInductor or int8 worker imports to load or build its package: about 90 MB each would hold.
-        import torch._dynamo  # noqa: F401
-        import torch._inductor.package  # noqa: F401
-        import torch.export  # noqa: F401
-
-        try:
-            import torchao.quantization.pt2e  # noqa: F401
-        except ImportError:
-            pass  # the int8 profiles are skipped without it (and say why): nothing to share
     gc.collect()
     # Objects the collector never visits are never written by it, so their pages stay shared with the children.
     gc.freeze()

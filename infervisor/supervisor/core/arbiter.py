@@ -27,7 +27,6 @@ from infervisor.supervisor.observe import status
 from infervisor.supervisor.observe.capture import Figures, take_snapshot
 from infervisor.supervisor.observe.snapshot import Snapshot
 from infervisor.supervisor.settings.config import Config
-from infervisor.supervisor.workers.child_home import needs_compiler
 from infervisor.supervisor.workers.gateway_process import GatewayProcess
 from infervisor.supervisor.workers.health import daemon_state, status_line
 from infervisor.supervisor.workers.launcher import Launcher, launch_worker
@@ -120,8 +119,7 @@ class Arbiter:
             # Inside the try: whatever fails here, the workers already spawned are killed and reaped.
             self.publish_metrics()
             # Before the first worker, so every worker is a fork of it (it imports what they would).
-            chains = (model.profiles for model in self.config.models.values())
-            parts.home.open(self.config.warm_template, needs_compiler(chains))
+            parts.home.open(self.config.warm_template)
             if self.config.metrics_listen is not None:
                 parts.metrics.listen(self.config.metrics_listen)
             self.pool.start()

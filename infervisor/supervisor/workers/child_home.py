@@ -22,14 +22,13 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 import structlog
 
-from infervisor.common.profiles import PROFILES
 from infervisor.protocol import template_link as tl
 
 log = structlog.get_logger("supervisor")
@@ -146,16 +145,13 @@ class ChildHome:
         self.templates_started = 0
         self.strangers_reaped = 0
         self.next_reap = 0.0
-        self.compiler = False
         #: The children handed out and not yet collected, by pid: a zombie child not in here is a stranger.
         self.children: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     # ---- the template ------------------------------------------------------------------------
 
-    def open(self, wanted: bool, compiler: bool) -> None:
-        """Become a child subreaper and start the template (waiting for its imports), when `wanted`; with
-        `compiler` it imports what loads and builds compiled packages too."""
-        self.compiler = compiler
+    def open(self, wanted: bool) -> None:
+        """Become a child subreaper and start the template (waiting for its imports), when `wanted`."""
         if not wanted:
             self.state, self.why = TemplateState.OFF, "warm_template is false: children are exec'd"
             return
@@ -173,8 +169,7 @@ class ChildHome:
         ours, theirs = tl.template_socketpair()
         try:
             process = subprocess.Popen(
-                [sys.executable, "-P", "-m", TEMPLATE_ENTRY, str(theirs.fileno()), str(os.getpid()),
-                 *(["compiler"] if self.compiler else [])],  # fmt: skip
+                [sys.executable, "-P", "-m", TEMPLATE_ENTRY, str(theirs.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
                 pass_fds=(theirs.fileno(),),
@@ -413,16 +408,6 @@ def _mark(path: Path) -> tuple[str, int, int]:
     except OSError:
         return (str(path), 0, 0)
     return (str(path), stat.st_size, stat.st_mtime_ns)
-
-
-def needs_compiler(chains: Iterable[Sequence[str]]) -> bool:
-    """Whether a model may load or build a torch.compile, AOTInductor or int8 package: the template then imports
-    the compiler's modules too, for its children to share (OpenVINO's never: it starts threads)."""
-    return any(
-        name in PROFILES and (PROFILES[name].packaged or name == "compile") and not name.startswith("openvino")
-        for chain in chains
-        for name in chain
-    )
 
 
 def template_environment() -> dict[str, str]:
