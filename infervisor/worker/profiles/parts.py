@@ -196,24 +196,31 @@ def column_groups(scale: Array) -> list[Array]:
 
 
 def _columns_text(columns: Array, total: int) -> str:
-    """`columns 4-15 of 16`, or `columns 0, 2, 5 of 16` when they are not contiguous."""
-    first, last = int(columns[0]), int(columns[-1])
+    """`columns 4-15 of 16`, or `columns 0-126, 128-383 of 384` when they are not contiguous."""
     if len(columns) == total:
         return f"all {total} columns"
-    listed = f"{first}-{last}" if last - first + 1 == len(columns) else ", ".join(str(int(c)) for c in columns)
+    runs: list[list[int]] = []
+    for column in (int(c) for c in columns):
+        if runs and column == runs[-1][1] + 1:
+            runs[-1][1] = column
+        else:
+            runs.append([column, column])
+    listed = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
     return f"{'column' if len(columns) == 1 else 'columns'} {listed} of {total} (a group on its own scale)"
 
 
 def _group_error(name: str, want: Array, got: Array, limit: float, pooled: Array | None) -> PartError:
     """The group of columns (column_groups over `pooled`, else this case's scales) with the largest difference over
-    the group's largest magnitude, and the element where it is."""
+    the group's largest magnitude (at least CHANNEL_FLOOR of the output's), and the element where it is."""
     scale = np.fmax(pooled, np.abs(want).max(axis=0)) if pooled is not None else np.abs(want).max(axis=0)
     difference = np.abs(want - got)
+    floor = CHANNEL_FLOOR * float(scale.max(initial=0.0))
     worst = PartError("channel error", 0.0, limit, name, "no column", 0, 0.0, 0.0)
     for columns in column_groups(scale):
         part = difference[:, columns]
         row, column = np.unravel_index(int(np.argmax(np.where(np.isnan(part), np.inf, part))), part.shape)
-        largest, magnitude = float(part[row, column]), float(scale[columns].max())
+        # Floored as a channel is: a group of dead columns (MiniLM has three at 1e-33..1e-8) is not judged on noise.
+        largest, magnitude = float(part[row, column]), max(float(scale[columns].max()), floor)
         error = largest / magnitude if magnitude > 0 else largest
         index = int(columns[column])
         found = PartError(
