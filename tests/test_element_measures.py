@@ -70,6 +70,10 @@ def test_column_groups_split_pixels_from_scores_and_never_near_zero_logits() -> 
     noisy = logits + np.random.default_rng(4).normal(0.0, 1e-3, logits.shape)
     assert len(column_groups(np.abs(logits).max(axis=0))) == 1
     assert not any(e.fails for e in judge_parts([logits], [noisy], ["logits"], {}, 0.1))
+    embedding = np.random.default_rng(5).uniform(0.5, 1.0, (3, 16))
+    embedding[:, 3] = 1e-33  # a dead column, as MiniLM has: a group of its own, floored so its noise is no failure
+    assert [list(g) for g in column_groups(np.abs(embedding).max(axis=0))] == [[3], [c for c in range(16) if c != 3]]
+    assert not any(e.fails for e in judge_parts([embedding], [embedding + 1e-6], ["embedding"], {}, 0.1))
 
 
 def _quiet_validation(folder: Path) -> str:

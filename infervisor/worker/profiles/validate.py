@@ -121,7 +121,6 @@ class Agreement:
             return "top-1 differs from eager"
         return None
 
-
     def failing_row(self, tolerance: Tolerance) -> int:
         """The row the failure names: the worst element's or relative error's when that measure is what fails, else
         the row of the lowest cosine."""
