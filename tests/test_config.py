@@ -123,7 +123,7 @@ def test_default_config_parses() -> None:
     assert (model.profiles, model.pick) == (("int8_static", "jit_onednn", "eager"), "fastest")
     assert model.tolerance == {
         "min_cosine": 0.98, "max_rel_error": 0.02, "max_abs_error": None, "top1": True, "max_channel_error": 0.4472,
-        "outputs": {}, "task_check": None, "task_check_dir": None,
+        "max_element_error": 0.4472, "outputs": {}, "task_check": None, "task_check_dir": None,
     }  # fmt: skip
     assert (config.log_level, config.heartbeat_interval_ms, config.heartbeat_liveness) == ("info", 500, 10)
     assert config.shutdown_grace_s == 10.0

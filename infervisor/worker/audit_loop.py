@@ -129,7 +129,7 @@ def audit(
     if failure is not None:
         below = max(below, 1)
     return wm.AuditResult(
-        message.seq, rows, below, agreement.cosine, agreement.worst_row, agreement.relative.error,
+        message.seq, rows, below, agreement.cosine, agreement.failing_row(tolerance), agreement.relative.error,
         agreement.relative.output, agreement.max_abs_error, agreement.top1_agree, failure, shapes,
         (time.process_time() - cpu_started) * 1000.0,
     )  # fmt: skip
@@ -146,11 +146,15 @@ def _served_outputs(answer: Sequence[Any]) -> list[np.ndarray[Any, Any]]:
 
 
 def rows_below(agreement: Agreement, tolerance: Tolerance) -> int:
-    """The rows whose cosine or relative error misses the tolerance (every row when the outputs are not finite)."""
+    """The rows whose cosine, relative error or worst element misses the tolerance (every row when the outputs are
+    not finite)."""
     if not np.isfinite(agreement.max_abs_error):
         return max(1, agreement.rows)
     below = {row for row, cosine in enumerate(agreement.cosines) if cosine < tolerance.min_cosine}
     limit = tolerance.max_rel_error
     if agreement.relative.output and limit is not None:
         below |= {row for row, error in enumerate(agreement.relative.per_row) if not error <= limit}
+    element = tolerance.max_element_error
+    if agreement.element.output and element is not None:
+        below |= {row for row, error in enumerate(agreement.element.per_row) if not error <= element}
     return len(below)

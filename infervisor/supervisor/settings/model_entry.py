@@ -257,16 +257,19 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("tolerance",
         Custom(read_tolerance,
                "`min_cosine` (-1..1), `max_rel_error` (≥ 0 or null), `max_channel_error` (≥ 0 or null), "
-               "`max_abs_error` (≥ 0 or null), `top1` (bool), `outputs` (name → limits and `slices`), "
+               "`max_element_error` (≥ 0 or null), `max_abs_error` (≥ 0 or null), `top1` (bool), "
+               "`outputs` (name → limits and `slices`), "
                "`task_check` (`module:function` or null)",
                DEFAULT_TOLERANCE),
         Applied.ROLLING,
         "how close to eager fp32 a profile must stay on the golden (or validation) inputs: the cosine of the worst "
         "sample (each row of the batch, all outputs joined); on each output with at most "
         f"{FEW_VALUES_PER_ROW} values per row (a score, a probability, a box), where a cosine cannot fail, the "
-        "largest difference as a fraction of eager's largest magnitude on that output; on each output whose rows "
+        "largest difference as a fraction of eager's largest magnitude on that output; on each longer one, the "
+        "worst element over eager's largest magnitude in its row (`max_element_error`); on each output whose rows "
         "are matrices (a packed detection head, a feature map), each channel's largest difference over eager's "
-        "largest magnitude on that channel (`max_channel_error`, by default √(10 (1 − min_cosine))); per-output "
+        "largest magnitude on that channel, and on flat rows each group of columns on its own scale (box pixels "
+        "beside scores) (`max_channel_error`; both by default √(10 (1 − min_cosine))); per-output "
         "limits and declared slices; an optional task-level check; the largest absolute difference; and argmax "
         "agreement on every row ([more](#tolerance))."),
     Key("typical_shape",

@@ -1,9 +1,10 @@
 """A model's `tolerance`: how close to eager a profile must stay, read into the JSON form the worker takes.
 
-Besides the model-wide measures (cosine, relative error on few-value outputs, max abs error, top-1), each output whose
-rows are matrices is judged channel by channel (`max_channel_error`); `outputs` gives a named output limits of its own
-and declared slices (a packed detection head's boxes and scores); `task_check` names the operator's own check.
-The worker's side is infervisor/worker/profiles/parts.py and task_check.py.
+Besides the model-wide measures (cosine, relative error on few-value outputs, the worst element of a long row
+(`max_element_error`), max abs error, top-1), each output is judged by parts on their own scale: channel by channel
+where its rows are matrices, by groups of columns where they are flat (`max_channel_error`); `outputs` gives a named
+output limits of its own and declared slices (a packed detection head's boxes and scores); `task_check` names the
+operator's own check. The worker's side is infervisor/worker/profiles/parts.py, elements.py and task_check.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from infervisor.supervisor.settings.config_keys import ReadContext
 from infervisor.supervisor.settings.fields import FieldReader
 from infervisor.supervisor.settings.module_lookup import module_missing
 
-_MODEL_KEYS = {"min_cosine", "max_rel_error", "max_abs_error", "top1", "max_channel_error", "outputs", "task_check"}
+_MODEL_KEYS = {"min_cosine", "max_rel_error", "max_abs_error", "top1", "max_channel_error", "max_element_error",
+               "outputs", "task_check"}  # fmt: skip
 _OUTPUT_KEYS = {"max_channel_error", "channel_axis", "max_rel_error", "max_abs_error", "slices"}
 _SLICE_KEYS = {"axis", "range", "max_rel_error", "max_abs_error"}
 _FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
@@ -25,6 +27,7 @@ DEFAULT_TOLERANCE = {
     "min_cosine": 0.999,
     "max_rel_error": DEFAULT_MAX_REL_ERROR,
     "max_channel_error": DEFAULT_MAX_CHANNEL_ERROR,
+    "max_element_error": DEFAULT_MAX_CHANNEL_ERROR,
 }
 
 
@@ -48,6 +51,7 @@ def read_tolerance(ctx: ReadContext, raw: Any, path: str) -> dict[str, Any]:
         "max_abs_error": r.optional_number(raw, "max_abs_error", path, 0.0),
         "top1": r.boolean(raw, "top1", path, False),
         "max_channel_error": channel,
+        "max_element_error": _limit(r, raw, "max_element_error", path, channel_limit(cosine)),
         "outputs": _outputs(ctx, raw.get("outputs", {}), f"{path}.outputs", channel),
         "task_check": task_check,
         "task_check_dir": str(ctx.base) if task_check is not None else None,

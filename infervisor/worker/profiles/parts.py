@@ -4,6 +4,11 @@ A cosine over a packed row (box coordinates in the hundreds beside class scores 
 coordinates: scores moved by 0.15 keep it at 0.99997. So every output whose rows are matrices or more is also
 judged channel by channel (a slice along its channel axis: the smallest non-batch axis unless declared), each
 channel's largest difference from eager over eager's largest magnitude on that channel (`max_channel_error`).
+A flat row `[batch, values]` is judged by groups of columns on their own scale (column_groups): the columns whose
+largest magnitudes over every sample the gate ran stand SCALE_GAP apart (box coordinates in pixels beside scores in
+0..1) are judged apart, each group by its largest difference over its largest magnitude. Not column by column: a
+logit that happens to be near zero on every sample has no scale of its own, and bf16 moved such a logit of the
+built-in resnet50 by half of it.
 An operator who knows the layout declares slices (`"scores": {"axis": 1, "range": [4, 84]}`) with limits of
 their own, and limits for a whole output whatever its size.
 """
@@ -19,6 +24,10 @@ import numpy as np
 from infervisor.common.accuracy import CHANNEL_FLOOR, DEFAULT_MAX_REL_ERROR
 
 Array = np.ndarray[Any, Any]
+
+#: Columns of a flat row whose largest magnitudes differ by this factor or more are judged as separate groups: a
+#: cosine over the row cannot see the smaller group (pixels against probabilities differ by 300 to 600).
+SCALE_GAP = 100.0
 
 
 @dataclass(frozen=True)
@@ -110,14 +119,29 @@ class RuleError(ValueError):
     """A declared rule that does not fit the outputs (an output the model does not return, a slice past its axis)."""
 
 
+def column_scales(references: Sequence[Sequence[Array]], names: Sequence[str]) -> dict[tuple[str, int], Array]:
+    """Eager's largest magnitude on each column of each flat-row output (`[batch, values]`) over every golden case,
+    keyed by the output's name and its column count (an open dim makes cases of several widths)."""
+    scales: dict[tuple[str, int], Array] = {}
+    for outputs in references:
+        for name, want in zip(names, outputs, strict=False):
+            if want.ndim == 2 and want.shape[0] > 0:
+                largest = np.abs(want.astype(np.float64)).max(axis=0)
+                key = (name, want.shape[1])
+                scales[key] = np.fmax(scales[key], largest) if key in scales else largest
+    return scales
+
+
 def judge_parts(
     reference: Sequence[Array],
     candidate: Sequence[Array],
     names: Sequence[str],
     rules: Mapping[str, OutputRule],
     max_channel_error: float | None,
+    scales: Mapping[tuple[str, int], Array] | None = None,
 ) -> list[PartError]:
-    """The worst figure of every measure that applies to each output of one golden case (passing or not).
+    """The worst figure of every measure that applies to each output of one golden case (passing or not); `scales`
+    (column_scales over every case) give a flat-row output's columns their scale, else this case's rows do.
 
     Raises RuleError when a rule names an output the model does not return or a slice that does not fit it.
     """
@@ -133,8 +157,11 @@ def judge_parts(
         limit = rule.max_channel_error if rule is not None else max_channel_error
         axis = _channel_axis(want.shape, rule.channel_axis if rule is not None else None, name)
         wanted, gotten = want.astype(np.float64), got.astype(np.float64)
+        pooled = (scales or {}).get((name, want.shape[1])) if want.ndim == 2 else None
         if limit is not None and axis is not None:
-            found.append(_channel_error(name, wanted, gotten, axis, limit))
+            found.append(_channel_error(name, wanted, gotten, axis, limit, pooled))
+        elif limit is not None and want.ndim == 2 and want.size > 0 and (rule is None or rule.channel_axis is None):
+            found.append(_group_error(name, wanted, gotten, limit, pooled))
         if rule is None:
             continue
         whole = SliceRule("", 1, 0, 0, rule.max_rel_error, rule.max_abs_error)
@@ -152,9 +179,57 @@ def _channel_axis(shape: tuple[int, ...], declared: int | None, name: str) -> in
                             f"{len(shape)}-dim output")  # fmt: skip
         return axis
     if len(shape) < 3:
-        return None  # a row of values (logits, an embedding) is the cosine's to judge: its entries share a scale
+        return None  # a flat row's columns are judged in groups of one scale (column_groups)
     sizes = [(size, axis) for axis, size in enumerate(shape[1:], 1) if size >= 2]
     return min(sizes)[1] if sizes else None
+
+
+def column_groups(scale: Array) -> list[Array]:
+    """The column indices of a flat row split where their sorted scales jump by SCALE_GAP or more, each group in
+    column order. Scales are floored at CHANNEL_FLOOR of the largest: a logit near zero on every sample is no group of
+    its own (a split then needs a column at a tenth of the largest or more above the floor's group)."""
+    floored = np.maximum(scale, CHANNEL_FLOOR * float(scale.max(initial=0.0)))
+    order = np.argsort(floored, kind="stable")
+    ordered = floored[order]
+    cuts = [i + 1 for i in range(len(ordered) - 1) if ordered[i] > 0 and ordered[i + 1] >= SCALE_GAP * ordered[i]]
+    return [np.sort(group) for group in np.split(order, cuts)]
+
+
+def _columns_text(columns: Array, total: int) -> str:
+    """`columns 4-15 of 16`, or `columns 0-126, 128-383 of 384` when they are not contiguous."""
+    if len(columns) == total:
+        return f"all {total} columns"
+    runs: list[list[int]] = []
+    for column in (int(c) for c in columns):
+        if runs and column == runs[-1][1] + 1:
+            runs[-1][1] = column
+        else:
+            runs.append([column, column])
+    listed = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    return f"{'column' if len(columns) == 1 else 'columns'} {listed} of {total} (a group on its own scale)"
+
+
+def _group_error(name: str, want: Array, got: Array, limit: float, pooled: Array | None) -> PartError:
+    """The group of columns (column_groups over `pooled`, else this case's scales) with the largest difference over
+    the group's largest magnitude (at least CHANNEL_FLOOR of the output's), and the element where it is."""
+    scale = np.fmax(pooled, np.abs(want).max(axis=0)) if pooled is not None else np.abs(want).max(axis=0)
+    difference = np.abs(want - got)
+    floor = CHANNEL_FLOOR * float(scale.max(initial=0.0))
+    worst = PartError("channel error", 0.0, limit, name, "no column", 0, 0.0, 0.0)
+    for columns in column_groups(scale):
+        part = difference[:, columns]
+        row, column = np.unravel_index(int(np.argmax(np.where(np.isnan(part), np.inf, part))), part.shape)
+        # Floored as a channel is: a group of dead columns (MiniLM has three at 1e-33..1e-8) is not judged on noise.
+        largest, magnitude = float(part[row, column]), max(float(scale[columns].max()), floor)
+        error = largest / magnitude if magnitude > 0 else largest
+        index = int(columns[column])
+        found = PartError(
+            "channel error", error, limit, name, f"{_columns_text(columns, want.shape[1])}, column {index}",
+            int(row), float(want[row, index]), float(got[row, index]), magnitude if magnitude > 0 else None,
+        )  # fmt: skip
+        if found.excess > worst.excess or worst.part == "no column":
+            worst = found
+    return worst
 
 
 def _slice_axis(rule: SliceRule, want: Array, name: str) -> int:
@@ -165,15 +240,16 @@ def _slice_axis(rule: SliceRule, want: Array, name: str) -> int:
     return axis
 
 
-def _channel_error(name: str, want: Array, got: Array, axis: int, limit: float) -> PartError:
-    """The channel with the largest difference over its own largest magnitude (floored at CHANNEL_FLOOR of the
-    output's), and the element where it is."""
+def _channel_error(name: str, want: Array, got: Array, axis: int, limit: float, pooled: Array | None) -> PartError:
+    """The channel with the largest difference over its own largest magnitude (`pooled` when given, else this case's;
+    floored at CHANNEL_FLOOR of the output's), and the element where it is."""
     difference = np.moveaxis(np.abs(want - got), axis, 0)
     magnitude = np.moveaxis(np.abs(want), axis, 0)
     channels = difference.shape[0]
     largest = difference.reshape(channels, -1).max(axis=1)
-    floor = CHANNEL_FLOOR * float(magnitude.max(initial=0.0))
-    scale = np.maximum(magnitude.reshape(channels, -1).max(axis=1), floor)
+    own = magnitude.reshape(channels, -1).max(axis=1) if pooled is None else np.fmax(pooled, magnitude.max(axis=1))
+    floor = CHANNEL_FLOOR * float(own.max(initial=0.0))
+    scale = np.maximum(own, floor)
     errors = np.where(scale > 0, largest / np.where(scale > 0, scale, 1.0), largest)
     channel = int(np.argmax(np.where(np.isnan(errors), np.inf, errors)))
     position = np.unravel_index(int(np.argmax(difference[channel])), difference.shape[1:])
@@ -225,9 +301,10 @@ def parts_verdict(
     """(why the parts of the outputs fail, or None; the worst figure of a part that passed, for the summary)."""
     failing: tuple[PartError, str] | None = None
     passing: tuple[PartError, str] | None = None
+    scales = column_scales(references, names)
     try:
         for case, want, got in zip(cases, references, candidates, strict=True):
-            for error in judge_parts(want, got, names, rules, max_channel_error):
+            for error in judge_parts(want, got, names, rules, max_channel_error, scales):
                 worst = failing if error.fails else passing
                 if worst is None or error.excess > worst[0].excess:
                     if error.fails:

@@ -1,9 +1,10 @@
 """Compares a profile's outputs on the golden inputs with the eager fp32 reference.
 
-Two measures, so that every output can fail: the cosine of each sample's row (all outputs joined), and, on each
-output whose rows hold few values (common.accuracy.FEW_VALUES_PER_ROW), the largest difference relative to the
-largest magnitude eager gives on that output. A cosine over one value per row only compares signs: a probability
-off by 0.89 keeps it at 1.0.
+Three measures, so that every output and every element can fail: the cosine of each sample's row (all outputs
+joined); on each output whose rows hold few values (common.accuracy.FEW_VALUES_PER_ROW), the largest difference
+relative to the largest magnitude eager gives on that output (a cosine over one value per row only compares signs: a
+probability off by 0.89 keeps it at 1.0); on each output with longer rows, the worst element over eager's largest
+magnitude in its row (elements.py: one frame an octave off keeps a long row's cosine at 0.996).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from infervisor.common.accuracy import (
     channel_limit,
     cosine_text,
 )
+from infervisor.worker.profiles.elements import ElementError, element_error
 from infervisor.worker.profiles.evidence import Evidence, spread
 from infervisor.worker.profiles.parts import OutputRule, output_rules
 
@@ -39,6 +41,8 @@ class Tolerance:
     max_rel_error: float | None = DEFAULT_MAX_REL_ERROR
     #: Default (FROM_COSINE): common.accuracy.channel_limit(min_cosine); None: not checked.
     max_channel_error: float | None = FROM_COSINE
+    #: The worst element of a long row over eager's largest magnitude in that row (elements.py); default as above.
+    max_element_error: float | None = FROM_COSINE
     #: Output name -> its own limits and declared slices.
     outputs: Mapping[str, OutputRule] = field(default_factory=dict)
     #: `module:function` given eager's and the profile's outputs by name, returning (passed, reason).
@@ -47,8 +51,9 @@ class Tolerance:
     task_check_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_channel_error == FROM_COSINE:  # frozen: the derived default is set once, here
-            object.__setattr__(self, "max_channel_error", channel_limit(self.min_cosine))
+        for key in ("max_channel_error", "max_element_error"):
+            if getattr(self, key) == FROM_COSINE:  # frozen: the derived default is set once, here
+                object.__setattr__(self, key, channel_limit(self.min_cosine))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Tolerance:
@@ -98,6 +103,7 @@ class Agreement:
     cosines: tuple[float, ...] = ()
     #: What made the outputs incomparable (which output is not finite or has another shape), "" when none.
     problem: str = ""
+    element: ElementError = ElementError()
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why this misses the tolerance, or None when it meets it."""
@@ -107,11 +113,20 @@ class Agreement:
             return f"cosine {cosine_text(self.cosine, tolerance.min_cosine)} < {tolerance.min_cosine}"
         if _relative_fails(self.relative, tolerance):
             return f"{self.relative.text()} > {tolerance.max_rel_error}"
+        if _element_fails(self.element, tolerance):
+            return f"{self.element.text()} > {tolerance.max_element_error}, row {self.element.row}"
         if tolerance.max_abs_error is not None and self.max_abs_error > tolerance.max_abs_error:
             return f"max abs error {self.max_abs_error:.3g} > {tolerance.max_abs_error}"
         if tolerance.top1 and not self.top1_agree:
             return "top-1 differs from eager"
         return None
+
+    def failing_row(self, tolerance: Tolerance) -> int:
+        """The row the failure names: the worst element's or relative error's when that measure is what fails, else
+        the row of the lowest cosine."""
+        if self.cosine >= tolerance.min_cosine and not _relative_fails(self.relative, tolerance):
+            return self.element.row if _element_fails(self.element, tolerance) else self.worst_row
+        return self.relative.row if self.cosine >= tolerance.min_cosine else self.worst_row
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,8 @@ class GoldenResult:
     relative_spread: float = 0.0
     #: Which output was not finite or changed shape, and how, where the largest error is not finite ("" else).
     problem: str = ""
+    element: ElementError = ElementError()
+    element_at: str = ""
 
     def failure(self, tolerance: Tolerance) -> str | None:
         """Why the worst row misses the tolerance (and where it is), or None when every row meets it."""
@@ -153,6 +170,11 @@ class GoldenResult:
                 f"from eager over eager's largest magnitude on it: a cosine over so few values cannot fail), "
                 f"over {self.checked}"
             )
+        if _element_fails(self.element, tolerance):
+            return (
+                f"{self.element.text()} > {tolerance.max_element_error} on {self.element_at} (one element far off "
+                f"hides inside a long row's cosine), over {self.checked}"
+            )
         if tolerance.max_abs_error is not None and self.max_abs_error > tolerance.max_abs_error:
             return (
                 f"max abs error {self.max_abs_error:.3g} > {tolerance.max_abs_error} on {self.error_at} "
@@ -165,6 +187,7 @@ class GoldenResult:
     def summary(self, min_cosine: float | None = None, tolerance: Tolerance | None = None) -> str:
         """The figures the gate passed on, with where the worst of each was, and (given the tolerance) its margin."""
         relative = f", {self.relative.text()} ({self.relative_at})" if self.relative.output else ""
+        relative += f", worst element: {self.element.text()} ({self.element_at})" if self.element.output else ""
         text = (
             f"worst-row cosine {cosine_text(self.cosine, min_cosine)} ({self.cosine_at}){relative}, max abs error "
             f"{self.max_abs_error:.3g} ({self.error_at}), over {self.checked}"
@@ -191,6 +214,11 @@ def _relative_fails(relative: RelativeError, tolerance: Tolerance) -> bool:
     return bool(relative.output) and limit is not None and not relative.error <= limit
 
 
+def _element_fails(element: ElementError, tolerance: Tolerance) -> bool:
+    limit = tolerance.max_element_error
+    return bool(element.output) and limit is not None and not element.error <= limit
+
+
 def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked: str, samples: int = 0) -> GoldenResult:
     """Merge per-input agreements: the lowest row cosine, the largest error, top-1 everywhere, and the spread of
     the rows' figures (`samples`: how many samples the agreements cover).
@@ -201,6 +229,7 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
     error, error_at, problem = 0.0, "no row", ""
     top1_at = ""
     relative, relative_at = RelativeError(), ""
+    element, element_at = ElementError(), ""
     for agreement, where in results:
         # An output compared as one vector (one value per sample) has no row to name: the input is named.
         worst, largest = (agreement.worst_row, agreement.error_row) if agreement.rows > 1 else (-1, -1)
@@ -213,11 +242,13 @@ def worst_of(results: Sequence[tuple[Agreement, Callable[[int], str]]], checked:
         if agreement.relative.output and (not relative.output or not agreement.relative.error <= relative.error):
             relative = agreement.relative
             relative_at = where(relative.row)
+        if agreement.element.output and (not element.output or not agreement.element.error <= element.error):
+            element, element_at = agreement.element, where(agreement.element.row)
     cosines = [c for agreement, _ in results for c in agreement.cosines]
     relatives = [e for agreement, _ in results if agreement.relative.output for e in agreement.relative.per_row]
     return GoldenResult(
         cosine, cosine_at, error, error_at, not top1_at, top1_at, checked, relative, relative_at,
-        samples, spread(cosines), spread(relatives), problem,
+        samples, spread(cosines), spread(relatives), problem, element, element_at,
     )  # fmt: skip
 
 
@@ -261,11 +292,14 @@ def compare(
         if r.ndim >= 1 and r.shape[0] > 0 and r.size > 0
     )
     relative = _relative_error(reference, candidate, names, own_rules)
+    element = element_error(reference, candidate, names, own_rules)
     if not len(cosines):
-        return Agreement(1.0, 0.0, top1, rows=0, relative=relative)
+        return Agreement(1.0, 0.0, top1, rows=0, relative=relative, element=element)
     worst, largest = int(np.argmin(cosines)), int(np.argmax(errors))
     row_cosines = tuple(float(c) for c in cosines)
-    return Agreement(float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative, row_cosines)
+    return Agreement(
+        float(cosines[worst]), float(errors[largest]), top1, worst, largest, count, relative, row_cosines, "", element
+    )
 
 
 #: Words of a shape problem (_shape_problem), and the next step such a refusal gives.
