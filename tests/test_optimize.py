@@ -143,8 +143,8 @@ def test_points_within_each_others_noise_give_the_same_choice_whichever_reads_hi
         assert any(note.startswith("eager 2x1") for note in notes) and not any("bound" in n for n in notes)
     close = Point("eager", Layout(1, 1), 30.0, 38.0, 100.0, 38.0, p99_spread=0.2)
     notes = noise_notes([close], close, sla, 2.0)
-    assert notes[0].startswith("P99 38.00 ms (spread 20%) is within the noise of the 40 ms bound")
-    assert notes[-1].startswith("to decide: measure longer (--seconds 4")
+    assert notes[0].startswith("in process: P99 38.00 ms (spread 20%) is within the noise of the 40 ms bound")
+    assert notes[-1].startswith("in process: to decide: measure longer (--seconds 4")
 
 
 def test_the_sizes_measured_at_are_the_served_ones_never_silently_the_minimum() -> None:
