@@ -78,20 +78,22 @@ NOISE_FLOOR = 0.1
 
 
 def noise(point: Point) -> float:
-    """How far another run of this point's QPS may land, relative: its windows' spread, at least NOISE_FLOOR."""
-    return max(point.qps_spread, NOISE_FLOOR)
+    """How far another run of this point's QPS may land either way, relative: half its windows' range (at least
+    half of NOISE_FLOOR)."""
+    return max(point.qps_spread, NOISE_FLOOR) / 2.0
 
 
 def _ties(points: list[Point], best: Point) -> list[Point]:
-    """The points whose QPS is within the noise of `best`'s: any of them may come out on top in another run."""
-    return [p for p in points if p.qps >= best.qps * (1.0 - max(noise(p), noise(best)))]
+    """The points whose QPS range overlaps `best`'s: any of them may come out on top in another run."""
+    return [p for p in points if abs(p.qps - best.qps) <= p.qps * noise(p) + best.qps * noise(best)]
 
 
 def _steady(points: list[Point]) -> Point:
     """Among points within each other's noise, the same one every run: the first profile measured, then the
-    layout with the most cores per worker (the lowest latency a request sees, the least memory)."""
+    layout with the most cores per worker (the lowest latency a request sees), then the most workers (the most
+    room under load)."""
     order = {profile: index for index, profile in enumerate(dict.fromkeys(p.profile for p in points))}
-    return min(points, key=lambda p: (order[p.profile], -p.layout.cores_per_worker, p.layout.workers))
+    return min(points, key=lambda p: (order[p.profile], -p.layout.cores_per_worker, -p.layout.workers))
 
 
 def _best(points: list[Point], sla: Sla) -> Point:
@@ -125,7 +127,7 @@ def noise_notes(points: list[Point], chosen: Point, sla: Sla, seconds: float) ->
     if rivals:
         named = ", ".join(f"{p.profile} {p.layout} ({p.qps:.1f} QPS)" for p in rivals)
         notes.append(f"{named} within the noise of the chosen {chosen.qps:.1f} QPS: the steady choice among them is "
-                     "the first profile measured, then the most cores per worker")  # fmt: skip
+                     "the first profile measured, then the most cores per worker, then the most workers")  # fmt: skip
     if any(n.startswith(IN_PROCESS) for n in notes):
         notes.append(f"{IN_PROCESS}to decide: measure longer (--seconds {2 * seconds:g} --check-seconds 20: more "
                      "windows narrow the spread) on a quiet box, or agree the bound with this margin")  # fmt: skip
