@@ -139,6 +139,8 @@ def test_bench_measures_a_model_of_a_config_file_with_its_batch_column(tmp_path:
     assert header[header.index("qps") + 1 : header.index("qps") + 4] == ["b1/row", "b8/row", "b8/b1"]
     rows = json.loads(rows_file.read_text())
     assert [(r["model"], r["profile"]) for r in rows] == [("voice", "eager"), ("voice", "jit")]
+    assert {r["measured_at"] for r in rows} == {"20x8 (the declared shape)"}
+    assert "voice measured at 20x8 (the declared shape) (in process and through the daemon)" in done.stdout
     for row in rows:
         assert set(row["per_sample_ms"]) == {"1", "8"} and all(ms > 0 for ms in row["per_sample_ms"].values())
         assert row["batch_ratio"] > 0

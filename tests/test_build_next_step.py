@@ -10,11 +10,12 @@ import pytest
 from infervisor.common.cpuinfo import read_caps
 from infervisor.protocol.launch import LaunchSpec, ModelSource
 from infervisor.protocol.tensors import TensorSpec
-from infervisor.worker.profiles.next_step import with_next_step
+from infervisor.worker.profiles.next_step import OPEN_LENGTH_STEP, with_next_step
 from infervisor.worker.profiles.select import select_profile
 from infervisor.worker.profiles.validate import Tolerance, compare, worst_of
 from infervisor.worker.runner import ModelRunner
 from infervisor.worker.start import build_context
+from tests.audio_models import keyword_cnn
 from tests.step_models import odd_crop
 
 
@@ -57,3 +58,18 @@ def test_a_failed_build_says_the_next_step() -> None:
                                                              "stops building it on every start)")  # fmt: skip
     covered = "covers [64, 67] (declare the range [64, 67] for that dim, or take this profile out of the chain)"
     assert with_next_step("aoti", covered) == covered
+
+
+def test_an_open_length_export_refusal_says_what_to_do(tmp_path: Path) -> None:
+    """A 1-D CNN over audio of 1,000-32,000 samples: int8_dynamic's export breaks on a MaxPool's guard, and the
+    refusal leads with what to do (serve a profile that needs no export, or a fixed size), never "no declared range
+    is the cause"."""
+    spec = TensorSpec("audio", "float32", (None, 1, None), bounds=(None, None, (1000, 32000)))
+    runner = ModelRunner(keyword_cnn(), (spec,), None)
+    launch = LaunchSpec("t", "m", -1, ModelSource("python", "tests.audio_models:keyword_cnn"), runner.specs, None,
+                        (0,), 1, profiles=("int8_dynamic", "eager"), cache_dir=str(tmp_path))  # fmt: skip
+    selection = select_profile(runner, launch.profiles, Tolerance(0.99), read_caps(), build_context(launch, runner))
+    assert selection.profile == "eager"
+    (reason,) = selection.skipped
+    assert f"int8_dynamic failed to build: {OPEN_LENGTH_STEP}; torch.export: " in reason, reason
+    assert "no declared range is the cause" not in reason, reason

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from infervisor.supervisor.commands.optimize import format_report
 from infervisor.supervisor.host.topology import LogicalCpu, Topology
 from infervisor.supervisor.settings.config import Config, parse_config
-from infervisor.supervisor.toolkit.constraints import Accuracy, Sla
+from infervisor.supervisor.toolkit.constraints import Accuracy, Data, InputShape, Sla
 from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
-from infervisor.supervisor.toolkit.optimize import chain_at, choose
-from infervisor.supervisor.toolkit.sweep import Point
+from infervisor.supervisor.toolkit.optimize import chain_at, choose, noise_notes
+from infervisor.supervisor.toolkit.served_sizes import served_sizes, warning
+from infervisor.supervisor.toolkit.sweep import Figures, Point, contradiction
+from tests.audio_models import AUDIO_INPUTS
 from tests.conftest import ROOT, TINY_INPUTS, Daemon
 
 INF = float("inf")
@@ -101,6 +104,69 @@ def test_a_profile_outside_the_accuracy_budget_is_never_chosen_nor_chained() -> 
     assert chain_at(points, rows, BUDGET, chosen) == ["jit", "eager"]
 
 
+def test_a_figure_the_cores_cannot_explain_is_flagged_and_never_chosen() -> None:
+    """The issue's eager 1x1 = 1,184 QPS and 2x1 = 7,158 (x6 with 2 workers), and a busy P99 below the idle one, are
+    contradictions; 2x1 at 2,200 QPS is not. A point still suspect after its re-measure is never chosen, even as the
+    fastest."""
+    idle = Figures(1184.0, 0.8, 2.0, 0.05, 0.1)
+    assert "x6.0 one worker's" in (contradiction(idle, Figures(7158.0, 0.2, 2.5, 0.05, 0.1), 2) or "")
+    assert "below the idle" in (contradiction(idle, Figures(2200.0, 0.8, 1.2, 0.05, 0.1), 2) or "")
+    assert contradiction(idle, Figures(2200.0, 0.9, 2.4, 0.05, 0.1), 2) is None
+    suspect = Point("eager", Layout(2, 1), 0.8, 2.0, 7158.0, 2.5, suspect="x6.0")
+    chosen, verdict = choose([suspect, _point("eager", "1x1", 2.0, 1184.0)], _rows(eager=1.0),
+                             Sla(INF, INF, 0.0, 0.0, BUDGET), BUDGET)  # fmt: skip
+    assert chosen is not None and str(chosen.layout) == "1x1" and verdict.layout == "1x1"
+
+
+def test_one_chosen_leads_the_chain_and_is_the_one_the_table_marks() -> None:
+    """eager 2x1 chosen over a slower jit_onednn: the chain is eager alone (the issue's table marked eager while the
+    chain written and checked led with jit_onednn), and the table marks exactly that point."""
+    points = [_point("eager", "2x1", 10.0, 300.0), _point("jit_onednn", "2x1", 12.0, 200.0)]
+    rows = _rows(eager=1.0, jit_onednn=1.0)
+    chosen, verdict = choose(points, rows, Sla(INF, INF, 0.0, 0.0, BUDGET), BUDGET)
+    assert chosen is not None and chain_at(points, rows, BUDGET, chosen) == ["eager"]
+    shown = [{**row, "rss_mb": 100.0, "risk": ""} for row in rows.values()]
+    table = format_report(shown, points, BUDGET, chosen, verdict)
+    (marked,) = [line for line in table.splitlines() if "<- chosen" in line]
+    assert marked.split()[:2] == ["2x1", "eager"]
+
+
+def test_points_within_each_others_noise_give_the_same_choice_whichever_reads_higher() -> None:
+    """1x1 and 2x1 5% apart (within the noise) choose the same point in either order, and the output names the
+    rival; a noisy 372 QPS does not tie a 217 (their ranges do not meet); a P99 within its spread of the bound is said
+    to be within the noise, with what would decide it."""
+    sla = Sla(INF, 40.0, 0.0, 0.0, BUDGET)
+    for one, two in ((100.0, 105.0), (105.0, 100.0)):
+        points = [_point("eager", "1x1", 30.0, one), _point("eager", "2x1", 30.0, two)]
+        chosen, _ = choose(points, _rows(eager=1.0), sla, BUDGET)
+        assert chosen is not None and str(chosen.layout) == "2x1"
+        notes = noise_notes(points, chosen, sla, 2.0)
+        assert any(note.startswith("eager 1x1") for note in notes) and not any("bound" in n for n in notes)
+    noisy = Point("jit_onednn", Layout(1, 1), 0.7, 21.0, 372.6, 21.0, qps_spread=0.42)
+    steady = Point("eager", Layout(2, 1), 1.3, 30.0, 217.0, 57.6, qps_spread=0.16)
+    chosen, _ = choose([steady, noisy], _rows(eager=1.0, jit_onednn=1.0), sla, BUDGET)
+    assert chosen == noisy and noise_notes([steady, noisy], noisy, sla, 2.0) == ()
+    close = Point("eager", Layout(1, 1), 30.0, 38.0, 100.0, 38.0, p99_spread=0.2)
+    notes = noise_notes([close], close, sla, 2.0)
+    assert notes[0].startswith("in process: P99 38.00 ms (spread 20%) is within the noise of the 40 ms bound")
+    assert notes[-1].startswith("in process: to decide: measure longer (--seconds 4")
+
+
+def test_the_sizes_measured_at_are_the_served_ones_never_silently_the_minimum() -> None:
+    """1,000-32,000 samples declared in the constraints: 5 sizes at the range's quantiles; else typical_shape; else
+    the declared minimum, with a warning."""
+    specs = parse_config(json.dumps({"models": {"kws": {"source": {"builtin": "tiny"}, "inputs": AUDIO_INPUTS}}}),
+                         Path(".")).models["kws"].inputs  # fmt: skip
+    data = Data((InputShape("audio", (1, 1, (1000, 32000))),), 1, None)
+    sizes = served_sizes(specs, data, {"audio": [1, 1, 16000]})
+    assert [s["audio"] for s in sizes.shapes] == [(1, 1, n) for n in (4100, 10300, 16500, 22700, 28900)]
+    assert sizes.text == "1x4100 .. 1x28900 (5 sizes spread over constraints data.inputs)" and not warning(sizes)
+    typical = served_sizes(specs, None, {"audio": [1, 1, 16000]})
+    assert typical.text == "1x16000 (typical_shape)" and not warning(typical)
+    least = served_sizes(specs, None, None)
+    assert least.shapes == ({"audio": (1, 1, 1000)},) and warning(least)[0].startswith("WARNING: measured at 1x1000")
+
+
 def _optimize(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "infervisor", "optimize", *argv],
@@ -141,3 +207,35 @@ def test_optimize_sweeps_the_layouts_checks_the_choice_through_a_daemon_and_writ
     )  # fmt: skip
     assert probed.returncode == 0, probed.stdout + probed.stderr
     assert json.loads((tmp_path / "probe.json").read_text())["samples"] > 0
+
+
+def test_optimize_on_a_variable_length_model_measures_at_the_declared_sizes(tmp_path: Path) -> None:
+    """An audio model declared 1,000-32,000 samples in the constraints: the sweep's figures and the daemon check's
+    requests are at the 5 sizes spread over that range, not at 1,000; and one answer to "what was chosen": the table's
+    mark, the JSON's `chosen`, the chain's head, the check's subject and what its workers served."""
+    config = tmp_path / "config.json"
+    entry = {"source": {"python": "tests.audio_models:keyword_cnn"}, "inputs": AUDIO_INPUTS, "workers": 1,
+             "cores_per_worker": 1}  # fmt: skip
+    config.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"kws": entry}}))
+    constraints = tmp_path / "constraints.json"
+    constraints.write_text(json.dumps({
+        "hardware": {"memory_mb": 2048}, "operations": {},
+        "sla": {"cold_start_ms": 600000, "p99_ms": 5000, "min_qps": 0, "accuracy": {"min_cosine": 0.99}},
+        "data": {"inputs": [{"name": "audio", "shape": [1, 1, [1000, 32000]]}]},
+    }))  # fmt: skip
+    report = tmp_path / "report.json"
+    done = _optimize("--model", "kws", "--config", str(config), "--constraints", str(constraints), "--profiles",
+                     "eager", "--layouts", "1x1", "--seconds", "0.3", "--check-seconds", "1", "--timeout", "120",
+                     "--dry-run", "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    served = [[1, 1, n] for n in (4100, 10300, 16500, 22700, 28900)]
+    assert result["sizes"] == [{"audio": shape} for shape in served]
+    assert result["check"]["inputs"] == [{"audio": shape} for shape in served]
+    assert {p["measured_at"] for p in result["layouts"]} == {result["measured_at"]} == {result["check"]["measured_at"]}
+    assert "measured at 1x4100 .. 1x28900 (5 sizes spread over constraints data.inputs)" in done.stdout
+    chosen = result["chosen"]
+    (marked,) = [line.split()[:2] for line in done.stdout.splitlines() if line.endswith("<- chosen")]
+    assert marked == [chosen["layout"], chosen["profile"]] and result["chain"][0] == chosen["profile"]
+    assert set(result["check"]["profiles"]) == {chosen["profile"]}
+    assert f"CHECK of the chosen {chosen['profile']} on {chosen['layout']}" in done.stdout

@@ -16,6 +16,7 @@ to on stdin (`load SECONDS`), so `infervisor optimize` can load several pinned p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -81,6 +82,19 @@ def batch_ratio(turns: list[dict[int, list[float]]], one: int, many: int) -> flo
     return statistics.median(ratios)
 
 
+def sized(launch: LaunchSpec, sizes: str | None, batch: int) -> list[dict[str, Any]]:
+    """Inputs at each of --sizes (JSON: a list of input name -> full shape) with `batch` rows; [] without it."""
+    import torch
+
+    from infervisor.worker.synthetic import draw
+
+    drawn = []
+    for seed, shapes in enumerate(json.loads(sizes) if sizes else []):
+        generator = torch.Generator().manual_seed(seed)
+        drawn.append({s.name: draw(s, [batch, *shapes[s.name][1:]], generator) for s in launch.inputs})
+    return drawn
+
+
 def launch_of(args: argparse.Namespace) -> LaunchSpec:
     """The worker launch spec to measure: given as JSON, or made for a built-in."""
     if args.launch:
@@ -118,13 +132,16 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     validation = validation_samples(launch, runner, context.sequences)
     cases = golden_cases(runner, validation)
     references = [[a for _, a in runner.forward(case)] for case in cases]
-    one, many = runner.example_inputs(1), runner.example_inputs(args.batch)
+    ones = sized(launch, args.sizes, 1) or [runner.example_inputs(1)]
+    many = (sized(launch, args.sizes, args.batch) or [runner.example_inputs(args.batch)])[len(ones) // 2]
+    turn = itertools.count()
     rss_before = psutil.Process().memory_info().rss
     started = time.perf_counter()
     try:
         built = build_profile(profile, context)
         runner.module = built.callable
-        runner.forward(one)
+        for one in ones:  # every size once: a compiled program may specialise on its first call of each
+            runner.forward(one)
     except ProfileError as exc:
         return {"profile": profile, "skipped": str(exc)}, _nothing
     except Exception as exc:  # noqa: BLE001 - a crashing profile is a row of the table, not the end of the bench
@@ -132,8 +149,8 @@ def measure(args: argparse.Namespace, launch: LaunchSpec, profile: str) -> tuple
     build_s = time.perf_counter() - started
     cold_start_s = time.time() - args.started_at if args.started_at else None
 
-    def serve_one() -> object:
-        return runner.forward(one)
+    def serve_one() -> object:  # one batch-1 call, at the next of the sizes measured at
+        return runner.forward(ones[next(turn) % len(ones)])
 
     if args.build_only:
         built_row = {"profile": profile, "build_s": round(build_s, 2), "build_notes": built.notes}
@@ -234,6 +251,7 @@ def main() -> int:
         "--pick", action="store_true", help="only print what pick fastest over the launch's chain serves"
     )
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sizes", help="JSON list of {input: full shape}: batch-1 calls take them in turn")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--cache-dir", required=True)

@@ -27,13 +27,24 @@ from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.observe.stats import percentile
 from infervisor.supervisor.settings.config import ConfigError, load_config
 from infervisor.supervisor.settings.config_path import ConfigPathError, resolve_config_path
-from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_constraints
+from infervisor.supervisor.toolkit.inputs import inputs_at
 from infervisor.supervisor.toolkit.models import Measured, UnknownModel, resolve
 from infervisor.supervisor.toolkit.scratch import ScratchDaemon, ScratchFailed, scratch_config, scratch_daemon
+from infervisor.supervisor.toolkit.served_sizes import ServedSizes, served_sizes
+
+
+def sizes_of(target: Measured, args: argparse.Namespace) -> ServedSizes | None:
+    """The sizes a configured model is measured at (served_sizes: --constraints' data.inputs, else its
+    typical_shape, else the declared example); None for a built-in, whose only open dim is the batch."""
+    if target.model is None:
+        return None
+    data = load_constraints(Path(args.constraints)).data if args.constraints else None
+    return served_sizes(target.model.inputs, data, target.model.typical_shape)
 
 
 def in_process(
-    target: Measured, threads: int, args: argparse.Namespace, cache_dir: Path
+    target: Measured, threads: int, args: argparse.Namespace, cache_dir: Path, sizes: ServedSizes | None = None
 ) -> tuple[list[Any], list[dict[str, Any]]]:
     """The input spec and one row per profile, from a pinned `python -m infervisor.worker.bench` child."""
     launch = target.launch(threads, cache_dir)
@@ -47,6 +58,8 @@ def in_process(
     ]  # fmt: skip
     if args.channels_last:
         command.append("--channels-last")
+    if sizes is not None:
+        command += ["--sizes", json.dumps(sizes.as_json())]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -65,14 +78,15 @@ def _serving(daemon: ScratchDaemon, old_pid: int | None, timeout: float) -> dict
     return daemon.await_status(new_worker, timeout, "no serving worker")
 
 
-def _timed(endpoint: str, model: str, arrays: dict[str, Any], seconds: float) -> list[float]:
-    """Batch-1 round trips (ms) for `seconds`, at least five, after three untimed ones."""
+def _timed(endpoint: str, model: str, turns: list[dict[str, Any]], seconds: float) -> list[float]:
+    """Batch-1 round trips (ms) for `seconds`, at least five, after three untimed ones; the inputs taken in turn."""
     latencies: list[float] = []
     with Client(endpoint) as client:
-        for _ in range(3):
+        for arrays in [*turns, *turns, *turns][:3]:
             client.infer(model, arrays, timeout=60)
         stop = time.monotonic() + seconds
         while time.monotonic() < stop or len(latencies) < 5:
+            arrays = turns[len(latencies) % len(turns)]
             started = time.perf_counter()
             client.infer(model, arrays, timeout=60)
             latencies.append((time.perf_counter() - started) * 1000.0)
@@ -80,7 +94,7 @@ def _timed(endpoint: str, model: str, arrays: dict[str, Any], seconds: float) ->
 
 
 def through_daemon(
-    target: Measured, profile: str, threads: int, args: argparse.Namespace, cache_dir: Path
+    target: Measured, profile: str, threads: int, args: argparse.Namespace, cache_dir: Path, sizes: ServedSizes | None
 ) -> dict[str, Any]:
     """Cold start (first and restarted worker) and batch-1 round trip of one profile served by the daemon."""
     model = target.name
@@ -100,7 +114,10 @@ def through_daemon(
             raise daemon.failure(f"the daemon served {again['profile']} instead of {profile}: "
                                  f"{again['profile_skipped']}")  # fmt: skip
         endpoint = f"ipc://{daemon.runtime_dir / CLIENT_SOCKET_NAME}"
-        latencies = _timed(endpoint, model, random_inputs(target.entry["inputs"], 1), args.seconds)
+        spec = target.entry["inputs"]
+        shapes = sizes.shapes if sizes is not None else ({i["name"]: _batch_one(i["shape"]) for i in spec},)
+        turns = [inputs_at(spec, shape, seed) for seed, shape in enumerate(shapes)]
+        latencies = _timed(endpoint, model, turns, args.seconds)
         served = _serving(daemon, first["pid"], args.timeout)
     return {
         "ready_s": round(first["ready_ms"] / 1000.0, 2),
@@ -112,6 +129,11 @@ def through_daemon(
         # The restarted (cached-start) worker after the timed requests: what one more worker of this profile costs.
         "pss_mb": round(served["pss"] / 2**20, 1) if served.get("pss") else None,
     }
+
+
+def _batch_one(shape: list[Any]) -> tuple[int, ...]:
+    """A built-in's declared shape at batch 1 (its only open dim)."""
+    return tuple(d if isinstance(d, int) else 1 for d in shape)
 
 
 def _cell(value: Any, width: int, digits: int = 2) -> str:
@@ -166,7 +188,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table, write the JSON; exit 2 when a model or the config is not there."""
     try:
         targets = _targets(args)
-    except (UnknownModel, ConfigError, ConfigPathError) as exc:
+        measured_at = {target.name: sizes_of(target, args) for target in targets}
+    except (UnknownModel, ConfigError, ConfigPathError, ConstraintsError) as exc:
         print(f"infervisor bench: {exc}", file=sys.stderr)
         return 2
     allowed = len(os.sched_getaffinity(0))
@@ -177,23 +200,28 @@ def run_bench(args: argparse.Namespace) -> int:
             if threads > allowed:
                 print(f"skipping {threads} threads: only {allowed} CPUs are allowed here", file=sys.stderr)
                 continue
-            _, measured = in_process(target, threads, args, cache_dir)
+            sizes = measured_at[target.name]
+            _, measured = in_process(target, threads, args, cache_dir, sizes)
             eager = next((r["p50_ms"] for r in measured if r["profile"] == REFERENCE_PROFILE and "p50_ms" in r), None)
             for row in measured:
-                row.update(model=target.name, threads=threads)
+                row.update(
+                    model=target.name, threads=threads, measured_at=sizes.text if sizes else "the declared shape"
+                )
                 if "p50_ms" not in row:
                     rows.append(row)
                     continue
                 row["speedup"] = round(eager / row["p50_ms"], 2) if eager else None
                 if args.daemon:
                     try:
-                        row.update(through_daemon(target, row["profile"], threads, args, cache_dir))
+                        row.update(through_daemon(target, row["profile"], threads, args, cache_dir, sizes))
                     except (ScratchFailed, ControlError, InferenceError) as exc:  # a profile not served is a note
                         row["daemon_error"] = str(exc)[:300]
                         print(f"{target.name} {row['profile']}: daemon: {exc}", file=sys.stderr, flush=True)
                 rows.append(row)
                 print(format_table([row], args.batch).splitlines()[1], file=sys.stderr, flush=True)
     print(format_table(rows, args.batch))
+    for name, sizes in measured_at.items():
+        print(f"{name} measured at {sizes.text if sizes else 'the declared shape'} (in process and through the daemon)")
     print(
         f"p50/p95/p99 and qps: batch 1 in process; b1/row, b{args.batch}/row: median ms per sample at batch 1 and "
         f"{args.batch}; b{args.batch}/b1: the median over alternating turns of their ratio (below 1: batching pays); "

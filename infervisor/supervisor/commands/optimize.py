@@ -25,8 +25,9 @@ from infervisor.supervisor.toolkit.config_edit import rewrite
 from infervisor.supervisor.toolkit.constraints import Accuracy, Constraints, ConstraintsError, Sla, load_constraints
 from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
 from infervisor.supervisor.toolkit.models import entry_of, launch_of
-from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, within_budget
+from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, noise_notes, within_budget
 from infervisor.supervisor.toolkit.provenance import command_line, measured_on
+from infervisor.supervisor.toolkit.served_sizes import ServedSizes, served_sizes, warning
 from infervisor.supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
 
 
@@ -35,12 +36,12 @@ def _say(text: str) -> None:
 
 
 def sweep(
-    config: Config, model: ModelConfig, candidates: list[Layout], args: argparse.Namespace, cache_dir: Path
+    config: Config, model: ModelConfig, candidates: list[Layout], args: argparse.Namespace, options: SweepOptions
 ) -> tuple[list[dict[str, Any]], list[Point]]:
     """Every requested profile at every candidate layout: one row per profile, one point per profile and layout."""
     topology = read_topology()
     allowed = sorted(os.sched_getaffinity(0))
-    options = SweepOptions(args.seconds, args.batch, args.timeout, cache_dir)
+    cache_dir = options.cache_dir
     by_cores: dict[int, list[Layout]] = {}
     for layout in candidates:
         by_cores.setdefault(layout.cores_per_worker, []).append(layout)
@@ -54,7 +55,8 @@ def sweep(
             cpus = placement(config, model.name, most, topology, allowed)
             launch = launch_of(model, cores, cache_dir, args.calibration, args.validation)
             _say(f"measuring {profile} at {cores} core(s) per worker: build, check against eager, then "
-                 f"{args.seconds:g} s of timing per layout ({', '.join(str(g) for g in group)})")  # fmt: skip
+                 f"{args.seconds:g} s of timing per layout ({', '.join(str(g) for g in group)}) in interleaved "
+                 f"windows, at {options.measured_at}")  # fmt: skip
             try:
                 measured, found, siblings = measure_cores(launch, profile, group, cpus, options)
             except ChildFailed as exc:
@@ -67,7 +69,7 @@ def sweep(
                 row["restart_s"] = min(starts) if starts else restart_of(launch, profile, cpus[0], options)
             points += found
             _say(f"measured {profile} at {cores} core(s) per worker: " + (
-                ", ".join(f"{p.layout} p50 {p.p50_ms:.2f} ms, {p.qps:.1f} QPS" for p in found)
+                ", ".join(f"{p.layout} p50 {p.p50_ms:.2f} ms, {p.qps:.1f} QPS ±{p.qps_spread / 2:.0%}" for p in found)
                 or str(measured.get("skipped", "?"))[:160]
             ))  # fmt: skip
             if "p50_ms" not in measured:
@@ -98,16 +100,21 @@ def format_report(
             f"{row['max_abs_error']:>8.2g} {row['rss_mb']:>7.0f} {d_rss:>+6.0f} {row.get('cold_start_s') or 0:>7.1f} "
             f"{restart or 0:>7.1f}  {outside or row['risk']}"
         )
-    lines += ["", f"{'layout':<6} {'profile':<12} {'p50 ms':>8} {'p99 ms':>8} {'QPS':>8} {'busy p99':>8}"]
+    measured_at = points[0].measured_at if points else ""
+    lines += ["", f"measured at {measured_at}" if measured_at else "measured at the declared example"]
+    lines += [f"{'layout':<6} {'profile':<12} {'p50 ms':>8} {'p99 ms':>8} {'QPS':>8} {'±':>4} {'busy p99':>8} {'±':>4}"]
     for point in sorted(points, key=lambda p: (p.layout.cores_per_worker, p.layout.workers, p.p99_ms)):
-        mark = "  <- chosen" if point == chosen else ""
+        mark = "  <- chosen" if point == chosen else f"  SUSPECT: {point.suspect}" if point.suspect else ""
+        again = f"  (re-measured: {point.remeasured})" if point.remeasured and not point.suspect else ""
         lines.append(
             f"{str(point.layout):<6} {point.profile:<12} {point.p50_ms:>8.2f} {point.p99_ms:>8.2f} {point.qps:>8.1f} "
-            f"{point.busy_p99_ms:>8.2f}{mark}"
+            f"{point.qps_spread / 2:>4.0%} {point.busy_p99_ms:>8.2f} {point.p99_spread / 2:>4.0%}{mark}{again}"
         )
     lines.append(
         "layout: workers x cores per worker; p50/p99: one request at a time on one worker (in process); QPS and "
-        "busy p99: every worker of the layout running requests back to back at once"
+        f"busy p99: every worker of the layout running requests back to back at once; each the median of "
+        f"{points[0].windows if points else 0} interleaved windows, ± half their range; SUSPECT: figures the cores "
+        "cannot explain, measured twice, never chosen"
     )
     return "\n".join(lines)
 
@@ -120,9 +127,13 @@ EXIT_MET, EXIT_NOT_MET, EXIT_BAD_INPUT, EXIT_UNPROVEN = 0, 1, 2, 3
 def _verdict_lines(verdict: Verdict) -> list[str]:
     if verdict.unproven is not None:
         return [f"VERDICT: unproven: {verdict.unproven}", *(f"  measured in process: {r}" for r in verdict.reasons)]
+    within = [f"  within the noise: {note}" for note in verdict.noise]
     if verdict.met:
-        return [f"VERDICT: the SLA can be met on this box, by {verdict.profile} on {verdict.layout} workers x cores."]
-    return ["VERDICT: the SLA cannot be met on this box.", *(f"  {reason}" for reason in verdict.reasons)]
+        return [
+            f"VERDICT: the SLA can be met on this box, by {verdict.profile} on {verdict.layout} workers x cores.",
+            *within,
+        ]
+    return ["VERDICT: the SLA cannot be met on this box.", *(f"  {reason}" for reason in verdict.reasons), *within]
 
 
 def _check_qps(args: argparse.Namespace, sla: Sla) -> float | None:
@@ -135,7 +146,8 @@ def _check_qps(args: argparse.Namespace, sla: Sla) -> float | None:
 def _check_lines(result: DaemonCheck, chosen: Point, model: str) -> list[str]:
     gap = (result.p99_ms - chosen.p99_ms) / chosen.p99_ms if chosen.p99_ms else 0.0
     return [
-        f"CHECK through a daemon serving this config ({chosen.layout}, workers serve {', '.join(result.profiles)}): "
+        f"CHECK of the chosen {chosen.profile} on {chosen.layout} through a daemon serving this config (workers "
+        f"serve {', '.join(result.profiles)}), requests at {result.measured_at}: "
         f"{result.qps:g} QPS from {result.clients} clients for {result.seconds:g} s: P50 {result.p50_ms:.2f} ms, "
         f"P99 {result.p99_ms:.2f} ms, {result.errors} errors; saturated {result.saturated_qps:.1f} QPS",
         f"  in process the same choice measured P99 {chosen.p99_ms:.2f} ms ({gap:+.0%}): the daemon adds the "
@@ -270,6 +282,7 @@ def _check_choice(
     chosen: Point,
     sla: Sla,
     verdict: Verdict,
+    sizes: ServedSizes,
 ) -> tuple[DaemonCheck | None, Verdict, CheckFailed | None]:
     """The rewritten config served by a scratch daemon under load (unless --no-check), the verdict after it, and
     why the check could not run (None when it ran or was not asked for)."""
@@ -287,14 +300,14 @@ def _check_choice(
          f"for {args.check_seconds:g} s")  # fmt: skip
     try:
         result = check(raw, args.model, source_dir, cache_dir, (qps, args.check_clients, args.check_seconds),
-                       args.timeout)  # fmt: skip
+                       args.timeout, sizes)  # fmt: skip
     except CheckFailed as exc:
         print(f"the daemon check could not run: {exc}")
         if not verdict.met:  # the in-process figures already break the SLA: that much was measured
             return None, verdict, exc
         return None, dataclasses.replace(verdict, met=False, unproven=f"the daemon check could not run: {exc}"), exc
     print("\n".join(_check_lines(result, chosen, args.model)))
-    return result, judge_check(verdict, result, sla), None
+    return result, judge_check(verdict, result, sla, chosen.profile), None
 
 
 def _write_config(
@@ -342,31 +355,39 @@ def run_optimize(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     budget, sla = _budget_and_sla(model, constraints)
     cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(config.cache_dir)
-    _say(f"layouts: {', '.join(map(str, candidates))} (workers x cores per worker)")
+    sizes = served_sizes(model.inputs, constraints.data if constraints else None, model.typical_shape)
+    options = SweepOptions(args.seconds, args.batch, args.timeout, cache_dir, sizes.as_json(), sizes.text)
+    _say(f"layouts: {', '.join(map(str, candidates))} (workers x cores per worker); sizes: {sizes.text}")
     try:
-        rows, points = sweep(config, model, candidates, args, cache_dir)
+        rows, points = sweep(config, model, candidates, args, options)
     except (TopologyError, PlanError) as exc:
         print(f"infervisor optimize: {exc}")
         return 2
     chosen, verdict = choose(points, {r["profile"]: r for r in rows}, sla, budget)
     print(format_report(rows, points, budget, chosen, verdict))
-    for line in synthetic_warnings(rows):
+    for line in [*warning(sizes), *synthetic_warnings(rows)]:
         print(line)
     print("")
     if chosen is None:
         print("\n".join(_verdict_lines(verdict)))
         return 1
+    verdict = dataclasses.replace(verdict, noise=noise_notes(points, chosen, sla, args.seconds))
     chain = chain_at(points, {r["profile"]: r for r in rows}, budget, chosen)
     new_text, diff = rewrite(choice.path.read_text(), args.model, _changes(args, model, chain, chosen, budget))
     picked = _auto_pick(config, model, chain, chosen, budget, args, cache_dir)
     print("\n".join(_auto_pick_lines(picked, points, chosen)))
-    result, verdict, failed = _check_choice(args, new_text, choice.path, cache_dir, chosen, sla, verdict)
+    result, verdict, failed = _check_choice(args, new_text, choice.path, cache_dir, chosen, sla, verdict, sizes)
     print("\n".join(_verdict_lines(verdict)))
-    print(f"\nchain for {args.model}: {' -> '.join(chain)}; layout {chosen.layout} (workers x cores per worker)")
+    print(f"\nchosen: {chosen.profile} on {chosen.layout} (workers x cores per worker); chain for {args.model}: "
+          f"{' -> '.join(chain)}")  # fmt: skip
     written_to, not_written = _write_config(args, choice, new_text, diff, verdict)
     if args.json:
         report = {
             "model": args.model,
+            # The one answer to "what was chosen": the table's mark, the check's subject and the chain's head.
+            "chosen": {"profile": chosen.profile, "layout": str(chosen.layout)},
+            "measured_at": sizes.text,
+            "sizes": sizes.as_json(),
             "rows": [_at_choice(row, points, chosen) for row in rows],
             "layouts": [p.as_json() for p in points],
             "chain": chain,
@@ -398,4 +419,7 @@ def _at_choice(row: dict[str, Any], points: list[Point], chosen: Point) -> dict[
     here = next((p for p in points if p.profile == row["profile"] and p.layout == chosen.layout), None)
     if here is None:
         return row
-    return {**row, "p50_ms": here.p50_ms, "p99_ms": here.p99_ms, "qps": here.qps, "layout": str(here.layout)}
+    return {
+        **row, "p50_ms": here.p50_ms, "p99_ms": here.p99_ms, "qps": here.qps, "layout": str(here.layout),
+        "measured_at": here.measured_at,
+    }  # fmt: skip

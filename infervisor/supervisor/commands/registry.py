@@ -174,6 +174,7 @@ def _bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8, help="the second batch size measured (the batch column)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timing per measurement")
     parser.add_argument("--channels-last", action="store_true", help="feed 4-D inputs in channels_last (NHWC)")
+    parser.add_argument("--constraints", help="constraints.json: a configured model is measured at its data.inputs")
     parser.add_argument("--no-daemon", dest="daemon", action="store_false", help="in-process figures only")
     parser.add_argument("--cache-dir", help="compiled packages (default: the daemon's cache directory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per child process / worker start")

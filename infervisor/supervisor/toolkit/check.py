@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME
-from infervisor.supervisor.toolkit.inputs import random_inputs
+from infervisor.supervisor.toolkit.inputs import inputs_at
 from infervisor.supervisor.toolkit.load import closed_loop, paced_load
 from infervisor.supervisor.toolkit.probe import quantile
 from infervisor.supervisor.toolkit.scratch import ScratchDaemon, ScratchFailed, scratch_config, scratch_daemon
+from infervisor.supervisor.toolkit.served_sizes import ServedSizes, shapes_of
 
 
 class CheckFailed(ScratchFailed):
@@ -38,6 +39,9 @@ class DaemonCheck:
     saturated_qps: float
     #: The profile each worker serves.
     profiles: list[str]
+    #: The shapes of the requests sent, in turn (the served sizes), and what they are.
+    inputs: list[dict[str, list[int]]]
+    measured_at: str
 
 
 def _wait_serving(daemon: ScratchDaemon, model: str, timeout: float) -> list[str]:
@@ -69,17 +73,19 @@ def check(
     cache_dir: Path,
     load: tuple[float | None, int, float],
     timeout: float,
+    sizes: ServedSizes,
 ) -> DaemonCheck:
     """Serve `raw` (a config whose models are found in `source_dir`), saturate `model`, then offer it the QPS of
     `load` (qps, clients, seconds) as probe would.
 
-    Without a QPS, half of what the daemon sustained: a load it serves with room to spare.
+    Without a QPS, half of what the daemon sustained: a load it serves with room to spare. The requests carry
+    `sizes` in turn.
     """
     qps, clients, seconds = load
     with scratch_daemon(scratch_config(raw, cache_dir), source_dir, "optimize") as daemon:
         profiles = _wait_serving(daemon, model, timeout)
         entry = raw["models"][model]
-        inputs = random_inputs(entry["inputs"], 1)
+        inputs = [inputs_at(entry["inputs"], shapes, seed) for seed, shapes in enumerate(sizes.shapes)]
         endpoint = f"ipc://{daemon.runtime_dir / CLIENT_SOCKET_NAME}"
         # Warm the request path (sockets, first replies) as a daemon serving for a while has it.
         closed_loop(endpoint, model, inputs, 1, 1.0)
@@ -91,5 +97,5 @@ def check(
     trips = [s.stages()["round_trip"] for s in samples]
     return DaemonCheck(
         qps, clients, seconds, len(samples), errors, round(quantile(trips, 50), 3), round(quantile(trips, 99), 3),
-        round(answered / seconds, 1), profiles,
+        round(answered / seconds, 1), profiles, [shapes_of(arrays) for arrays in inputs], sizes.text,
     )  # fmt: skip

@@ -16,11 +16,21 @@ def random_shape(shape: list[Any], batch: int) -> tuple[int, ...]:
 
 
 def random_inputs(spec: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
-    """Arrays of a declared input spec, drawn as its `synthetic` says (else normal floats, ones for integers)."""
+    """Arrays of a declared input spec, drawn as its `synthetic` says (else normal floats, ones for integers).
+
+    Every open dim is `batch` raised to its min (random_shape): for a CLI request, not for measuring (inputs_at).
+    """
+    return inputs_at(spec, {item["name"]: random_shape(item["shape"], batch) for item in spec}, seed)
+
+
+def inputs_at(
+    spec: list[dict[str, Any]], shapes: dict[str, tuple[int, ...]], seed: int = 0
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Arrays of a declared input spec at the given full shapes (the sizes measured at), drawn as random_inputs."""
     rng = np.random.default_rng(seed)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for item in spec:
-        shape = random_shape(item["shape"], batch)
+        shape = tuple(shapes[item["name"]])
         dtype = np.dtype(item["dtype"])
         synthetic = item.get("synthetic") or {}
         distribution = synthetic.get("distribution")

@@ -9,17 +9,29 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from infervisor.protocol.client import Client
 from infervisor.protocol.errors import InferenceError
 from infervisor.supervisor.toolkit.probe import Sample
 
+#: One request's named arrays, or several sent in turn (the sizes a model serves, optimize's check).
+Inputs = dict[str, Any] | Sequence[dict[str, Any]]
+
+
+def _cycle(inputs: Inputs) -> Sequence[dict[str, Any]]:
+    return [inputs] if isinstance(inputs, dict) else inputs
+
 
 def paced_load(
-    endpoint: str, model: str, inputs: dict[str, Any], qps: float, seconds: float, clients: int
+    endpoint: str, model: str, inputs: Inputs, qps: float, seconds: float, clients: int
 ) -> tuple[list[Sample], int]:
-    """`clients` threads sending at `qps` in total for `seconds` (bounded in time and count); samples and errors."""
+    """`clients` threads sending at `qps` in total for `seconds` (bounded in time and count); samples and errors.
+
+    Several inputs are sent in turn, each client starting at its own one.
+    """
+    turns = _cycle(inputs)
     samples: list[Sample] = []
     errors = [0]
     lock = threading.Lock()
@@ -34,7 +46,8 @@ def paced_load(
                 time.sleep(max(0.0, due - time.monotonic()))
                 sent = time.monotonic() * 1000.0
                 try:
-                    _, timing = client.infer_with_timing(model, inputs, timeout=30)
+                    arrays = turns[(offset + k) % len(turns)]
+                    _, timing = client.infer_with_timing(model, arrays, timeout=30)
                 except InferenceError:
                     with lock:
                         errors[0] += 1
@@ -51,17 +64,20 @@ def paced_load(
     return samples, errors[0]
 
 
-def closed_loop(endpoint: str, model: str, inputs: dict[str, Any], clients: int, seconds: float) -> tuple[int, int]:
+def closed_loop(endpoint: str, model: str, inputs: Inputs, clients: int, seconds: float) -> tuple[int, int]:
     """`clients` threads each sending its next request as soon as the last is answered: (answered, errors)."""
+    turns = _cycle(inputs)
     counts = [0] * clients
     errors = [0] * clients
     stop = time.monotonic() + seconds
 
     def run(index: int) -> None:
         with Client(endpoint) as client:
+            sent = index
             while time.monotonic() < stop:
+                sent += 1
                 try:
-                    client.infer(model, inputs, timeout=30)
+                    client.infer(model, turns[sent % len(turns)], timeout=30)
                 except InferenceError:
                     errors[index] += 1
                     continue

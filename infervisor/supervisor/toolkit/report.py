@@ -338,7 +338,8 @@ h2{break-after:avoid}}
 def _verdict_html(evidence: Evidence, found: Verdict) -> list[str]:
     chosen = _chosen(evidence)
     optimize = evidence.optimize or {}
-    choice = (f"profile {optimize['verdict'].get('profile') or chosen[0][0]} (chain {' → '.join(chosen[0])}) on "
+    picked = (optimize.get("chosen") or {}).get("profile") or optimize["verdict"].get("profile") if chosen else None
+    choice = (f"profile {picked or chosen[0][0]} (chain {' → '.join(chosen[0])}) on "
               f"{layout_text(*chosen[1])}") if chosen else "no chosen profile"  # fmt: skip
     target = evidence.constraints.hardware.cpu_model if evidence.constraints else None
     measured = sorted(set(_measured_cpus(evidence).values()))
@@ -360,6 +361,9 @@ def _verdict_html(evidence: Evidence, found: Verdict) -> list[str]:
     facts = [f"Measured on {', '.join(measured)}" + (f"; the constraints name {target}." if target else ".")]
     if chosen:
         facts.append(f"optimize chose {choice}.")
+        if optimize.get("measured_at"):
+            facts.append(f"Its figures were measured at {optimize['measured_at']}.")
+        facts += [f"Within the noise: {note}." for note in optimize["verdict"].get("noise") or []]
         if optimize.get("written_to"):
             facts.append(f"That chain and layout were written to {optimize['written_to']}.")
         elif optimize.get("not_written"):

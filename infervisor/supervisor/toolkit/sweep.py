@@ -1,16 +1,20 @@
 """`infervisor optimize`'s sweep: every profile at every layout, in pinned `infervisor.worker.bench` processes.
 
-For each cores-per-worker count, one process on the first worker's cores builds the profile, checks
-it and times it alone (sequential P50/P99: the other workers are idle then). Siblings on the other
-workers' cores build it too, and then the first W processes run requests back to back at once:
-their counts add up to the throughput of W workers with every worker busy, which is where
-neighbours on one box slow each other (memory bandwidth, a shared L3).
+For each cores-per-worker count, one process on the first worker's cores builds the profile and checks
+it; siblings on the other workers' cores build it too. Then the first W processes run requests back to
+back at once: their counts add up to the throughput of W workers with every worker busy, which is where
+neighbours on one box slow each other (memory bandwidth, a shared L3); W = 1 is the idle figure
+(sequential P50/P99, the other workers idle). Each W runs ROUNDS short windows, interleaved with the
+other Ws' (in alternating order), so a slow spell of a shared box falls on every layout alike; a figure is
+the median over its windows, with their spread. A figure the cores cannot explain (more QPS than the
+added workers bring, a busy P99 below the idle one) is measured again, and still so, marked suspect.
 """
 
 from __future__ import annotations
 
 import json
 import select
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,13 +45,74 @@ class Point:
     qps: float
     #: The worst worker's P99 while all of them were busy.
     busy_p99_ms: float
+    #: (max - min) / median of the QPS and of the P99 (busy for several workers) over the windows.
+    qps_spread: float = 0.0
+    p99_spread: float = 0.0
+    windows: int = 1
+    #: Why the figures contradict the idle worker's even after a second measurement (never chosen), or None.
+    suspect: str | None = None
+    #: What the first measurement contradicted, when it was measured again (None: it held the first time).
+    remeasured: str | None = None
+    #: The sizes measured at (ServedSizes.text).
+    measured_at: str = ""
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-able map (the layout as "WxC")."""
         return {
             "profile": self.profile, "layout": str(self.layout), "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
-            "qps": self.qps, "busy_p99_ms": self.busy_p99_ms,
+            "qps": self.qps, "busy_p99_ms": self.busy_p99_ms, "qps_spread": self.qps_spread,
+            "p99_spread": self.p99_spread, "windows": self.windows, "suspect": self.suspect,
+            "remeasured": self.remeasured, "measured_at": self.measured_at,
         }  # fmt: skip
+
+
+#: Windows per worker count, interleaved with the other counts'.
+ROUNDS = 3
+#: The shortest window (s): a --seconds split in ROUNDS is not cut below it.
+MIN_WINDOW_S = 0.2
+#: W workers may show at most W x this the QPS of one before the figure is a contradiction (W x the cores, plus
+#: the noise of short windows); a busy P99 below this x the idle one is one too.
+SCALING_SLACK = 1.25
+BUSY_SLACK = 0.8
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One worker count's windows, summarised: medians and their (max - min) / median."""
+
+    qps: float
+    p50_ms: float
+    p99_ms: float
+    qps_spread: float
+    p99_spread: float
+
+    @classmethod
+    def of(cls, windows: list[list[dict[str, Any]]]) -> Figures:
+        """The summary of windows, each the load answers of every busy worker."""
+        qps = [sum(load["count"] / max(load["seconds"], 1e-9) for load in window) for window in windows]
+        p99 = [max(load["p99_ms"] for load in window) for window in windows]
+        p50 = [max(load["p50_ms"] for load in window) for window in windows]
+        return cls(
+            round(statistics.median(qps), 1), statistics.median(p50), statistics.median(p99), _spread(qps),
+            _spread(p99),
+        )  # fmt: skip
+
+
+def _spread(values: list[float]) -> float:
+    middle = statistics.median(values)
+    return round((max(values) - min(values)) / middle, 3) if middle > 0 else 0.0
+
+
+def contradiction(idle: Figures, busy: Figures, workers: int) -> str | None:
+    """Why `workers` busy workers' figures cannot be right next to one idle worker's, or None."""
+    if busy.qps > idle.qps * workers * SCALING_SLACK:
+        return (
+            f"{busy.qps:.1f} QPS with {workers} workers is x{busy.qps / idle.qps:.1f} one worker's {idle.qps:.1f}: "
+            f"more than {workers} workers' cores can add"
+        )
+    if busy.p99_ms < idle.p99_ms * BUSY_SLACK:
+        return f"busy P99 {busy.p99_ms:.2f} ms below the idle worker's {idle.p99_ms:.2f} ms"
+    return None
 
 
 @dataclass(frozen=True)
@@ -58,6 +123,10 @@ class SweepOptions:
     batch: int
     timeout: float
     cache_dir: Path
+    #: The batch-1 sizes measured at, in turn: ServedSizes.as_json() (None: the declared example).
+    sizes: list[dict[str, list[int]]] | None = None
+    #: What they are, which every figure states (ServedSizes.text).
+    measured_at: str = ""
 
 
 class BenchChild:
@@ -73,6 +142,8 @@ class BenchChild:
         ]  # fmt: skip
         if build_only:
             command.append("--build-only")
+        if options.sizes:
+            command += ["--sizes", json.dumps(options.sizes)]
         self.timeout = options.timeout
         # A file, not a pipe: torch's warnings would fill a pipe nobody reads and stall the child.
         self.errors: IO[bytes] = tempfile.TemporaryFile()
@@ -129,6 +200,22 @@ class BenchChild:
         self.errors.close()
 
 
+def _windows(children: list[BenchChild], counts: list[int], seconds: float) -> dict[int, Figures]:
+    """ROUNDS windows of each worker count, interleaved (the order reversed every other round), summarised."""
+    windows: dict[int, list[list[dict[str, Any]]]] = {count: [] for count in counts}
+    for round_ in range(ROUNDS):
+        for count in counts if round_ % 2 == 0 else reversed(counts):
+            busy = children[:count]
+            for child in busy:
+                child.start_load(seconds)
+            windows[count].append([child.load_result() for child in busy])
+    return {count: Figures.of(found) for count, found in windows.items()}
+
+
+def _contradictions(figures: dict[int, Figures]) -> dict[int, str]:
+    return {w: why for w, f in figures.items() if w > 1 and (why := contradiction(figures[1], f, w)) is not None}
+
+
 def measure_cores(
     launch: LaunchSpec, profile: str, layouts: list[Layout], placements: list[tuple[int, ...]], options: SweepOptions
 ) -> tuple[dict[str, Any], list[Point], list[dict[str, Any]]]:
@@ -142,27 +229,36 @@ def measure_cores(
         row = first.row()
         if "p50_ms" not in row:
             return row, [], []
-        points = [
-            Point(
-                profile, Layout(1, layouts[0].cores_per_worker), row["p50_ms"], row["p99_ms"], row["qps"], row["p99_ms"]
-            )
-        ]
-        most = max(layout.workers for layout in layouts)
         # One at a time: siblings that compile at once would only wait on the package's lock anyway.
         siblings = []
-        for cpus in placements[1:most]:
+        for cpus in placements[1 : max(layout.workers for layout in layouts)]:
             children.append(BenchChild(launch, profile, cpus, options, build_only=True))
             siblings.append(children[-1].row())
-        for layout in layouts:
-            if layout.workers == 1:
-                continue
-            busy = children[: layout.workers]
-            for child in busy:
-                child.start_load(options.seconds)
-            loads = [child.load_result() for child in busy]
-            qps = sum(load["count"] / max(load["seconds"], 1e-9) for load in loads)
-            worst = max(load["p99_ms"] for load in loads)
-            points.append(Point(profile, layout, row["p50_ms"], row["p99_ms"], round(qps, 1), worst))
+        counts = sorted({1, *(layout.workers for layout in layouts)})
+        window = max(MIN_WINDOW_S, options.seconds / ROUNDS)
+        figures = _windows(children, counts, window)
+        first_read = _contradictions(figures)
+        if first_read:
+            figures = _windows(children, counts, window)
+        still = _contradictions(figures)
+        idle = figures[1]
+        points = [
+            Point(
+                profile,
+                layout,
+                round(idle.p50_ms, 4),
+                round(idle.p99_ms, 4),
+                figures[layout.workers].qps,
+                round(figures[layout.workers].p99_ms, 4),
+                figures[layout.workers].qps_spread,
+                figures[layout.workers].p99_spread,
+                ROUNDS * (2 if first_read else 1),
+                still.get(layout.workers),
+                first_read.get(layout.workers),
+                options.measured_at,
+            )  # fmt: skip
+            for layout in layouts
+        ]
         return row, points, siblings
     finally:
         for child in children:

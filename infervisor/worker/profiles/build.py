@@ -47,14 +47,16 @@ from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.dispatch import BatchBuckets, ShapeDispatch, at_batch, batch_only, buckets_for
 from infervisor.worker.profiles.export import (
     ExportError,
+    Narrower,
     NoGain,
+    Uncovered,
     compile_package,
     export,
     export_quantized,
     load_package,
 )
 from infervisor.worker.profiles.flags import apply_global_flags
-from infervisor.worker.profiles.next_step import package_step, with_next_step
+from infervisor.worker.profiles.next_step import OPEN_LENGTH_STEP, package_step, with_next_step
 
 
 class _Quantization(enum.Enum):
@@ -139,6 +141,10 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
         except ExportError as exc:
             shown = ", ".join(f"{s.name} {list(t.shape)}" for s, t in zip(specs, example, strict=True))
             declared = ", ".join(s.describe() for s in context.specs)
+            if isinstance(exc, (Uncovered, Narrower)) or isinstance(exc.__cause__, (Uncovered, Narrower)):
+                # The declared ranges themselves were refused, whichever package was being made (a quantized
+                # profile exports once over them, before its static package).
+                raise ExportError(f"{OPEN_LENGTH_STEP}; torch.export: {exc}") from exc
             raise ExportError(f"{exc} ({package_step(shapes, shown, declared)})") from exc
         if fetched.rejected is not None:
             notes.append(f"{REJECTED_NOTE}{path.name} {fetched.rejected}: moved aside to {path.name}.corrupt, rebuilt")

@@ -39,6 +39,15 @@ def next_step(profile: str, detail: str) -> str:
     return f"take {profile} out of `profiles` so the daemon stops building it on every start"
 
 
+#: What to do when torch.export refuses the declared ranges of an open dim (a guard such as `(audio.shape[2] // 4)
+#: == 64` under a MaxPool): the profiles that need no export, or a fixed size. Said first: a range that one
+#: re-export covered (`declare [1000, 1003]`) is no answer for audio of any length.
+OPEN_LENGTH_STEP = (
+    "this model cannot be exported with an open length: serve eager, jit or openvino (they need no export), or "
+    "declare each open dim fixed at the size served"
+)
+
+
 def with_next_step(profile: str, detail: str) -> str:
     """`detail` and what to change, unless it already says (export's coverage advice names a range to declare)."""
     if "out of the chain" in detail or "out of `profiles`" in detail:
