@@ -22,8 +22,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from tests.conftest import ROOT, Daemon, free_loopback_port
-from tests.stream_models import FEATURES, reference
+from tests.conftest import ROOT, Daemon, free_loopback_port, model_entry, wait_for
+from tests.slow_model import SLOW_INPUTS, write_slow_model
+from tests.stream_models import FEATURES, SLEEP, reference
 from tests.test_streams import chunks, leaky_entry
 
 #: The other local user: the kernel's overflow uid (nobody on most boxes), as tests/test_shared_memory.py uses.
@@ -32,6 +33,8 @@ OTHER_ID = 65534
 CLIENT_GID = 47154
 #: A model's streams in the shared daemon; its per-peer share is the default, half of them.
 MAX_STREAMS = 8
+#: Rounds of `burn` that keep root's request in flight while the other uid takes its routing id (seconds here).
+ROOT_ROUNDS = 6000
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
 pytestmark = needs_root
@@ -59,18 +62,21 @@ def keys() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def daemon(keys: Path) -> Iterator[Daemon]:
-    """A daemon of root: `leaky` (max_streams 8, the default per-peer share), ipc open to CLIENT_GID, tcp with CURVE."""
+    """A daemon of root: `leaky` (max_streams 8, the default per-peer share), the slow `burn`, ipc open to
+    CLIENT_GID, tcp with CURVE."""
     folder = keys / "daemon"
     folder.mkdir(mode=0o755)
+    burn = model_entry({"torchscript": str(write_slow_model(folder))}, SLOW_INPUTS)
     config = {
         "oversubscribe": True,
+        "hang_min_s": 300,
         "socket_group": CLIENT_GID,
         "tcp_endpoint": f"tcp://127.0.0.1:{free_loopback_port()}",
         "curve": {
             "server_secret_key": str(keys / "server" / "server.key_secret"),
             "authorized_clients": str(keys / "clients"),
         },
-        "models": {"leaky": leaky_entry(max_streams=MAX_STREAMS)},
+        "models": {"leaky": leaky_entry(max_streams=MAX_STREAMS), "burn": burn},
     }
     running = Daemon(folder, config, env={"PYTHONPATH": str(ROOT)})
     try:
@@ -103,7 +109,7 @@ def close(socket: zmq.Socket[Any]) -> None:
     socket.context.term()
 
 
-def send(socket: zmq.Socket[Any], request_id: int, stream: str, x: np.ndarray | None, **flags: bool) -> None:
+def send(socket: zmq.Socket[Any], request_id: int | str, stream: str, x: np.ndarray | None, **flags: bool) -> None:
     """One stream message on the raw wire: a step with `x`, or bare (start or end) without."""
     inputs = [] if x is None else [{"name": "x", "dtype": "float32", "shape": list(x.shape)}]
     header = {"v": 1, "type": "infer", "id": request_id, "model": "leaky", "inputs": inputs, "stream": stream, **flags}
@@ -118,7 +124,7 @@ def reply(socket: zmq.Socket[Any], timeout_s: float = 30.0) -> Reply | None:
     return msgpack.unpackb(frames[1]), frames[2:]
 
 
-def ask_anew(make: Callable[[], zmq.Socket[Any]], request_id: int, stream: str, x: np.ndarray | None,
+def ask_anew(make: Callable[[], zmq.Socket[Any]], request_id: int | str, stream: str, x: np.ndarray | None,
              **flags: bool) -> dict[str, Any]:  # fmt: skip
     """Send on a fresh socket until answered: while the daemon still holds the old connection of this routing id,
     ZeroMQ turns the new one away and the message waits for a reconnection that may not come."""
@@ -251,3 +257,71 @@ def test_another_curve_key_reusing_the_routing_id_gets_unknown_stream(daemon: Da
     assert ask_anew(as_a, 3, "t", x)["type"] == "result"
     assert ask_anew(as_a, 4, "t", None, end=True)["type"] == "result"
     assert daemon.status()["models"]["leaky"]["streams"]["open"] == 0
+
+
+def test_a_reply_never_reaches_another_uid_that_took_the_routing_id(daemon: Daemon) -> None:
+    """Root asks `burn` for a long run on routing id `leaver` and disconnects; uid 65534 connects with that routing id
+    (proven by an answer to a request of its own) and asks `burn` for a short run, queued behind root's: it gets its
+    own result and nothing else, and root's result is counted undeliverable."""
+    before = daemon.status()["counters"].get("reply_undeliverable", 0)
+    leaver = dealer(daemon.endpoint, b"leaver")
+    burn(leaver, "root's", ROOT_ROUNDS)
+    wait_for(lambda: daemon.status()["models"]["burn"]["workers"][0]["busy"], 60, "burn busy with root's request")
+    close(leaver)
+    taken = as_other_uid(lambda: take_over(daemon, b"leaver", lambda socket: burn(socket, "mine", 1)))
+    assert taken["received"] == ["mine"], taken
+    after = daemon.status()["counters"].get("reply_undeliverable", 0)
+    assert after == before + 1, (before, after)
+
+
+def test_a_stream_step_reply_never_reaches_another_uid_that_took_the_routing_id(daemon: Daemon) -> None:
+    """The same with a stream step: root's step held 3 s in `leaky`, root gone, uid 65534 on its routing id starts a
+    stream of its own behind it and gets that reply only; root, back on its routing id, ends its stream."""
+    before = daemon.status()["counters"].get("reply_undeliverable", 0)
+    held = np.zeros((1, FEATURES), np.float32)
+    held[0, :2] = SLEEP, 3.0
+    leaver = dealer(daemon.endpoint, b"stepper")
+    send(leaver, "root's", "s", held, start=True)
+    wait_for(lambda: daemon.status()["models"]["leaky"]["workers"][0]["busy"], 60, "leaky busy with root's step")
+    close(leaver)
+
+    def own_stream(socket: zmq.Socket[Any]) -> None:
+        send(socket, "mine", "m", chunks(57, 1)[0], start=True, end=True)
+
+    taken = as_other_uid(lambda: take_over(daemon, b"stepper", own_stream))
+    assert taken["received"] == ["mine"], taken
+    after = daemon.status()["counters"].get("reply_undeliverable", 0)
+    assert after == before + 1, (before, after)
+    ended = ask_anew(lambda: dealer(daemon.endpoint, b"stepper"), "end", "s", None, end=True)
+    assert ended["type"] == "result", ended
+
+
+def take_over(daemon: Daemon, routing_id: bytes, ask: Callable[[zmq.Socket[Any]], None]) -> dict[str, Any]:
+    """Connect on `routing_id` once the daemon let go of its last holder (a probe is answered), `ask` a request of
+    id "mine", and read replies until its own: the ids received, in order."""
+    for _ in range(20):
+        socket = dealer(daemon.endpoint, routing_id)
+        socket.send_multipart([b"", msgpack.packb({"v": 1, "type": "infer", "id": "probe", "model": "none"})])
+        if reply(socket, 2.0) is not None:
+            break
+        close(socket)
+    else:
+        raise AssertionError("the routing id was never free")
+    try:
+        ask(socket)
+        received: list[str] = []
+        while not received or received[-1] != "mine":
+            got = reply(socket, 120.0)
+            if got is None:
+                raise AssertionError(f"no reply to its own request; received {received}")
+            received.append(got[0]["id"])
+        return {"received": received}
+    finally:
+        close(socket)
+
+
+def burn(socket: zmq.Socket[Any], request_id: str, rounds: int) -> None:
+    """Ask `burn` for `rounds` rounds of its matmul."""
+    header = {"v": 1, "type": "infer", "id": request_id, "model": "burn",
+              "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 1]}]}  # fmt: skip
+    socket.send_multipart([b"", msgpack.packb(header), np.array([[float(rounds)]], np.float32).tobytes()])

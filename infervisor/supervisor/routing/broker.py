@@ -29,6 +29,7 @@ from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
+from infervisor.supervisor.routing.connections import Connections
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.peer_credentials import peer_owner, peer_reader
@@ -142,7 +143,10 @@ class Broker:
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
         self.refused: collections.Counter[str] = collections.Counter()
         #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
-        self.replies = Replies(self.ledger, self.queues, self.refused)
+        self.replies = Replies(self.ledger, self.queues, self.refused, Connections(endpoints.sockets))
+        # Read as they come too, not only before a reply: libzmq blocks its I/O thread on a full monitor.
+        for monitor in self.replies.connections.monitor_sockets:
+            loop.register(monitor, CLIENTS, lambda flags: self.replies.forget_departed())
         #: Streams of stateful models: their committed state, and their steps waiting their turn (streams.py).
         self.streams = Streams(self.queues, self.replies.finish)
         self.replies.streams = self.streams
@@ -256,6 +260,7 @@ class Broker:
             self.replies.refuse(client, request_id, name, ErrorCode.UNAVAILABLE, why)
             return
         pending = _pending(self.next_id, client, request, frames[2:], spec, cost, reader, model)
+        pending.connection = self.replies.connection_of(client, frames[0])
         self.next_id += 1
         if request.stream is not None:  # streams.py: the stream's state goes in, its steps take turns
             self.ledger.take(client, cost)
@@ -523,4 +528,5 @@ class Broker:
 
     def close(self) -> None:
         """Close the client sockets (the pool closes worker links as it stops their processes)."""
+        self.replies.connections.close()
         self.endpoints.close()

@@ -146,6 +146,20 @@ class ClientLedger:
                 self.waiting.discard(client)
                 self.forget_idle(client, account)
 
+    def drop_outbox(self, client: Peer) -> None:
+        """The client's connection ended: the replies waiting for it are undeliverable (its routing id may be
+        another client's next)."""
+        account = self.accounts.get(client)
+        if account is None or not account.outbox:
+            return
+        for _ in account.outbox:
+            self.anomalies.count("reply_undeliverable", "the client disconnected before its reply")
+        account.outbox.clear()
+        self.total_held -= account.outbox_bytes
+        account.outbox_bytes = 0
+        self.waiting.discard(client)
+        self.forget_idle(client, account)
+
     def forget_idle(self, client: Peer, account: ClientAccount) -> None:
         """Drop the account of a client that holds nothing."""
         if account.in_hand <= 0 and not account.outbox:

@@ -47,6 +47,8 @@ class PendingRequest:
     reader: list[int] | None = None
     #: A step of a stream (routing/streams.py): its state is committed when its result comes back.
     step: StreamStep | None = None
+    #: The connection it came in on (routing/connections.py): its reply goes to that connection or nowhere.
+    connection: tuple[Any, int, int] | None = None
 
     def expired(self, now: float) -> bool:
         """True once its deadline passed: it gets DEADLINE_EXCEEDED, never a late result."""

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from infervisor.protocol.client_messages import RequestId, encode_error
 from infervisor.protocol.constants import ErrorCode
 from infervisor.supervisor.routing.client_ledger import ClientLedger
+from infervisor.supervisor.routing.connections import Connection, Connections
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
 
@@ -33,8 +34,10 @@ class Replies:
         ledger: ClientLedger,
         queues: dict[str, ModelQueue],
         refused: collections.Counter[str],
+        connections: Connections,
     ) -> None:
         self.ledger = ledger
+        self.connections = connections
         self.queues = queues
         self.refused = refused
         #: Where a stream step's reply commits its state before it goes (routing/streams.py; set by the broker).
@@ -53,6 +56,16 @@ class Replies:
             self.refused[code.value] += 1
         self.error(client, request_id, code, why)
 
+    def connection_of(self, client: Peer, frame: Any) -> Connection:
+        """The connection a message just received came in on, after the disconnects known now."""
+        self.forget_departed()
+        return self.connections.stamp(client, frame)
+
+    def forget_departed(self) -> None:
+        """Read the disconnects libzmq reported: the replies waiting for those connections go nowhere."""
+        for peer in self.connections.read():
+            self.ledger.drop_outbox(peer)
+
     def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
         """Send the one final reply of an accepted request, give back its budget, and count it."""
         streams = self.streams if request.step is not None else None
@@ -64,7 +77,12 @@ class Replies:
         elif queue is not None and code is not None:
             queue.errors[code.value] += 1
         self.ledger.give_back(request.client, request.cost)
-        self.ledger.send(request.client, [header, *frames])
+        self.forget_departed()
+        if request.connection is not None and self.connections.is_gone(request.connection):
+            # Its routing id may name another client now (another local user): the reply goes nowhere.
+            self.ledger.anomalies.count("reply_undeliverable", "the client disconnected before its reply")
+        else:
+            self.ledger.send(request.client, [header, *frames])
         if streams is not None:  # only now, so the stream's next reply goes after this one
             streams.after_reply(request)
 
@@ -75,4 +93,5 @@ class Replies:
     def flush(self) -> None:
         """Send replies that waited for room at their clients."""
         if self.ledger.waiting:
+            self.forget_departed()
             self.ledger.flush()
