@@ -22,7 +22,7 @@ from infervisor.worker.profiles.cache import (
     NoSpaceLeft,
     no_space_left,
 )
-from infervisor.worker.profiles.export import ExportError
+from infervisor.worker.profiles.covered_export import ExportError
 from tests.conftest import STATIC_TINY_INPUTS, Daemon, model_entry, wait_for
 
 

@@ -12,7 +12,8 @@ import torch
 from infervisor.common.accuracy import ACCURACY_WARNING_NOTE
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.worker.profiles.builders import BuildContext, calibration_set
-from infervisor.worker.profiles.export import ExportError, export, export_quantized
+from infervisor.worker.profiles.covered_export import ExportError
+from infervisor.worker.profiles.export import export, export_quantized
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.evidence_models import OFF_INPUTS, LongerThan74, every_twelfth, off_when_traced, weight_normed
 

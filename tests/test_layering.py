@@ -438,10 +438,55 @@ def test_no_worker_type_checking_import_hides_an_import_cycle() -> None:
     assert hidden_cycles(WORKER, "infervisor.worker") == []
 
 
+def import_cycles(folder: Path, package: str) -> list[str]:
+    """Each module that, through any chain of imports (lazy ones inside functions too), imports itself back.
+
+    A module's own parent packages are left out of what it imports: they run before it, never because of it.
+    """
+    full, _ = _import_graph(folder, package)
+    graph = {module: {t for t in targets if not module.startswith(f"{t}.")} for module, targets in full.items()}
+    offences = []
+    for start in sorted(graph):
+        came_from: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in came_from:
+            module = frontier.pop()
+            for target in sorted(graph[module] - came_from.keys()):
+                came_from[target] = module
+                frontier.append(target)
+        if start in came_from:
+            chain = [start]
+            while chain[-1] != start or len(chain) == 1:
+                chain.append(came_from[chain[-1]])
+            offences.append(" -> ".join(reversed(chain)))
+    return offences
+
+
+def test_no_worker_module_imports_itself_back() -> None:
+    """No worker or supervisor module reaches itself through its imports, a function-level import included."""
+    assert import_cycles(WORKER, "infervisor.worker") == []
+    assert import_cycles(Path(cli.__file__).resolve().parent, cli.__name__.removesuffix(".cli")) == []
+
+
+def test_a_function_level_import_circle_is_named(tmp_path: Path) -> None:
+    """covered_export.py importing advice.py inside a function closes a circle, named from both ends."""
+    folder = tmp_path / "worker"
+    shutil.copytree(WORKER, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    add_line_after_future_import(
+        folder / "profiles" / "covered_export.py",
+        "def _advice() -> object:\n    from infervisor.worker.profiles import advice\n\n    return advice",
+    )
+    advice, covered = "infervisor.worker.profiles.advice", "infervisor.worker.profiles.covered_export"
+    assert import_cycles(folder, "infervisor.worker") == [
+        f"{advice} -> {covered} -> {advice}",
+        f"{covered} -> {advice} -> {covered}",
+    ]
+
+
 #: What runs on every request for a worker's life, and the profile building it must never reach: the package it
 #: calls was built at the start (or by the background builder), so serving needs no exporter, compiler or quantizer.
 SERVE_TIME = ("infervisor.worker.loop", "infervisor.worker.profiles.dispatch", "infervisor.worker.profiles.coverage")
-BUILD_SIDE = ("build", "builders", "export", "advice", "openvino", "select", "golden", "calibration")
+BUILD_SIDE = ("build", "builders", "covered_export", "export", "advice", "openvino", "select", "golden", "calibration")
 
 
 def build_reached_at_serve_time(folder: Path, package: str) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from infervisor.protocol.tensors import TensorSpec
-from infervisor.worker.profiles.export import ExportError, Inputs, Narrower, Uncovered, export_covering
+from infervisor.worker.profiles.covered_export import ExportError, Inputs, Narrower, Uncovered, export_covering
 
 #: Re-exports tried before saying no proposal held (each is a full trace of the model).
 _TRIES = 4

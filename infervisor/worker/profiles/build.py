@@ -44,17 +44,9 @@ from infervisor.worker.profiles.cache import (
     no_space_left,
 )
 from infervisor.worker.profiles.calibration import Inputs
+from infervisor.worker.profiles.covered_export import ExportError, Narrower, Uncovered
 from infervisor.worker.profiles.dispatch import BatchBuckets, ShapeDispatch, at_batch, batch_only, buckets_for
-from infervisor.worker.profiles.export import (
-    ExportError,
-    Narrower,
-    NoGain,
-    Uncovered,
-    compile_package,
-    export,
-    export_quantized,
-    load_package,
-)
+from infervisor.worker.profiles.export import NoGain, compile_package, export, export_quantized, load_package
 from infervisor.worker.profiles.flags import apply_global_flags
 from infervisor.worker.profiles.next_step import OPEN_LENGTH_STEP, package_step, with_next_step
 
@@ -170,7 +162,7 @@ def _packaged(name: str, context: BuildContext, quantization: _Quantization) -> 
     return Built(ShapeDispatch(static, [tuple(t.shape) for t in context.example], dynamic, context.specs), notes)
 
 
-#: Bumped when what a package covers of the declared shapes changes (export.check_coverage).
+#: Bumped when what a package covers of the declared shapes changes (covered_export.check_coverage).
 _COVERAGE_FORMAT = 1
 
 
