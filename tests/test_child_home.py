@@ -18,14 +18,10 @@ import pytest
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 TINY = model_entry({"builtin": "tiny"}, TINY_INPUTS)
-#: A builder (a fastest pick of two profiles, in the background) and an audit process (jit serves) beside the worker.
-EVERY_KIND = {
-    **TINY,
-    "profiles": ["jit", "eager"],
-    "pick": "fastest",
-    "build": "background",
-    "audit": {"budget": 0.5},
-}
+#: jit serves at once (built at the start), so its answers are audited: an audit process.
+AUDITED = {**TINY, "profiles": ["jit", "eager"], "pick": "first", "audit": {"budget": 0.5}}
+#: A fastest pick of two profiles, in the background: a builder.
+BUILT = {**TINY, "profiles": ["jit", "eager"], "pick": "fastest", "build": "background"}
 
 
 def _started(daemon: Daemon) -> list[dict[str, Any]]:
@@ -50,7 +46,7 @@ def test_workers_builders_and_audit_processes_are_forks_of_the_template_adopted_
 ) -> None:
     """A worker, the background builder and the audit process all start as forks of one warm template, each a child
     of the supervisor (its parent and reaper), with a title naming its module and id; none is exec'd."""
-    daemon = start_daemon({"models": {"tiny": EVERY_KIND}})
+    daemon = start_daemon({"oversubscribe": True, "models": {"tiny": AUDITED, "built": BUILT}})
     daemon.wait_ready()
 
     def every_kind_started() -> bool:

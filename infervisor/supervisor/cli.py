@@ -18,7 +18,9 @@ from infervisor.supervisor.commands import registry
 
 #: The import names of the `server` extra (pyproject.toml): a client-only install (`pip install infervisor`)
 #: has none of them, and every subcommand needs some (tests/test_client_install.py keeps the two in step).
-SERVER_MODULES = frozenset({"torch", "psutil", "structlog", "watchdog", "prometheus_client", "cryptography"})
+SERVER_MODULES = frozenset(
+    {"torch", "psutil", "structlog", "watchdog", "prometheus_client", "cryptography", "setproctitle"}
+)
 SERVER_HINT = "this command needs the daemon's dependencies: pip install 'infervisor[server]'"
 
 
