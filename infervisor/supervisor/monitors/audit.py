@@ -92,8 +92,10 @@ class ModelAudit:
     #: Profile -> when a finding acted on it (monotonic): one action per profile while its fallback rolls out;
     #: forgotten once it serves nowhere, or after ACT_AGAIN_S if it still serves (that fallback did not take).
     acted_on: dict[str, float] = field(default_factory=dict)
-    #: What the audit process loads and judges by (model_fingerprint), and when it last changed (monotonic).
+    #: What the audit process loads and judges by (model_fingerprint), when it was last seen unchanged, and the
+    #: earliest moment the change can have happened (monotonic): a worker spawned after it serves the new model.
     fingerprint: tuple[object, ...] | None = None
+    checked_at: float = 0.0
     changed_at: float = 0.0
 
     def held_bytes(self) -> int:
@@ -152,7 +154,7 @@ class AuditWatch:
             audit = self.audits[model.name] = ModelAudit(AuditProcess(model.name))
         if audit.process.state is not AuditState.READY and (audit.waiting or audit.sent):
             return  # one sample waits for the process to (re)start: nothing more is held, and nothing is dropped
-        if slot.proc.ready_at < audit.changed_at:
+        if slot.proc.spawned_at < audit.changed_at:
             return  # a worker of the model as it was before its file or config changed: eager is the new one
         now = time.monotonic()
         if audit.sampled_at is not None and now - audit.sampled_at < MIN_INTERVAL_S:
@@ -232,13 +234,20 @@ class AuditWatch:
         ready before the change are not judged against it (a rollout replaces them), lest the old weights'
         answers be called wrong by the new weights' eager."""
         fingerprint = model_fingerprint(model)
-        if audit.fingerprint is None:
-            audit.fingerprint = fingerprint
-        elif fingerprint != audit.fingerprint:
-            audit.fingerprint, audit.changed_at = fingerprint, now
-            self.forget_samples(audit, dropped=False)
-            audit.acted_on.clear()
-            audit.process.stop()
+        if audit.fingerprint is None or fingerprint == audit.fingerprint:
+            audit.fingerprint, audit.checked_at = fingerprint, now
+            return
+        # Not `now`: a rollout's worker (forked in a fraction of a second) may be serving the new model already.
+        # A new file is no older than its mtime; a new config no older than the last turn that saw the old one.
+        changed_at = audit.checked_at
+        stat = fingerprint[1]
+        if stat is not None and stat != audit.fingerprint[1]:
+            written = stat[0] / 1e9  # type: ignore[index]
+            changed_at = max(changed_at, now - max(0.0, time.time() - written))
+        audit.fingerprint, audit.changed_at, audit.checked_at = fingerprint, changed_at, now
+        self.forget_samples(audit, dropped=False)
+        audit.acted_on.clear()
+        audit.process.stop()
 
     def keep_process(self, audit: ModelAudit, model: ModelConfig, view: MonitorView, now: float) -> None:
         """Start the process when samples wait, restart it after its back-off, end it when it hangs."""
