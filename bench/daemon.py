@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,13 @@ def start_daemon(
     except DaemonNotReady as exc:
         raise SystemExit(f"{exc}; see {log.name}") from None
     return process
+
+
+def stop_daemon(process: subprocess.Popen[bytes], grace: float = 60.0) -> None:
+    """SIGTERM, `grace` seconds to stop in order, then SIGKILL; reaped before returning."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.daemon import stop_daemon  # noqa: E402
 from infervisor.protocol.client import Client  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
 from infervisor.protocol.control_client import await_status, control_request  # noqa: E402
@@ -90,12 +90,7 @@ def serve_and_measure(config: dict[str, Any], folder: Path, requests: int, timeo
         rows.append({"model": "(supervisor)", "pid": process.pid, **smaps_rollup(process.pid)})
         return rows
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_daemon(process)
 
 
 def _mb(value: int | None) -> str:

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.daemon import start_daemon  # noqa: E402
+from bench.daemon import start_daemon, stop_daemon  # noqa: E402
 from bench.memory import smaps_rollup  # noqa: E402
 from infervisor.protocol.client import Client  # noqa: E402
 from infervisor.protocol.constants import CLIENT_SOCKET_NAME  # noqa: E402
@@ -128,12 +127,7 @@ def one_start(config: dict[str, Any], folder: Path, template: bool, requests: in
         return {"template": template, "memory": memory, "respawn_s": respawns, "profiles": profiles,
                 "how": _status(runtime_dir)["template"]}  # fmt: skip
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_daemon(process)
 
 
 def _sum(rows: list[dict[str, Any]], kind: str | None, field: str) -> float:
