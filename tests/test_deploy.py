@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import tomllib
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from infervisor.common.strict_modes import UnsafePath, check_tree
 from infervisor.supervisor.settings.config import ConfigError, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry
 
@@ -320,14 +320,37 @@ def test_configmap_config_is_a_valid_daemon_config() -> None:
         parse_config(json.dumps({**raw, "metrics_allow_remote": False}), ROOT)
 
 
-def _as_daemon_uid(uid: int, code: str) -> subprocess.CompletedProcess[str]:
-    """Python `code` run as `uid` (setpriv), as the daemon's container runs."""
-    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c", code],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          check=False)  # fmt: skip
+def _strict_modes_as(uid: int, folder: Path) -> str | None:
+    """The strict modes' verdict on `folder` as `uid` judges it, from a forked child that drops to that uid, as the
+    daemon's container runs (None: it passes). A fork, not an exec: the checkout and its venv may sit in a folder
+    only root can enter."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            try:
+                check_tree(folder)
+                message = ""
+            except UnsafePath as exc:
+                message = str(exc) or "refused"
+            os.write(write_end, message.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        message = answer.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could not drop to the daemon's uid"
+    return message or None
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to be the daemon's uid and the kubelet)")
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_the_cache_volume_is_the_daemons_0700_under_the_strict_modes(name: str) -> None:
     """The kubelet's emptyDir (root-owned, 2777 with fsGroup) is refused by the strict modes as the daemon's uid; the
@@ -350,14 +373,13 @@ def test_the_cache_volume_is_the_daemons_0700_under_the_strict_modes(name: str) 
         os.chmod(volume.parent / volume.name, 0o755)
         os.chown(volume, 0, uid)
         os.chmod(volume, 0o2777)  # what the kubelet makes of an emptyDir with fsGroup
-        check = f"import pathlib, infervisor.common.strict_modes as s; s.check_tree(pathlib.Path({str(volume)!r}))"
-        refused = _as_daemon_uid(uid, check)
-        assert refused.returncode != 0 and "writable by group and others" in refused.stderr, refused.stderr
+        refused = _strict_modes_as(uid, volume)
+        assert refused is not None and "writable by group and others" in refused, refused
         script = owner["command"][-1].replace(cache_mount, str(volume))
         subprocess.run(["/bin/sh", "-c", script], check=True, timeout=60)
         info = volume.stat()
         assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (uid, uid, 0o700)
-        assert _as_daemon_uid(uid, check).returncode == 0
+        assert _strict_modes_as(uid, volume) is None
     finally:
         shutil.rmtree(volume)
     if name == "overlays/fleet-bundle":
