@@ -230,7 +230,9 @@ class Broker:
         try:
             request, model, spec = admit(frames, client[0] is self.endpoints.ipc, self.serving, self.spec_served)
         except Refused as unknown:
-            refused = unknown
+            # Without its traceback: kept past the except block, it would hold this frame and `frames` (a client's
+            # tensors, up to max_frame_bytes each) in a cycle only the garbage collector's rare full pass breaks.
+            refused = unknown.with_traceback(None)
             if unknown.stream is not None:  # a step on a stream of a removed model: STREAM_ENDED (section 4.1)
                 owner = peer_owner(frames[2], client[0] is self.endpoints.ipc, client[1])
                 refused = self.streams.removed_refusal(unknown, owner, client)
