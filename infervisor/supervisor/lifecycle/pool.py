@@ -131,6 +131,9 @@ class WorkerPool:
 
     def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
         """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
+        # First: its last words (a LOAD_ERROR written just before it exited) may still be in the link, unread when
+        # the exit is reaped; the exit's reason and the crash-loop verdict need them.
+        self.links.drain(slot)
         how = describe_exit(code)
         slot.end_descendants()
         if code == WorkerExitCode.LOAD_FAILED:
@@ -154,7 +157,6 @@ class WorkerPool:
                 "compile_overrun": proc.compile_overrun,
             }
         )
-        self.links.drain(slot)
         self.links.detach(slot)
         if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
             log.warning("worker_exited", slot=slot.name, pid=pid, how=how)
