@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 from collections.abc import Iterator
@@ -258,3 +259,33 @@ def test_a_draining_workers_last_reply_tells_the_pool_it_may_go(rig: Rig) -> Non
     rig.answer_and_read(busy, request, 3)
     assert rig.client_reply()["id"] == 3
     assert rig.events.drained == [rig.slots[busy].name]
+
+
+def _frames_alive() -> int:
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, zmq.Frame))
+
+
+@pytest.mark.parametrize(
+    ("header", "tensor", "code"),
+    [
+        (encode_infer(InferRequest(4, "tiny", DESC)), b"\0" * 2**20, "INVALID_INPUT"),  # frame and header disagree
+        (encode_infer(InferRequest(5, "tiny", (TensorDesc("x", "float32", (1, 8)),))), b"\0" * 32, "INVALID_INPUT"),
+        (encode_infer(InferRequest(6, "nope", DESC)), X.tobytes(), "UNKNOWN_MODEL"),
+        (b"\x93not a header", X.tobytes(), "BAD_REQUEST"),
+    ],
+)
+def test_a_refused_message_is_freed_at_once_not_by_a_garbage_collection(
+    rig: Rig, header: bytes, tensor: bytes, code: str
+) -> None:
+    """No frame of a refused message outlives its refusal with the garbage collector off (no cycle holds them)."""
+    gc.collect()
+    gc.disable()
+    try:
+        before = _frames_alive()
+        rig.client.send_multipart([b"", header, tensor])
+        assert rig.endpoints.ipc.poll(5000)
+        rig.broker.handle_clients(rig.endpoints.ipc)
+        assert rig.client_reply()["code"] == code
+        assert _frames_alive() == before
+    finally:
+        gc.enable()

@@ -229,13 +229,13 @@ class Broker:
         """Admit one client message into its model's line and dispatch, or answer with an error at once."""
         try:
             request, model, spec = admit(frames, client[0] is self.endpoints.ipc, self.serving, self.spec_served)
-        except Refused as unknown:
-            # Without its traceback: kept past the except block, it would hold this frame and `frames` (a client's
-            # tensors, up to max_frame_bytes each) in a cycle only the garbage collector's rare full pass breaks.
-            refused = unknown.with_traceback(None)
-            if unknown.stream is not None:  # a step on a stream of a removed model: STREAM_ENDED (section 4.1)
+        except Refused as refused:
+            # Only the except block's own name may hold the refusal: Python unbinds it when the block ends. Bound to
+            # another local it would outlive the block in this frame, which its traceback (and its context's) holds:
+            # a cycle keeping `frames` (a client's tensors, up to max_frame_bytes each) until a rare full GC pass.
+            if refused.stream is not None:  # a step on a stream of a removed model: STREAM_ENDED (section 4.1)
                 owner = peer_owner(frames[2], client[0] is self.endpoints.ipc, client[1])
-                refused = self.streams.removed_refusal(unknown, owner, client)
+                refused = self.streams.removed_refusal(refused, owner, client)
             self.anomalies.count(refused.anomaly, refused.message)
             self.replies.refuse(client, refused.request_id, refused.model, refused.code, refused.message)
             return
