@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,9 +81,13 @@ def test_fallback_under_load_fails_nothing_survives_a_reload_and_resets(start_da
     ], events
 
 
-def test_a_canary_mismatch_that_repeats_on_the_replacement_falls_back(start_daemon: Callable[..., Daemon]) -> None:
-    """jit's numbers drift: the first mismatch recycles; the replacement's moves the model to eager, and says so."""
+def test_a_canary_mismatch_that_repeats_on_the_replacement_falls_back(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """jit's numbers drift: the first mismatch recycles; the replacement's moves the model to eager, says so, and the
+    refusal is recorded: the next start serves eager."""
     config = {
+        "cache_dir": str(tmp_path / "cache"),
         "monitor_interval_s": 0.2,
         "oversubscribe": True,
         "models": {"drifts": model_entry(DRIFTS, FAULT_INPUTS, profiles=["jit", "eager"], canary_interval_s=0.5)},
@@ -109,3 +114,12 @@ def test_a_canary_mismatch_that_repeats_on_the_replacement_falls_back(start_daem
     assert fired["pid"] != first["pid"] and fired["earlier_pids"] == [first["pid"]] and fired["profile"] == "jit"
     (event,) = [e for e in daemon.log_events() if e["event"] == "model_fell_back"]
     assert event["origin"] == "canary" and event["profiles"] == ["eager"], event
+    refusals = wait_for(lambda: daemon.status()["models"]["drifts"]["refusals"], 30, "jit's refusal listed")
+    assert refusals["jit"]["by"] == "canary" and "repeated in pids" in refusals["jit"]["why"], refusals
+    assert refusals["jit"]["max_abs_error"] > refusals["jit"]["limit"], refusals
+    daemon.stop()
+    # What the canaries proved stays proved: the next start never serves jit for this spec.
+    again = start_daemon(config, env={"PYTHONPATH": str(ROOT)}).wait_ready()["models"]["drifts"]
+    assert again["serving"] == ["eager"] and again.get("fallback") is None, again
+    skipped = again["workers"][0]["profile_skipped"]
+    assert any(s.startswith("jit: refused by canary on live traffic") for s in skipped), skipped

@@ -22,6 +22,11 @@ from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerS
 
 log = structlog.get_logger("supervisor")
 
+#: Who refused a profile, as the recorded verdict says it.
+_RECORDED_BY = {FallbackOrigin.AUDIT: "live audit", FallbackOrigin.CANARY: "canary"}
+#: A finding's fields that are not figures of the refusal (the verdict has its own time, profile and reason).
+_NOT_FIGURES = frozenset({"at", "profile", "served_by_pid", "reason", "failure", "earlier_pids"})
+
 
 class FallbackControl:
     """Starts the rollouts a fallback or its reset needs, and answers the control commands for them."""
@@ -57,10 +62,37 @@ class FallbackControl:
             earlier = finding.detail.get("earlier_pids")
             pids = ", ".join(str(p) for p in [*(earlier if isinstance(earlier, list) else []), slot.pid])
             reason, origin = f"{finding.monitor} on {slot.proc.profile} repeated in pids {pids}", FallbackOrigin.CANARY
+        self.record_refusal(slot, reason, origin, finding.detail)
         answer = self.fall_back(slot.model.name, reason, origin)
         if not answer["ok"]:
             log.warning("fallback_not_possible", slot=slot.name, reason=reason, why=answer["error"])
         return bool(answer["ok"])
+
+    def record_refusal(self, slot: WorkerSlot, reason: str, origin: FallbackOrigin, detail: dict[str, Any]) -> None:
+        """Keep a monitor's refusal of the slot's profile beside the pick, under the worker's spec key: a restart,
+        the builder, the fallback chain and an import of the bundle never serve that profile for this spec again.
+
+        Eager is never recorded: it is the reference every other profile is judged against, and the chain's floor.
+        """
+        profile = slot.proc.profile
+        keys = [
+            n.removeprefix(verdicts.SPEC_KEY_NOTE)
+            for n in slot.proc.build_notes
+            if n.startswith(verdicts.SPEC_KEY_NOTE)
+        ]
+        if not profile or profile == "eager":
+            return
+        if not keys:
+            log.warning("refusal_not_recorded", model=slot.model.name, profile=profile, why="no spec key")
+            return
+        figures = {k: v for k, v in detail.items() if k not in _NOT_FIGURES}
+        measure = detail.get("failure") or "canary: golden outputs moved from the warm-up's"
+        verdict = {"by": _RECORDED_BY[origin], "why": reason, "measure": measure, **figures}
+        try:
+            verdicts.record(resolve_cache_dir(self.serving.current.cache_dir), keys[0], slot.model.name, profile,
+                            verdict, True)  # fmt: skip
+        except OSError as exc:
+            log.error("refusal_not_recorded", model=slot.model.name, profile=profile, why=str(exc))
 
     def fall_back(self, model: str, reason: str, origin: FallbackOrigin) -> dict[str, Any]:
         """Rebuild a model's workers, rolling, with the chain after the profile they serve now; the answer."""

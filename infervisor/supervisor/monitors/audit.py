@@ -29,12 +29,9 @@ from typing import Any
 
 import structlog
 
-from infervisor.common import verdicts
 from infervisor.common.profiles import REFERENCE_PROFILE
-from infervisor.common.verdicts import SPEC_KEY_NOTE
 from infervisor.protocol import worker_messages as wm
-from infervisor.supervisor.host.cache_dir import resolve_cache_dir
-from infervisor.supervisor.monitors.audit_tally import AuditFinding, AuditTally
+from infervisor.supervisor.monitors.audit_tally import AuditTally
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.readings import Reading, Readings, Scope
 from infervisor.supervisor.monitors.view import MonitorView
@@ -293,23 +290,7 @@ class AuditWatch:
         reason = found.reason(float(model.tolerance.get("min_cosine", 0.999)))
         detail: dict[str, object] = {"reason": reason, **found.report()}
         action = Action.FALLBACK if model.audit.action is AuditAction.FALLBACK else Action.NOTE
-        if action is Action.FALLBACK:
-            self.record_refusal(model, slot, found, reason)
         return Finding("audit_below_tolerance", action, slot, detail)
-
-    def record_refusal(self, model: ModelConfig, slot: WorkerSlot, found: AuditFinding, reason: str) -> None:
-        """Keep the refusal beside the pick in the cache, under the serving worker's spec key: a restart, the
-        builder and the fallback chain never serve that profile for this spec again (common/verdicts.py)."""
-        keys = [n.removeprefix(SPEC_KEY_NOTE) for n in slot.proc.build_notes if n.startswith(SPEC_KEY_NOTE)]
-        if not keys or self.config is None:
-            log.warning("audit_refusal_not_recorded", model=model.name, profile=found.profile, why="no spec key")
-            return
-        figures = {k: v for k, v in found.report().items() if k not in ("at", "profile", "served_by_pid")}
-        try:
-            verdict = {"by": "live audit", "why": reason, "measure": found.failure, **figures}
-            verdicts.record(resolve_cache_dir(self.config.cache_dir), keys[0], model.name, found.profile, verdict, True)
-        except OSError as exc:
-            log.error("audit_refusal_not_recorded", model=model.name, profile=found.profile, why=str(exc))
 
     # ---- what operators see -------------------------------------------------------------------
 
