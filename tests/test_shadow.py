@@ -1,8 +1,9 @@
 """The evidence ladder with real workers: a lossy profile (bf16) serves only after matching the served exact answers
 on live traffic in shadow; one exact on its validation rows and off on live inputs absent from them
 (tests.evidence_models.OffInBf16) is refused in shadow with the row's figures, never answers a client, and stays
-refused across a daemon restart until `fallback --reset`; the same profile on traffic it is right on switches, and
-serves at once after a restart on its recorded evidence."""
+refused across a daemon restart, and on an empty cache filled by a signed bundle of the first, until
+`fallback --reset`; the same profile on traffic it is right on switches, and serves at once after a restart on its
+recorded evidence."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from infervisor.common.cpuinfo import read_caps
 from infervisor.common.profiles import cpu_refusal
 from infervisor.protocol.client import Client
 from infervisor.supervisor.commands.status import format_status
+from infervisor.supervisor.toolkit.bundle import export_bundle, import_bundle
+from infervisor.supervisor.toolkit.bundle_keys import load_signing_key
+from tests.bundle_fixtures import key_pair
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.evidence_models import OFF_INPUTS, off_in_bf16
 
@@ -133,6 +137,11 @@ def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refus
     assert {r["model"] for r in records} == {"off", "good"} and all("bf16" in r["refused"] or "bf16" in r["passed"]
                                                                      for r in records), records  # fmt: skip
     daemon.stop()
+    # A fleet learns it too: the cache exported as a signed bundle and imported into an empty cache elsewhere.
+    private, public = key_pair(tmp_path / "keys", "fleet")
+    export_bundle(tmp_path / "cache", tmp_path / "fleet.bundle", None, load_signing_key(private))
+    imported = import_bundle(tmp_path / "fleet.bundle", tmp_path / "fleet-cache", trusted_keys=(str(public),))
+    assert len(list((tmp_path / "fleet-cache").glob(f"{verdicts.PREFIX}*{verdicts.SUFFIX}"))) == 2, imported
 
     again = start_daemon(config)
     first = again.wait_ready(240)
@@ -149,3 +158,15 @@ def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refus
         assert answer["ok"] and answer["refusals_cleared"] == 1, answer
     remaining = [json.loads(f.read_text())["model"] for f in (tmp_path / "cache").glob(f"{verdicts.PREFIX}*")]
     assert remaining == ["good"], remaining
+    again.stop()
+
+    fleet = start_daemon({**config, "cache_dir": str(tmp_path / "fleet-cache")})
+    first = fleet.wait_ready(240)
+    assert first["models"]["good"]["serving"] == ["bf16"], first["models"]["good"]
+    assert first["models"]["off"]["serving"] == ["eager"], first["models"]["off"]
+    with fleet.client() as client:
+        traffic = Traffic(client)
+        settled = traffic.until(fleet, lambda: traffic.send("off", 1.5),
+                                lambda s: _build(s, "off").get("state") == "done", 240, "off's build done")  # fmt: skip
+    assert traffic.off == 0 and settled["models"]["off"]["serving"] == ["eager"], settled["models"]["off"]
+    assert _build(settled, "off")["refused"]["bf16"].startswith("refused by shadow"), _build(settled, "off")
