@@ -134,8 +134,13 @@ def cost(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"rows": rows, "summary": ratios(rows)}
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+def ratios(
+    rows: list[dict[str, Any]], arm: str = "audit", work: str = "rows_audited", per_s: str = "audited_rows_per_s"
+) -> dict[str, float]:
     """Median over the rounds of each round's on/off ratio (req/s: above 1 is faster with the audit; P99: slower).
+
+    `arm`: the row's key saying "on" or "off"; `work`: its count of rows the audit (or shadow) ran in the window,
+    summarised per second of the "on" windows as `per_s`.
 
     Each round's two windows are adjacent, so a ratio within a round cancels the drift of a shared box's speed over
     the run (seen here: req/s falling by a third mid-run on both arms), which a ratio of the arms' medians does not.
@@ -145,16 +150,16 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     def paired(key: str) -> float:
         per_round = []
         for pair in rounds:
-            on, off = (next(r for r in pair if r["audit"] == arm) for arm in ("on", "off"))
+            on, off = (next(r for r in pair if r[arm] == side) for side in ("on", "off"))
             per_round.append(on[key] / off[key])
         return round(float(np.median(per_round)), 3)
 
-    on = [r for r in rows if r["audit"] == "on"]
+    on = [r for r in rows if r[arm] == "on"]
     return {
         "req_s_on_over_off": paired("req_s"),
         "p99_on_over_off": paired("p99_ms"),
         "p50_on_over_off": paired("p50_ms"),
-        "audited_rows_per_s": round(float(np.median([r["rows_audited"] / r["seconds"] for r in on])), 2),
+        per_s: round(float(np.median([r[work] / r["seconds"] for r in on])), 2),
     }
 
 

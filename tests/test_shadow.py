@@ -32,7 +32,7 @@ from tests.evidence_models import OFF_INPUTS, off_in_bf16
 pytestmark = pytest.mark.skipif(cpu_refusal("bf16", read_caps()) is not None, reason="no native bf16 on this CPU")
 
 SOURCE = {"python": "tests.evidence_models:off_in_bf16"}
-#: A small shadow, so the test switches fast; its default (200 rows) is timed by bench/shadow.py.
+#: A small shadow, so the test switches fast; its default (200 rows): bench/first_start.py; its cost: bench/shadow.py.
 ROWS = 6
 
 
