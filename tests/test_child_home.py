@@ -130,7 +130,8 @@ def test_a_stale_template_is_replaced_and_the_child_meanwhile_is_execd(package_c
 
 
 def test_a_template_that_cannot_start_leaves_children_execd_and_says_why(package_copy: Path, tmp_path: Path) -> None:
-    """A template whose import fails: workers are exec'd and serve; status says the template is down and why."""
+    """A template whose import fails: workers are exec'd and serve; status says the template is down and why, and
+    each later start waits twice as long as the one before."""
     template = package_copy / "infervisor" / "worker" / "template.py"
     template.write_text('raise ImportError("a broken template for the test")\n')
     daemon = _daemon_from(package_copy, tmp_path / "d", {"models": {"tiny": TINY}})
@@ -142,8 +143,15 @@ def test_a_template_that_cannot_start_leaves_children_execd_and_says_why(package
         assert [e["start"] for e in _started(daemon)] == ["exec"]
         worker = daemon.status()["models"]["tiny"]["workers"][0]["pid"]
         assert "infervisor.worker" in psutil.Process(worker).cmdline()
+        # Each failed start waits twice as long as the last: a template that cannot start costs the box little.
+        waits = wait_for(lambda: _downs(daemon)[1:] and _downs(daemon), 60, "a second failed template start")
+        assert waits[:2] == [5.0, 10.0], waits
     finally:
         daemon.stop()
+
+
+def _downs(daemon: Daemon) -> list[float]:
+    return [e["restart_in_s"] for e in daemon.log_events() if e["event"] == "warm_template_down"]
 
 
 def test_warm_template_false_execs_every_child(start_daemon: Callable[..., Daemon]) -> None:

@@ -37,8 +37,10 @@ def main(argv: list[str]) -> int:
         fd_text, pid_text = argv
         link_fd, supervisor_pid = int(fd_text), int(pid_text)
     except ValueError:
-        print(f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID, not {argv}",
-              file=sys.stderr)
+        print(
+            f"template: usage: python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID, not {argv}",
+            file=sys.stderr,
+        )
         return WorkerExitCode.BAD_LAUNCH
     try:
         die_with_parent(supervisor_pid)

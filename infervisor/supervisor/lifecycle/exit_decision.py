@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from infervisor.protocol.constants import WorkerExitCode
 from infervisor.supervisor.routing.pipeline import Charge, RequestOrder
 from infervisor.supervisor.settings.config import Config
+from infervisor.supervisor.workers.retry_policy import POLICIES, ChildKind, retry_in
 from infervisor.supervisor.workers.slot import RestartReason, SlotState
 
-#: Back-off of an exit not asked for: 1, 2, 4 s ... from a never-ready worker's first exit, and from a serving
-#: worker's second (its first respawns at once), up to the maximum.
-BACKOFF_BASE_S = 0.5
-BACKOFF_MAX_S = 30.0
+#: Back-off of an exit not asked for (workers/retry_policy.py): 1, 2, 4 s ... from a never-ready worker's first exit,
+#: and from a serving worker's second (its first respawns at once), up to the maximum.
+BACKOFF_MAX_S = POLICIES[ChildKind.WORKER].max_s
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
@@ -103,6 +103,6 @@ def decide_exit(facts: ExitFacts, config: Config) -> ExitVerdict:
         return verdict(SlotState.FAILED, too_many, None, True, failures)
     # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
     never_ready = facts.state is SlotState.STARTING or facts.code == WorkerExitCode.LOAD_FAILED
-    delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (failures - (0 if never_ready else 1)))
+    delay = retry_in(ChildKind.WORKER, failures if never_ready else failures - 1)
     respawn_in = delay if never_ready or failures > 1 else 0.0
     return verdict(SlotState.BACKOFF, f"{how}; respawn in {respawn_in:.1f} s", respawn_in, True, failures)

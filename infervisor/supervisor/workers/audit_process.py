@@ -27,13 +27,11 @@ from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import AUDIT_ENTRY, Launched, launch_worker
 from infervisor.supervisor.workers.process_tree import own_child
+from infervisor.supervisor.workers.retry_policy import ChildKind, retry_in
 from infervisor.supervisor.workers.slot import describe_exit
 
 log = structlog.get_logger("supervisor")
 
-#: Back-off after the audit process ends unasked: doubled per end in a row, from 1 s up to 5 minutes.
-_FIRST_BACKOFF_S = 1.0
-_MAX_BACKOFF_S = 300.0
 #: A sample unanswered this long means the process hangs (at idle priority on a busy box it may be slow, not dead).
 HANG_S = 300.0
 #: Stopped (SIGSTOP, a debugger) this long while samples wait for it: stuck, killed and started again.
@@ -180,7 +178,8 @@ class AuditProcess:
         self.restarts += 1
         self.failures_in_row += 1
         self.last_exit = how
-        backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (self.failures_in_row - 1))
+        kind = ChildKind.AUDIT if self.profile == REFERENCE_PROFILE else ChildKind.SHADOW
+        backoff = retry_in(kind, self.failures_in_row)
         self.state, self.next_start = AuditState.BACKOFF, now + backoff
         log.warning("audit_process_ended", model=self.model, how=how, error=self.error, restart_in_s=backoff)
 

@@ -30,6 +30,7 @@ from typing import IO, Any, Protocol
 import structlog
 
 from infervisor.protocol import template_link as tl
+from infervisor.supervisor.workers.retry_policy import ChildKind, retry_in
 
 log = structlog.get_logger("supervisor")
 
@@ -40,8 +41,6 @@ _FORK_ANSWER_S = 5.0
 #: How long `open` waits for the first template's imports, so the first workers share them (an exec'd worker
 #: would spend the same time importing).
 _FIRST_READY_S = 60.0
-#: Between two template starts after a death or a failed start.
-_RESTART_DELAY_S = 5.0
 #: What every child's environment holds unless the daemon's says otherwise: third-party progress bars (NNCF's)
 #: would land between the daemon's JSON log lines.
 CHILD_ENV_DEFAULTS = {"TQDM_DISABLE": "1"}
@@ -140,6 +139,8 @@ class ChildHome:
         self.why = "not started (children are exec'd)"
         self.template: Template | None = None
         self.restart_at = 0.0
+        #: Deaths and failed starts since the last READY: each waits longer before the next (retry_policy.py).
+        self.downs_in_row = 0
         self.forked = 0
         self.execed = 0
         self.templates_started = 0
@@ -208,6 +209,7 @@ class ChildHome:
             template.roots = tuple(roots)
             template.fingerprint = fingerprint(template.roots)
             self.state, self.why = TemplateState.WARM, f"pid {template.process.pid}: children are forked from it"
+            self.downs_in_row = 0
             log.info("warm_template_ready", pid=template.process.pid)
         else:
             self.down(f"the template refused: {message.get('why', message)}")
@@ -215,9 +217,11 @@ class ChildHome:
     def down(self, why: str) -> None:
         """The template is unusable: end it, exec children meanwhile, start another after a delay."""
         self.end_template()
+        self.downs_in_row += 1
+        wait = retry_in(ChildKind.TEMPLATE, self.downs_in_row)
         self.state, self.why = TemplateState.DOWN, f"{why}; children are exec'd until another is warm"
-        self.restart_at = time.monotonic() + _RESTART_DELAY_S
-        log.warning("warm_template_down", reason=why)
+        self.restart_at = time.monotonic() + wait
+        log.warning("warm_template_down", reason=why, restart_in_s=wait)
 
     def end_template(self) -> None:
         """Close the template's link (it exits at EOF) and make sure it is gone."""

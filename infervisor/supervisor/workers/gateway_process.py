@@ -21,13 +21,11 @@ import structlog
 
 from infervisor.supervisor.settings.config import Config, OipConfig
 from infervisor.supervisor.workers.child_home import HOME
+from infervisor.supervisor.workers.retry_policy import ChildKind, retry_in
 from infervisor.supervisor.workers.slot import describe_exit
 
 log = structlog.get_logger("supervisor")
 
-#: Back-off after the gateway ends unasked: doubled per end in a row, from 1 s up to 30 s.
-_FIRST_BACKOFF_S = 1.0
-_MAX_BACKOFF_S = 30.0
 #: A gateway that served this long before ending starts its back-off afresh.
 _STABLE_S = 60.0
 #: The largest request body (HTTP) or message (gRPC) whatever max_frame_bytes says: grpcio's caps are C ints.
@@ -108,9 +106,9 @@ class GatewayProcess:
         self.back_off(now)
 
     def back_off(self, now: float) -> None:
-        """Wait 1 s, 2 s, 4 s ... (up to 30 s) before the next start."""
-        delay = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2**self.failures_in_row)
+        """Wait before the next start, longer after each end in a row (workers/retry_policy.py)."""
         self.failures_in_row += 1
+        delay = retry_in(ChildKind.GATEWAY, self.failures_in_row)
         self.state, self.next_start = GatewayState.BACKOFF, now + delay
 
     def stop(self) -> None:

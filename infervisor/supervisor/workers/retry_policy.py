@@ -1,0 +1,49 @@
+"""How long each kind of child waits to be started again after ending unasked: one table, one function.
+
+Workers, audit and shadow processes, the OIP gateway and the warm template each doubled their own wait; here each
+kind is one row, so changing a kind's retry policy is one line. What else an exit means stays with its kind's
+owner: a worker's (state, requests, `max_restarts`) in lifecycle/exit_decision.py; a builder restarts at once and
+gives a profile up by its own rule (lifecycle/background_build.py `settle`, worker/profiles/attempts.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ChildKind(enum.Enum):
+    """The kinds of child process the supervisor starts again after they end."""
+
+    WORKER = "worker"
+    AUDIT = "audit"
+    SHADOW = "shadow"
+    GATEWAY = "gateway"
+    TEMPLATE = "template"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The wait before the next start: `first_s` after one end, doubled per further end in a row, up to `max_s`."""
+
+    first_s: float
+    max_s: float
+
+
+#: Each kind's policy. A worker's first crash while serving respawns at once (exit_decision.py): these waits start
+#: from its second, or from the first of one that never got ready. An audit or shadow process runs at idle priority
+#: beside serving, so a broken one is retried slowly; the template's start imports torch (seconds of CPU), so a
+#: template that keeps failing must not cost the box that every few seconds.
+POLICIES: dict[ChildKind, RetryPolicy] = {
+    ChildKind.WORKER: RetryPolicy(1.0, 30.0),
+    ChildKind.AUDIT: RetryPolicy(1.0, 300.0),
+    ChildKind.SHADOW: RetryPolicy(1.0, 300.0),
+    ChildKind.GATEWAY: RetryPolicy(1.0, 30.0),
+    ChildKind.TEMPLATE: RetryPolicy(5.0, 300.0),
+}
+
+
+def retry_in(kind: ChildKind, ends_in_row: int) -> float:
+    """Seconds to wait before starting a child of `kind` that has ended `ends_in_row` times in a row (1: the first)."""
+    policy = POLICIES[kind]
+    return float(min(policy.max_s, policy.first_s * 2 ** max(0, ends_in_row - 1)))
