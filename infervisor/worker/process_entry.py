@@ -16,7 +16,6 @@ from infervisor.worker.pinning import (
     lowest_priority,
     pin_before_torch,
 )
-from infervisor.worker.process_tree import guard_tree
 
 
 def enter_process(argv: list[str], role: str, idle: bool) -> LaunchSpec | WorkerExitCode:
@@ -38,6 +37,10 @@ def enter_process(argv: list[str], role: str, idle: bool) -> LaunchSpec | Worker
         line = {"event": "supervisor_lost", "level": "error", "reason": str(exc), "worker_id": launch.worker_id}
         print(json.dumps(line), file=sys.stderr)
         return WorkerExitCode.SUPERVISOR_LOST
+    # Imported only now: structlog (through the guard) is most of this process's imports before the death request,
+    # 150 ms quiet and seconds on a loaded box, a window in which a kill -9 of the supervisor left an orphan.
+    from infervisor.worker.process_tree import guard_tree
+
     # Before torch and the model: whatever the model starts is ended if the supervisor dies.
     guard_tree(launch.supervisor_pid, PARENT_DEATH_SIGNAL)
     pin_before_torch(launch.cpus)
