@@ -371,7 +371,7 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
     rig.tick()  # reaped: backs off
     last_exit = slot.notes.last_exit or ""
     assert "building profile int8_static (2 of 3) for 30 s, over compile_timeout_s (30 s)" in last_exit
-    (first,) = rig.pool.recent_exits["tiny"]
+    (first,) = rig.pool.exits.recent_exits["tiny"]
     assert first["killed_by_supervisor"] and first["compile_overrun"]["profile"] == "int8_static"
     stems = {"int8_static": "int8_static-key", "aoti": "aoti-key"}
     assert AttemptLog(None, stems, [first], 30.0).refusal("int8_static") is None, "one overrun is retried"
@@ -381,7 +381,7 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
     assert twice.refusal("aoti") is None
     assert AttemptLog(None, stems, [first, second], 60.0).refusal("int8_static") is None, "a raised limit retries"
     rig.pool.restart("tiny", "operator command", forget_overruns=True)
-    assert all(e["compile_overrun"] is None for e in rig.pool.recent_exits["tiny"])
+    assert all(e["compile_overrun"] is None for e in rig.pool.exits.recent_exits["tiny"])
 
 
 def test_the_documented_state_diagram_is_the_transition_table() -> None:
