@@ -203,7 +203,7 @@ def test_idle_workers_never_wait_for_companions_and_only_a_busy_workers_next_bat
         rig.send_request(2)
         assert rig.request_at(1 - first).request_id > 0, "the other idle worker took it at once"
         rig.send_request(3)  # both run one: a second batch in a worker's hands waits for companions or its delay
-        assert len(rig.broker.queues["tiny"].waiting) == 1 and rig.broker.next_batch_due is not None
+        assert len(rig.broker.queues["tiny"].waiting) == 1 and rig.broker.dispatcher.next_batch_due is not None
         rig.answer_and_read(first, lone, 1)
         assert rig.request_at(first).request_id > 0, "a worker with nothing in hand takes the line at once"
         assert not rig.broker.queues["tiny"].waiting

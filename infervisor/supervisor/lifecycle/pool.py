@@ -291,4 +291,4 @@ class WorkerPool:
                     self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}", RestartReason.CONFIG))
         self.broker.sync_queues()
         for name in self.roster.members:
-            self.broker.dispatch(name)
+            self.broker.dispatcher.dispatch(name)

@@ -5,7 +5,8 @@ The broker never blocks: every send is NOBLOCK (or queued in a link's outbox), s
 stops reading or a worker that vanished costs a counted drop (or a re-dispatch), never a stalled
 loop. It never changes a slot's state or kills a process either: a link it finds closed it reports
 to the worker links (whose listener, the pool, replaces the worker), and it tells the worker inbox
-when a draining worker holds nothing any more. What goes to a worker, and when, the batcher decides.
+when a draining worker holds nothing any more. Which worker gets what waits, and when, its dispatcher
+(dispatcher.py) and the batcher decide.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from infervisor.protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.host.event_loop import CLIENTS, EventLoop
 from infervisor.supervisor.instruments.anomalies import Anomalies
-from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.connections import Connections
+from infervisor.supervisor.routing.dispatcher import Dispatcher, Members
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.peer_credentials import peer_owner, peer_reader
@@ -52,22 +53,8 @@ _BATCH = 256
 _SERVING = (SlotState.SERVING,)
 _ALIVE = (SlotState.SERVING, SlotState.STARTING, SlotState.BACKOFF)
 
-#: The workers a model routes to (the pool's members; None once the model left the config).
-Members = Callable[[str], Sequence[WorkerSlot] | None]
 #: Offered every successful answer (slot, request, the worker's result frames): the live audit's sampler.
 AuditTap = Callable[[WorkerSlot, PendingRequest, list[Any]], None]
-
-
-def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
-    """One worker message for requests run as one forward pass: a lone REQUEST, or a BATCH of them."""
-    encoded: list[Any] = []
-    for request in requests:
-        queue_ms = (now - request.accepted_at) * 1000.0
-        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms, request.reader)
-        encoded += wm.encode(message, request.frames)
-    if len(requests) == 1:
-        return encoded
-    return wm.encode(wm.Batch([len(r.frames) + 1 for r in requests]), encoded)
 
 
 def _has_capacity(slots: Sequence[WorkerSlot] | None) -> bool:
@@ -153,11 +140,8 @@ class Broker:
         #: What each worker process holds; the pool reads it through `load_of`.
         self.pipelines = Pipelines()
         self.next_id = 1
-        #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
-        self.shed = False
-        #: Models whose head request waits for batch companions, and until when.
-        self.batch_due: dict[str, float] = {}
-        self.batches_sent = 0
+        #: Hands each model's line to its workers with room (dispatcher.py).
+        self.dispatcher = Dispatcher(self.queues, serving, links, self.pipelines, self.replies)
         #: The live audit's sampler (monitors/audit.py: AuditWatch.offer), wired by core/assembly.py.
         self.audit_tap: AuditTap = lambda slot, request, frames: None
         self.sync_queues()
@@ -168,11 +152,11 @@ class Broker:
 
     def shed_load(self, shed: bool) -> None:
         """While the CPU throttles, route to half of each model's workers only (core/responses.py decides)."""
-        self.shed = shed
+        self.dispatcher.shed = shed
 
     def route_to(self, members_of: Members) -> None:
         """Route each model's requests to the workers `members_of` names (the pool's, kept current by the pool)."""
-        self.members_of = members_of
+        self.members_of = self.dispatcher.members_of = members_of
 
     def sync_queues(self) -> None:
         """One queue per model of the serving config, sized as configured now (and the clients' budget).
@@ -274,7 +258,7 @@ class Broker:
                 self.anomalies.count(refused.anomaly, refused.message)
                 self.replies.refuse(client, request_id, name, refused.code, refused.message)
                 return
-            self.streams.dispatch_released(self.dispatch)
+            self.streams.dispatch_released(self.dispatcher.dispatch)
             return
         if len(queue.waiting) >= queue.capacity:
             why = f"queue of {name!r} is full ({queue.capacity})"
@@ -282,107 +266,7 @@ class Broker:
             return
         self.ledger.take(client, cost)
         queue.waiting.append(pending)
-        self.dispatch(name)
-
-    def pick_worker(self, config: ModelConfig, spec: tuple[TensorSpec, ...] | None) -> WorkerSlot | None:
-        """The least loaded serving worker of the model with room in its pipeline; ties go to the most recently busy.
-
-        Most recently busy, not longest idle: that worker's core is awake and its caches hold the
-        model, so at low load one warm worker answers sooner than a rotation through cold ones
-        (tiny model, 1 client: 0.31 ms round trip on one worker, 0.38 ms alternating between two).
-        Under load every worker is busy anyway.
-        """
-        best: WorkerSlot | None = None
-        best_key = (0, 0.0)
-        slots = self.members_of(config.name) or ()
-        if self.shed:  # half of the workers that can serve, so shedding never routes to a dead one
-            serving = [s for s in slots if s.state is SlotState.SERVING]
-            slots = serving[: (len(serving) + 1) // 2]
-        batched = config.batching is not None
-        for slot in slots:
-            if slot.state is not SlotState.SERVING or slot.proc.link is None or not slot.proc.link.sendable:
-                continue
-            if spec is not None and slot.model.inputs != spec:
-                continue
-            pipeline = self.pipelines.of(slot)
-            held = len(pipeline.held)
-            batches = pipeline.batches() if held and batched else 0
-            if not batcher.has_room(config.batching, config.prefetch, held, batches):
-                continue
-            key = (held, -pipeline.progress_at)
-            if best is None or key < best_key:
-                best, best_key = slot, key
-        return best
-
-    def dispatch(self, model: str) -> None:
-        """Hand the model's line to its workers with room, oldest first, as the batcher decides."""
-        queue = self.queues.get(model)
-        config = self.serving.model(model)
-        if queue is None or config is None:
-            return
-        waiting = queue.waiting
-        while waiting:
-            slot = self.pick_worker(config, waiting[0].spec)
-            if slot is None:
-                return
-            now = time.monotonic()
-            self.batch_due.pop(model, None)
-            busy = bool(self.pipelines.of(slot).held)
-            decision = batcher.decide(waiting, config.batching, now, lambda: self.line_share(model), worker_busy=busy)
-            if decision.wait_until is not None:
-                self.batch_due[model] = decision.wait_until
-                return
-            # A worker found gone is no longer picked (its link is closed): the next one is tried.
-            self.send_batch(slot, decision.batch, now, config.batching is not None)
-
-    def line_share(self, model: str) -> int | None:
-        """The batcher's cap on the next batch of `model`, from how busy its workers are (batcher.share_of_line)."""
-        slots = self.members_of(model) or ()
-        serving = [slot for slot in slots if slot.state is SlotState.SERVING]
-        held = [self.pipelines.of(slot).size for slot in serving]
-        idle = sum(
-            1 for slot, n in zip(serving, held, strict=True) if not n and slot.proc.link and slot.proc.link.sendable
-        )
-        return batcher.share_of_line(len(self.queues[model].waiting), idle, held)
-
-    def dispatch_due(self, now: float) -> None:
-        """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""
-        for model in [m for m, due in self.batch_due.items() if batcher.is_due(due, now)]:
-            self.dispatch(model)
-
-    @property
-    def next_batch_due(self) -> float | None:
-        """When the earliest waiting batch must go, if any waits."""
-        return min(self.batch_due.values(), default=None)
-
-    def send_batch(self, slot: WorkerSlot, batch: list[PendingRequest], now: float, batched: bool) -> None:
-        """Send requests to one worker as one forward pass (a lone one as itself); each keeps its id, deadline, reply.
-
-        If the worker is unreachable, they go back first in line and the link is reported lost.
-        """
-        live = []
-        for request in batch:
-            if request.expired(now):
-                self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
-            else:
-                live.append(request)
-        if not live:
-            return
-        queue = self.queues[live[0].model]
-        if batched:
-            queue.batch_sizes[sum(r.rows for r in live)] += 1
-            queue.batch_wait_ms.extend((now - request.accepted_at) * 1000.0 for request in live)
-        frames = _encode_dispatch(live, now)
-        if not self.links.send(slot, frames):
-            # Its process is gone or going; the pool settles the slot. The requests keep their place.
-            queue.waiting.extendleft(reversed(live))
-            self.links.lost(slot, "worker link closed")
-            return
-        if len(live) > 1:
-            self.batches_sent += 1
-            for request in live:
-                request.batch_id = self.batches_sent
-        self.pipelines.add(slot, live, time.monotonic())
+        self.dispatcher.dispatch(name)
 
     # ---- workers lost -----------------------------------------------------------------------
 
@@ -432,10 +316,10 @@ class Broker:
                 )
                 queue.waiting.appendleft(request)
                 self.streams.requeued(request)  # streams.py: counted as resumed; its state was never committed
-        self.dispatch(slot.model.name)
+        self.dispatcher.dispatch(slot.model.name)
         if order.slot_failed and not _has_capacity(self.members_of(slot.model.name)):
             self.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
-        self.streams.dispatch_released(self.dispatch)
+        self.streams.dispatch_released(self.dispatcher.dispatch)
 
     def expire(self, now: float) -> None:
         """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more.
@@ -460,7 +344,7 @@ class Broker:
                 else:
                     keep.append(request)
             queue.waiting = keep
-        self.streams.dispatch_released(self.dispatch)
+        self.streams.dispatch_released(self.dispatcher.dispatch)
 
     def fail_queued(self, model: str, code: ErrorCode, message: str) -> None:
         """Answer every queued request of one model with `code`."""
@@ -482,7 +366,7 @@ class Broker:
     def worker_ready(self, slot: WorkerSlot) -> None:
         """A worker became ready: open its pipeline and give it what waits."""
         self.pipelines.open(slot, time.monotonic())
-        self.dispatch(slot.model.name)
+        self.dispatcher.dispatch(slot.model.name)
 
     def on_reply(self, slot: WorkerSlot, reply: wm.Reply | None, frames: list[Any], why: str = "") -> bool:
         """Forward a worker's answer to the client that asked, exactly once; True when a draining worker is now empty.
@@ -501,10 +385,10 @@ class Broker:
             self.replies.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {why}")
         else:
             self.answer(slot, request, reply, frames, now)
-        self.streams.dispatch_released(self.dispatch)
+        self.streams.dispatch_released(self.dispatcher.dispatch)
         if slot.state is SlotState.DRAINING:
             return not pipeline.held
-        self.dispatch(slot.model.name)
+        self.dispatcher.dispatch(slot.model.name)
         return False
 
     def answer(self, slot: WorkerSlot, request: PendingRequest, reply: wm.Reply, frames: list[Any], now: float) -> None:
