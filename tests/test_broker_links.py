@@ -23,6 +23,8 @@ from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.replies import client_replies
+from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.config import parse_config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
@@ -74,7 +76,10 @@ class Rig:
         self.links = WorkerLinks(self.loop, anomalies)
         self.events = BrokenLinks()
         self.endpoints = ClientEndpoints(self.context, config, tmp)
-        self.broker = Broker(self.endpoints, self.loop, self.links, ServingConfig(config), anomalies)
+        serving = ServingConfig(config)
+        replies = client_replies(self.endpoints.sockets, serving, anomalies)
+        streams = Streams(replies.queues, replies.finish)
+        self.broker = Broker(self.endpoints, self.loop, self.links, serving, anomalies, replies, streams)
         inbox = WorkerInbox(anomalies, self.broker, self.events, lambda slot, result: None)
         self.links.deliver_to(inbox.deliver, self.events.link_broken)
         self.slots: list[WorkerSlot] = []

@@ -22,6 +22,8 @@ from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.replies import client_replies
+from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.config import Config, parse_config
 from infervisor.supervisor.settings.config_diff import diff_configs
 from infervisor.supervisor.settings.model_entry import ModelConfig
@@ -109,7 +111,9 @@ class Rig:
         anomalies = Anomalies()
         self.links = WorkerLinks(self.loop, anomalies)
         self.endpoints = ClientEndpoints(self.context, config, tmp)
-        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, anomalies)
+        replies = client_replies(self.endpoints.sockets, self.serving, anomalies)
+        streams = Streams(replies.queues, replies.finish)
+        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, anomalies, replies, streams)
         self.launches = Launches()
         self.pool = WorkerPool(self.serving, _plan(config), self.links, self.broker, self.launches)
         self.inbox = WorkerInbox(anomalies, self.broker, self.pool, lambda slot, result: None)

@@ -28,8 +28,6 @@ from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.host.event_loop import CLIENTS, EventLoop
 from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
-from infervisor.supervisor.routing.client_ledger import ClientLedger
-from infervisor.supervisor.routing.connections import Connections
 from infervisor.supervisor.routing.dispatcher import Dispatcher, Members
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.model_queue import ModelQueue
@@ -110,6 +108,8 @@ class Broker:
         links: WorkerLinks,
         serving: ServingConfig,
         anomalies: Anomalies,
+        replies: Replies,
+        streams: Streams,
     ) -> None:
         self.endpoints = endpoints
         self.links = links
@@ -117,31 +117,31 @@ class Broker:
         self.anomalies = anomalies
         for client_socket in endpoints.sockets:
             loop.register(client_socket, CLIENTS, functools.partial(self.handle_clients, client_socket))
-        self.ledger = ClientLedger(
-            anomalies, serving.current.client_budget_mb * 2**20, serving.current.clients_budget_mb * 2**20
-        )
+        #: Sends every final reply; an accepted request's through `streams` (client_replies, wired by assembly).
+        self.replies = replies
+        self.ledger = replies.ledger
         #: False once the daemon stops: new requests are refused SHUTTING_DOWN.
         self.accepting = True
         #: The workers each model routes to: asked of the pool, changed only by the pool.
         self.members_of: Members = lambda model: None
         #: A rollout's new inputs are admitted once a worker built with them serves.
         self.spec_served: SpecServed = lambda model, spec: _has_spec(self.members_of(model), spec, _SERVING)
-        self.queues: dict[str, ModelQueue] = {}
+        #: Each model's line and counters; queue wait, service and total time of every successful request, per model
+        #: (instruments/recorders.py).
+        self.queues: dict[str, ModelQueue] = replies.queues
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
-        self.refused: collections.Counter[str] = collections.Counter()
-        #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
-        self.replies = Replies(self.ledger, self.queues, self.refused, Connections(endpoints.sockets))
+        self.refused: collections.Counter[str] = replies.refused
         # Read as they come too, not only before a reply: libzmq blocks its I/O thread on a full monitor.
         for monitor in self.replies.connections.monitor_sockets:
             loop.register(monitor, CLIENTS, lambda flags: self.replies.forget_departed())
-        #: Streams of stateful models: their committed state, and their steps waiting their turn (streams.py).
-        self.streams = Streams(self.queues, self.replies.finish)
-        self.replies.streams = self.streams
+        #: Streams of stateful models: their committed state, their steps waiting their turn (streams.py); every
+        #: final reply of an accepted request passes through it (a step's commits its stream's state).
+        self.streams = streams
         #: What each worker process holds; the pool reads it through `load_of`.
         self.pipelines = Pipelines()
         self.next_id = 1
         #: Hands each model's line to its workers with room (dispatcher.py).
-        self.dispatcher = Dispatcher(self.queues, serving, links, self.pipelines, self.replies)
+        self.dispatcher = Dispatcher(self.queues, serving, links, self.pipelines, streams.fail)
         #: The live audit's sampler (monitors/audit.py: AuditWatch.offer), wired by core/assembly.py.
         self.audit_tap: AuditTap = lambda slot, request, frames: None
         self.sync_queues()
@@ -302,10 +302,10 @@ class Broker:
                     losses=request.losses,
                 )
                 why = f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again"
-                self.replies.fail(request, ErrorCode.WORKER_LOST, why)
+                self.streams.fail(request, ErrorCode.WORKER_LOST, why)
             elif queue is None:
                 why = f"model {request.model!r} was removed from the config"
-                self.replies.fail(request, ErrorCode.UNKNOWN_MODEL, why)
+                self.streams.fail(request, ErrorCode.UNKNOWN_MODEL, why)
             else:
                 log.warning(
                     "request_redispatched",
@@ -336,11 +336,11 @@ class Broker:
             keep: collections.deque[PendingRequest] = collections.deque()
             for request in queue.waiting:
                 if request.expired(now):
-                    self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                    self.streams.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
                 elif request.spec in gone:
                     # A rollout of new inputs was rolled back, or finished: nothing can run this request's spec.
                     why = "the model no longer serves the inputs spec that admitted this request"
-                    self.replies.fail(request, ErrorCode.UNAVAILABLE, why)
+                    self.streams.fail(request, ErrorCode.UNAVAILABLE, why)
                 else:
                     keep.append(request)
             queue.waiting = keep
@@ -350,7 +350,7 @@ class Broker:
         """Answer every queued request of one model with `code`."""
         queue = self.queues.get(model)
         while queue is not None and queue.waiting:
-            self.replies.fail(queue.waiting.popleft(), code, message)
+            self.streams.fail(queue.waiting.popleft(), code, message)
 
     def fail_all(self, code: ErrorCode, message: str, slots: Sequence[WorkerSlot]) -> None:
         """Answer every queued request, and every request these workers hold, with `code` (end of a bounded stop)."""
@@ -359,7 +359,7 @@ class Broker:
             self.fail_queued(model, code, message)
         for slot in slots:
             for request in self.pipelines.take_all(slot):
-                self.replies.fail(request, code, message)
+                self.streams.fail(request, code, message)
 
     # ---- what workers sent (handed here by the worker inbox) ----------------------------------
 
@@ -382,7 +382,7 @@ class Broker:
                 self.anomalies.count("reply_stale")
             return False
         if reply is None:
-            self.replies.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {why}")
+            self.streams.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {why}")
         else:
             self.answer(slot, request, reply, frames, now)
         self.streams.dispatch_released(self.dispatcher.dispatch)
@@ -398,19 +398,19 @@ class Broker:
         slot.proc.requests += 1
         if reply.error_code is not None:  # errors are fast and would fake a baseline
             code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL
-            self.replies.fail(request, code, reply.message)
+            self.streams.fail(request, code, reply.message)
             return
         slot.proc.latencies_ms.append(service_ms)
         if not frames:
             self.anomalies.count("worker_message_malformed", f"{slot.name}: a successful reply without a result header")
-            self.replies.fail(request, ErrorCode.INTERNAL, "the worker sent a reply without a result header")
+            self.streams.fail(request, ErrorCode.INTERNAL, "the worker sent a reply without a result header")
         elif request.expired(now):
             # The client asked for no answer after its deadline; a late result would be one.
-            self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
+            self.streams.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
         else:
             # The worker wrote the client's result header itself: forwarded as is, never re-encoded.
             self.audit_tap(slot, request, frames)
-            self.replies.finish(request, None, frames[0], frames[1:])
+            self.streams.finish(request, None, frames[0], frames[1:])
 
     def close(self) -> None:
         """Close the client sockets (the pool closes worker links as it stops their processes)."""

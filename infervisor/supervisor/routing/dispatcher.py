@@ -19,12 +19,13 @@ from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.routing.pipeline import Pipelines
-from infervisor.supervisor.routing.replies import Replies
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
+#: Answers an accepted request with an error: (the request, its code, a message).
+Fail = Callable[[PendingRequest, ErrorCode, str], None]
 #: The workers a model routes to (the pool's members; None once the model left the config).
 Members = Callable[[str], Sequence[WorkerSlot] | None]
 
@@ -50,13 +51,14 @@ class Dispatcher:
         serving: ServingConfig,
         links: WorkerLinks,
         pipelines: Pipelines,
-        replies: Replies,
+        fail: Fail,
     ) -> None:
         self.queues = queues
         self.serving = serving
         self.links = links
         self.pipelines = pipelines
-        self.replies = replies
+        #: Answers an accepted request with an error (through the streams' stage: Streams.fail).
+        self.fail = fail
         #: The workers each model routes to (the broker's `route_to` sets it).
         self.members_of: Members = lambda model: None
         #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
@@ -144,7 +146,7 @@ class Dispatcher:
         live = []
         for request in batch:
             if request.expired(now):
-                self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                self.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
             else:
                 live.append(request)
         if not live:
