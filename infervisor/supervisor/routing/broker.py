@@ -15,7 +15,7 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -33,7 +33,7 @@ from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.peer_credentials import peer_owner, peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
-from infervisor.supervisor.routing.pipeline import Charge, Pipelines, PipelineView, RequestOrder
+from infervisor.supervisor.routing.pipeline import Pipelines, PipelineView
 from infervisor.supervisor.routing.replies import Replies
 from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.model_entry import ModelConfig
@@ -53,6 +53,18 @@ _ALIVE = (SlotState.SERVING, SlotState.STARTING, SlotState.BACKOFF)
 
 #: Offered every successful answer (slot, request, the worker's result frames): the live audit's sampler.
 AuditTap = Callable[[WorkerSlot, PendingRequest, list[Any]], None]
+
+
+class LostWork(Protocol):
+    """What the broker reads of the exit decision's order on a dead worker's requests (exit_decision.RequestOrder)."""
+
+    @property
+    def split(self) -> bool:
+        """The running batch is split in two halves, nobody charged; else the head alone is charged a retry."""
+
+    @property
+    def slot_failed(self) -> bool:
+        """The slot failed for good: if no member of its model can serve any more, what waits is answered now."""
 
 
 def _has_capacity(slots: Sequence[WorkerSlot] | None) -> bool:
@@ -270,19 +282,19 @@ class Broker:
 
     # ---- workers lost -----------------------------------------------------------------------
 
-    def worker_lost(self, slot: WorkerSlot, reason: str, order: RequestOrder) -> None:
+    def worker_lost(self, slot: WorkerSlot, reason: str, order: LostWork) -> None:
         """Carry out the pool's order on what a dead or hung worker held: re-dispatch it (oldest first in line),
         or give up after max_retries; if the slot failed and the model has no slot left, answer what waits.
 
         A worker serves its pipeline in order, so only the head was running when it died: the one request
-        charged a retry (`Charge.HEAD`), or the batch split in two halves, nobody charged (`Charge.SPLIT`).
+        charged a retry, or the batch split in two halves, nobody charged (`order.split`).
         The ones waiting behind it go back in line as they were; a request that lost more than `max_retries`
         workers is answered WORKER_LOST.
         """
         model = self.serving.model(slot.model.name) or slot.model
         running = self.pipelines.of(slot).running()
         held = self.pipelines.take_all(slot)
-        split = order.charge is Charge.SPLIT
+        split = order.split
         if split:
             half = (len(running) + 1) // 2
             for index, request in enumerate(running):
