@@ -23,6 +23,8 @@ from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.replies import client_replies
+from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.config import parse_config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
@@ -74,7 +76,10 @@ class Rig:
         self.links = WorkerLinks(self.loop, anomalies)
         self.events = BrokenLinks()
         self.endpoints = ClientEndpoints(self.context, config, tmp)
-        self.broker = Broker(self.endpoints, self.loop, self.links, ServingConfig(config), anomalies)
+        serving = ServingConfig(config)
+        replies = client_replies(self.endpoints.sockets, serving, anomalies)
+        streams = Streams(replies.queues, replies.finish)
+        self.broker = Broker(self.endpoints, self.loop, self.links, serving, anomalies, replies, streams)
         inbox = WorkerInbox(anomalies, self.broker, self.events, lambda slot, result: None)
         self.links.deliver_to(inbox.deliver, self.events.link_broken)
         self.slots: list[WorkerSlot] = []
@@ -203,7 +208,7 @@ def test_idle_workers_never_wait_for_companions_and_only_a_busy_workers_next_bat
         rig.send_request(2)
         assert rig.request_at(1 - first).request_id > 0, "the other idle worker took it at once"
         rig.send_request(3)  # both run one: a second batch in a worker's hands waits for companions or its delay
-        assert len(rig.broker.queues["tiny"].waiting) == 1 and rig.broker.next_batch_due is not None
+        assert len(rig.broker.queues["tiny"].waiting) == 1 and rig.broker.dispatcher.next_batch_due is not None
         rig.answer_and_read(first, lone, 1)
         assert rig.request_at(first).request_id > 0, "a worker with nothing in hand takes the line at once"
         assert not rig.broker.queues["tiny"].waiting

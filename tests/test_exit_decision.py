@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from infervisor.protocol.constants import WorkerExitCode
-from infervisor.supervisor.lifecycle.exit_decision import ExitFacts, ExitVerdict, decide_exit
-from infervisor.supervisor.routing.pipeline import Charge, RequestOrder
+from infervisor.supervisor.lifecycle.exit_decision import Charge, ExitFacts, ExitVerdict, RequestOrder, decide_exit
 from infervisor.supervisor.settings.config import Config, parse_config
 from infervisor.supervisor.workers.slot import RestartReason, SlotState
 

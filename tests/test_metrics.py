@@ -153,7 +153,7 @@ def _finish_successes(rig: Rig, model: str, count: int) -> None:
     now = time.monotonic()
     for i in range(count):
         request = PendingRequest(i, client, i, model, [], now - 0.002, None, dispatched_at=now - 0.001)
-        rig.broker.replies.finish(request, None, b"{}", [])
+        rig.broker.streams.finish(request, None, b"{}", [])
 
 
 def _snapshot(rig: Rig) -> Snapshot:

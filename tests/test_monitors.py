@@ -243,6 +243,6 @@ def test_shedding_is_a_thermal_finding_answered_by_the_responses_table(tmp_path:
             assert [f.detail["shed"] for f in asked] == ([] if shed is None else [shed])
             for finding in asked:
                 responses.act(finding)
-            assert rig.broker.shed is (temp_c >= 95.0)
+            assert rig.broker.dispatcher.shed is (temp_c >= 95.0)
     finally:
         rig.close()

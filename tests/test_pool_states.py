@@ -22,6 +22,8 @@ from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.pool import WorkerPool
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
+from infervisor.supervisor.routing.replies import client_replies
+from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.config import Config, parse_config
 from infervisor.supervisor.settings.config_diff import diff_configs
 from infervisor.supervisor.settings.model_entry import ModelConfig
@@ -109,7 +111,9 @@ class Rig:
         anomalies = Anomalies()
         self.links = WorkerLinks(self.loop, anomalies)
         self.endpoints = ClientEndpoints(self.context, config, tmp)
-        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, anomalies)
+        replies = client_replies(self.endpoints.sockets, self.serving, anomalies)
+        streams = Streams(replies.queues, replies.finish)
+        self.broker = Broker(self.endpoints, self.loop, self.links, self.serving, anomalies, replies, streams)
         self.launches = Launches()
         self.pool = WorkerPool(self.serving, _plan(config), self.links, self.broker, self.launches)
         self.inbox = WorkerInbox(anomalies, self.broker, self.pool, lambda slot, result: None)
@@ -371,7 +375,7 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
     rig.tick()  # reaped: backs off
     last_exit = slot.notes.last_exit or ""
     assert "building profile int8_static (2 of 3) for 30 s, over compile_timeout_s (30 s)" in last_exit
-    (first,) = rig.pool.recent_exits["tiny"]
+    (first,) = rig.pool.exits.recent_exits["tiny"]
     assert first["killed_by_supervisor"] and first["compile_overrun"]["profile"] == "int8_static"
     stems = {"int8_static": "int8_static-key", "aoti": "aoti-key"}
     assert AttemptLog(None, stems, [first], 30.0).refusal("int8_static") is None, "one overrun is retried"
@@ -381,7 +385,7 @@ def test_a_build_over_the_compile_limit_is_killed_and_remembered_for_the_next_wo
     assert twice.refusal("aoti") is None
     assert AttemptLog(None, stems, [first, second], 60.0).refusal("int8_static") is None, "a raised limit retries"
     rig.pool.restart("tiny", "operator command", forget_overruns=True)
-    assert all(e["compile_overrun"] is None for e in rig.pool.recent_exits["tiny"])
+    assert all(e["compile_overrun"] is None for e in rig.pool.exits.recent_exits["tiny"])
 
 
 def test_the_documented_state_diagram_is_the_transition_table() -> None:

@@ -129,8 +129,8 @@ class Arbiter:
                 self.loop.poll(self.wait_ms())
                 self.handle_signals()
                 now = time.monotonic()
-                if self.broker.batch_due:
-                    self.broker.dispatch_due(now)
+                if self.broker.dispatcher.batch_due:
+                    self.broker.dispatcher.dispatch_due(now)
                 if now >= self.next_housekeeping:
                     self.next_housekeeping = now + _HOUSEKEEPING_S
                     self.housekeeping(now)
@@ -143,7 +143,7 @@ class Arbiter:
 
     def wait_ms(self) -> int:
         """How long the poll may wait: the housekeeping interval, or less when a batch is due sooner."""
-        due = self.broker.next_batch_due
+        due = self.broker.dispatcher.next_batch_due
         if due is None:
             return _HOUSEKEEPING_MS
         # The poll's resolution is 1 ms: the nearest one, since a batch within half of it is due (batcher.is_due).

@@ -35,6 +35,8 @@ from infervisor.supervisor.observe.exposition import Metrics
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.pending import PendingRequest
+from infervisor.supervisor.routing.replies import client_replies
+from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.child_home import HOME, ChildHome
@@ -115,7 +117,10 @@ def assemble(
     anomalies = Anomalies()
     endpoints = ClientEndpoints(context, config, runtime_dir)
     links = WorkerLinks(loop, anomalies)
-    broker = Broker(endpoints, loop, links, serving, anomalies)
+    replies = client_replies(endpoints.sockets, serving, anomalies)
+    # Every accepted request's final reply passes the streams' stage on its way to the replies (one way).
+    streams = Streams(replies.queues, replies.finish)
+    broker = Broker(endpoints, loop, links, serving, anomalies, replies, streams)
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
     audit, shadows = monitors.audit.offer, pool.builds.offer

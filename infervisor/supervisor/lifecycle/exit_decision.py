@@ -4,17 +4,18 @@
 slot when its process ended (`ExitFacts`) and the serving config. Its `ExitVerdict` says everything
 that follows: the slot's new state and why, when it respawns, whether the exit counts toward
 `max_restarts`, the restart reason counted in `infervisor_worker_restarts_total`, and the one order
-the broker gets about the requests the worker held (`RequestOrder`). The pool applies the verdict
-(lifecycle/pool.py `on_exit`); the broker carries out the order on the request side (`worker_lost`).
+the broker gets about the requests the worker held (`RequestOrder`: whom it `Charge`s), both defined here.
+The pool's exit reaper applies the verdict (lifecycle/exits.py `on_exit`); the broker carries out the order
+on the request side (`worker_lost`, which reads it as its `LostWork`).
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 
 from infervisor.protocol.constants import WorkerExitCode
-from infervisor.supervisor.routing.pipeline import Charge, RequestOrder
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.workers.retry_policy import POLICIES, ChildKind, retry_in
 from infervisor.supervisor.workers.slot import RestartReason, SlotState
@@ -23,6 +24,30 @@ from infervisor.supervisor.workers.slot import RestartReason, SlotState
 #: and from a serving worker's second (its first respawns at once), up to the maximum.
 BACKOFF_MAX_S = POLICIES[ChildKind.WORKER].max_s
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+class Charge(enum.Enum):
+    """Who pays for a dead worker's running requests."""
+
+    #: The oldest request ran alone: it alone is charged a retry; those behind it go back in line as they were.
+    HEAD = "head"
+    #: A batch ran: which request killed the worker is unknown, so the batch is split in two halves and nobody
+    #: is charged; halving finds a poison request in log2(size) deaths.
+    SPLIT = "split"
+
+
+@dataclass(frozen=True)
+class RequestOrder:
+    """The one order the pool gives the broker about the requests a dead worker held."""
+
+    charge: Charge
+    #: The slot failed for good: if no member of its model can serve any more, what waits is answered now.
+    slot_failed: bool
+
+    @property
+    def split(self) -> bool:
+        """The running batch is split in two halves, nobody charged (else the head alone is charged a retry)."""
+        return self.charge is Charge.SPLIT
 
 
 def same_error(one: str, other: str) -> bool:

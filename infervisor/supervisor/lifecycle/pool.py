@@ -4,11 +4,12 @@ The pool and the parts it holds alone create, spawn, kill, retire and move slots
 transitions. Its roster (infervisor/supervisor/lifecycle/roster.py) holds each model's members (the slots the
 broker routes to) and the slots outside them (successors warming up, old workers draining away); its
 rollout works the rolling-restart queue through its steps (rollout_steps.py); its stop sequence
-(stopping.py) stops everything in order. The worker inbox hands it what workers say of their lifecycle
-(READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke; it reads a worker's load through
-the broker's read-only view (busy, hung, a batch running). An exit is judged by lifecycle/exit_decision.py,
-whose verdict the pool applies and whose one order about the dead worker's requests the broker carries
-out. The monitors' findings reach it through core/responses.py.
+(stopping.py) stops everything in order; its exit reaper (exits.py) judges each exit by
+lifecycle/exit_decision.py and applies the verdict, whose one order about the dead worker's requests the
+broker carries out; its watchdog (watchdog.py) kills the stuck, reading a worker's load through the broker's
+read-only view (busy, hung, a batch running), and sends heartbeats. The worker inbox hands it what workers
+say of their lifecycle (READY, PROGRESS, LOAD_ERROR, drained), the worker links what broke. The monitors'
+findings reach it through core/responses.py.
 """
 
 from __future__ import annotations
@@ -19,30 +20,26 @@ import time
 import structlog
 
 from infervisor.protocol import worker_messages as wm
-from infervisor.protocol.constants import WorkerExitCode
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.background_build import BackgroundBuilds
-from infervisor.supervisor.lifecycle.exit_decision import BACKOFF_MAX_S, ExitFacts, decide_exit, same_error
+from infervisor.supervisor.lifecycle.exit_decision import BACKOFF_MAX_S, same_error
+from infervisor.supervisor.lifecycle.exits import ExitReaper
 from infervisor.supervisor.lifecycle.rollout import Replacement, Rollout
 from infervisor.supervisor.lifecycle.rollout_steps import RolloutSteps
 from infervisor.supervisor.lifecycle.roster import Roster
 from infervisor.supervisor.lifecycle.stopping import STOP_KILL_AFTER_S, StopSequence
+from infervisor.supervisor.lifecycle.watchdog import PROFILE_START_GRACE_S, Watchdog
 from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
 from infervisor.supervisor.settings.serving_config import ServingConfig
-from infervisor.supervisor.workers.launcher import ExitRecord, Launcher, launch_worker
-from infervisor.supervisor.workers.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from infervisor.supervisor.workers.launcher import Launcher, launch_worker
+from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
 log = structlog.get_logger("supervisor")
 
 __all__ = ["PROFILE_START_GRACE_S", "WorkerPool", "same_error"]
-
-#: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
-_EXITS_KEPT = 64
-#: How long after a `profile` command a worker is not killed as hung or silent: torch.profiler takes seconds to start.
-PROFILE_START_GRACE_S = 30.0
 
 
 class WorkerPool:
@@ -69,10 +66,10 @@ class WorkerPool:
         self.rollout = Rollout(self.restarts)
         self.steps = RolloutSteps(self.roster, serving, self.rollout, links, broker, self.spawn, self.retire)
         self.stop = StopSequence(self.roster, serving, self.rollout, links, broker)
-        #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
-        self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
-        #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
-        self.load_failures: collections.Counter[str] = collections.Counter()
+        #: Exits reaped and judged (exits.py); its `recent_exits` tell a new worker how the model's last ones ended.
+        self.exits = ExitReaper(self.roster, serving, links, broker, self.restarts)
+        #: Kills the stuck and sends heartbeats (watchdog.py).
+        self.watchdog = Watchdog(self.roster, serving, links, broker)
         #: Each model's background build; its workers serve first until it is done (background_build.py).
         self.builds = BackgroundBuilds(lambda: serving.current, self.roster.members_of, self.switch_to_pick)
         broker.route_to(self.roster.members_of)
@@ -86,9 +83,9 @@ class WorkerPool:
 
     def tick(self, now: float) -> None:
         """One reconcile step: reap exits, kill the stuck, heartbeat, then stop or roll out and manage."""
-        self.reap(now)
-        self.murder(now)
-        self.heartbeat(now)
+        self.exits.reap(now)
+        self.watchdog.murder(now)
+        self.watchdog.heartbeat(now)
         if self.stop.stopping:
             self.builds.stop_all("the daemon stops")
             self.stop.advance(now)
@@ -107,7 +104,7 @@ class WorkerPool:
                 slot.model,
                 slot.assignment,
                 config,
-                self.recent_exits.get(slot.model.name, ()),
+                self.exits.recent_exits.get(slot.model.name, ()),
                 ready_only=self.builds.serves_first(slot.model),
             )
         except OSError as exc:  # EAGAIN (pid limit), ENOMEM, EMFILE: the box is short of something
@@ -119,133 +116,6 @@ class WorkerPool:
         slot.adopt_process(launched, config.heartbeat_interval_ms / 1000.0, config.heartbeat_liveness, time.monotonic())
         slot.transition(SlotState.STARTING, f"spawned pid {launched.process.pid} on cpus {list(slot.assignment.cpus)}")
         self.links.attach(slot)
-
-    def reap(self, now: float) -> None:
-        """Collect exited workers: settle their state, then re-dispatch what they held."""
-        for slot in self.roster.all_slots():
-            if slot.proc.process is None or slot.state not in LIVE_STATES:
-                continue
-            code = slot.exit_code()
-            if code is not None:
-                self.on_exit(slot, code, now)
-
-    def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
-        """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
-        # First: its last words (a LOAD_ERROR written just before it exited) may still be in the link, unread when
-        # the exit is reaped; the exit's reason and the crash-loop verdict need them.
-        self.links.drain(slot)
-        how = describe_exit(code)
-        slot.end_descendants()
-        if code == WorkerExitCode.LOAD_FAILED:
-            self.load_failures[slot.model.name] += 1
-            if slot.proc.load_error:
-                # The worker's own words (what to declare, which file is missing) reach status, not only its log.
-                how = f"{how}: {slot.proc.load_error}"
-        # Status says why we killed it (which profile overran its build, which request hung), not only the signal.
-        proc = slot.proc
-        slot.notes.last_exit = f"{how} ({proc.kill_reason})" if proc.killed and proc.kill_reason else how
-        exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
-        pid = proc.process.pid if proc.process is not None else None
-        signal_number = -code if code < 0 else None
-        exits.append(
-            {
-                "pid": pid,
-                "how": how,
-                "signal": signal_number,
-                "killed_by_supervisor": proc.killed,
-                # The next worker of the model skips a profile whose build keeps overrunning (profiles/attempts.py).
-                "compile_overrun": proc.compile_overrun,
-            }
-        )
-        self.links.detach(slot)
-        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
-            log.warning("worker_exited", slot=slot.name, pid=pid, how=how)
-        facts = self.exit_facts(slot, code, how, now)
-        verdict = decide_exit(facts, self.serving.current)
-        if verdict.counts:
-            slot.record_failure(now)
-        if verdict.restart is not None:
-            self.restarts[(slot.model.name, verdict.restart)] += 1  # a FAILED slot is not restarted: the gauge shows it
-        if verdict.respawn_in is not None:
-            slot.respawn_at = now + verdict.respawn_in
-        slot.transition(verdict.state, verdict.why)
-        if verdict.state is SlotState.FAILED:
-            load_error = {"load_error": slot.notes.last_load_error} if facts.repeated_load_error else {}
-            log.error("worker_slot_failed", slot=slot.name, failures=verdict.failures, last_exit=how, **load_error)
-        # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
-        self.broker.worker_lost(slot, how, verdict.requests)
-
-    def exit_facts(self, slot: WorkerSlot, code: int, how: str, now: float) -> ExitFacts:
-        """What the exit decision reads of an ended process: its slot, its load error, and what it was running."""
-        proc = slot.proc
-        repeated = False
-        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
-            load_error = proc.load_error if code == WorkerExitCode.LOAD_FAILED else ""
-            repeated = bool(load_error) and same_error(load_error, slot.notes.last_load_error)
-            slot.notes.last_load_error = load_error
-        return ExitFacts(
-            state=slot.state,
-            code=code,
-            how=how,
-            cause=(proc.kill_cause if proc.killed else None) or RestartReason.CRASH,
-            repeated_load_error=repeated,
-            hung=proc.hung_request,
-            running=self.broker.load_of(slot).running_count(),
-            failures_before=slot.failures_within(now, self.serving.current.restart_window_s),
-        )
-
-    def murder(self, now: float) -> None:
-        """SIGKILL workers that stopped making progress: silent when idle, stuck on a request, or never ready."""
-        config = self.serving.current
-        for slot in self.roster.all_slots():
-            proc = slot.proc
-            if slot.state not in LIVE_STATES or proc.process is None:
-                continue
-            if proc.kill_at is not None and now >= proc.kill_at:
-                slot.kill("did not exit after STOP")
-            elif slot.state is SlotState.STARTING:
-                self.check_start(slot, now)
-            elif proc.profile_started_at is not None and now - proc.profile_started_at < PROFILE_START_GRACE_S:
-                continue  # starting torch.profiler (the `profile` command) blocks the worker for seconds
-            elif (load := self.broker.load_of(slot)).size:
-                # Only the head of the pipeline is running (one request, or one batch), so progress is measured
-                # from its start; its budget grows with its rows, since warm-up timed a batch of one.
-                rows = load.running_rows()
-                budget = max(config.hang_min_s, config.hang_factor * proc.expected_ms * rows / 1000.0)
-                if proc.profile_started_at is not None:
-                    # The grace is over: what waited behind the profiler's start is timed from its end.
-                    self.broker.hold_progress_until(slot, proc.profile_started_at + PROFILE_START_GRACE_S)
-                    proc.profile_started_at = None
-                hung = f"no reply within {budget:.1f} s (hung)"
-                if load.stalled_for(now) > budget and slot.kill(hung, RestartReason.HANG):
-                    proc.hung_request = True
-            elif slot.state is SlotState.SERVING and now - proc.last_heard > proc.heartbeat_s * proc.liveness:
-                slot.kill(f"no heartbeat for {now - proc.last_heard:.1f} s", RestartReason.HEARTBEAT)
-
-    def check_start(self, slot: WorkerSlot, now: float) -> None:
-        """Kill a starting worker past a limit: the start limit (loading, checking), the compile limit (builds)."""
-        config = self.serving.current
-        overrun = slot.proc.start.overrun(now, config.worker_start_timeout_s, config.compile_timeout_s)
-        if overrun is None or not slot.kill(overrun.reason, RestartReason.START_TIMEOUT):
-            return
-        if overrun.profile is not None:
-            slot.proc.compile_overrun = {"profile": overrun.profile, "limit_s": overrun.limit_s, "at": time.time()}
-        log.error(
-            "worker_start_overrun",
-            slot=slot.name,
-            pid=slot.pid,
-            phase=slot.proc.start.phase.value,
-            profile=overrun.profile,
-            limit_s=overrun.limit_s,
-            reason=overrun.reason,
-        )
-
-    def heartbeat(self, now: float) -> None:
-        """Send in-band heartbeats to connected workers, each at the interval it was launched with."""
-        for slot in self.roster.all_slots():
-            if slot.state in (SlotState.SERVING, SlotState.DRAINING) and now >= slot.proc.next_heartbeat:
-                slot.proc.next_heartbeat = now + slot.proc.heartbeat_s
-                self.links.send_control(slot, wm.Heartbeat())
 
     def manage(self, now: float) -> None:
         """Reconcile toward the desired pools: respawn members whose back-off has elapsed, forget retired slots."""
@@ -374,7 +244,7 @@ class WorkerPool:
         queued = 0
         for name, slots in self.roster.members.items():
             if model is None or name == model:
-                for ended in self.recent_exits.get(name, ()) if forget_overruns else ():
+                for ended in self.exits.recent_exits.get(name, ()) if forget_overruns else ():
                     ended["compile_overrun"] = None
                 for slot in slots:
                     self.rollout.enqueue(Replacement(slot, slot.model, slot.assignment, reason, cause))
@@ -421,4 +291,4 @@ class WorkerPool:
                     self.rollout.enqueue(Replacement(slot, model, assignment, f"config: {why}", RestartReason.CONFIG))
         self.broker.sync_queues()
         for name in self.roster.members:
-            self.broker.dispatch(name)
+            self.broker.dispatcher.dispatch(name)

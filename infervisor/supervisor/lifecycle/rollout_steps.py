@@ -104,7 +104,7 @@ class RolloutSteps:
         self.roster.extra.remove(successor)
         pool[pool.index(old)] = successor
         self.retire(old, f"replaced ({reason})")
-        self.broker.dispatch(successor.model.name)
+        self.broker.dispatcher.dispatch(successor.model.name)
         return True
 
     def abandon(self, successor: WorkerSlot, reason: str) -> None:

@@ -96,7 +96,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
                 config=model,
                 report=reports[name],
                 load_error=errors.get(name),
-                load_failures=pool.load_failures[name],
+                load_failures=pool.exits.load_failures[name],
                 fallback=fallbacks.status(name, model) if fallbacks is not None else None,
                 config_state=state,
                 config_error=error,

@@ -5,7 +5,8 @@ The broker never blocks: every send is NOBLOCK (or queued in a link's outbox), s
 stops reading or a worker that vanished costs a counted drop (or a re-dispatch), never a stalled
 loop. It never changes a slot's state or kills a process either: a link it finds closed it reports
 to the worker links (whose listener, the pool, replaces the worker), and it tells the worker inbox
-when a draining worker holds nothing any more. What goes to a worker, and when, the batcher decides.
+when a draining worker holds nothing any more. Which worker gets what waits, and when, its dispatcher
+(dispatcher.py) and the batcher decide.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -26,15 +27,13 @@ from infervisor.protocol.sockets import NOBLOCK, more_to_read, recv_frames
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.host.event_loop import CLIENTS, EventLoop
 from infervisor.supervisor.instruments.anomalies import Anomalies
-from infervisor.supervisor.routing import batcher
 from infervisor.supervisor.routing.admission import Refused, SpecServed, admit
-from infervisor.supervisor.routing.client_ledger import ClientLedger
-from infervisor.supervisor.routing.connections import Connections
+from infervisor.supervisor.routing.dispatcher import Dispatcher, Members
 from infervisor.supervisor.routing.endpoints import ClientEndpoints
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.peer_credentials import peer_owner, peer_reader
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
-from infervisor.supervisor.routing.pipeline import Charge, Pipelines, PipelineView, RequestOrder
+from infervisor.supervisor.routing.pipeline import Pipelines, PipelineView
 from infervisor.supervisor.routing.replies import Replies
 from infervisor.supervisor.routing.streams import Streams
 from infervisor.supervisor.settings.model_entry import ModelConfig
@@ -52,22 +51,20 @@ _BATCH = 256
 _SERVING = (SlotState.SERVING,)
 _ALIVE = (SlotState.SERVING, SlotState.STARTING, SlotState.BACKOFF)
 
-#: The workers a model routes to (the pool's members; None once the model left the config).
-Members = Callable[[str], Sequence[WorkerSlot] | None]
 #: Offered every successful answer (slot, request, the worker's result frames): the live audit's sampler.
 AuditTap = Callable[[WorkerSlot, PendingRequest, list[Any]], None]
 
 
-def _encode_dispatch(requests: list[PendingRequest], now: float) -> list[Any]:
-    """One worker message for requests run as one forward pass: a lone REQUEST, or a BATCH of them."""
-    encoded: list[Any] = []
-    for request in requests:
-        queue_ms = (now - request.accepted_at) * 1000.0
-        message = wm.Request(request.internal_id, request.deadline, request.accepted_at, queue_ms, request.reader)
-        encoded += wm.encode(message, request.frames)
-    if len(requests) == 1:
-        return encoded
-    return wm.encode(wm.Batch([len(r.frames) + 1 for r in requests]), encoded)
+class LostWork(Protocol):
+    """What the broker reads of the exit decision's order on a dead worker's requests (exit_decision.RequestOrder)."""
+
+    @property
+    def split(self) -> bool:
+        """The running batch is split in two halves, nobody charged; else the head alone is charged a retry."""
+
+    @property
+    def slot_failed(self) -> bool:
+        """The slot failed for good: if no member of its model can serve any more, what waits is answered now."""
 
 
 def _has_capacity(slots: Sequence[WorkerSlot] | None) -> bool:
@@ -123,6 +120,8 @@ class Broker:
         links: WorkerLinks,
         serving: ServingConfig,
         anomalies: Anomalies,
+        replies: Replies,
+        streams: Streams,
     ) -> None:
         self.endpoints = endpoints
         self.links = links
@@ -130,34 +129,31 @@ class Broker:
         self.anomalies = anomalies
         for client_socket in endpoints.sockets:
             loop.register(client_socket, CLIENTS, functools.partial(self.handle_clients, client_socket))
-        self.ledger = ClientLedger(
-            anomalies, serving.current.client_budget_mb * 2**20, serving.current.clients_budget_mb * 2**20
-        )
+        #: Sends every final reply; an accepted request's through `streams` (client_replies, wired by assembly).
+        self.replies = replies
+        self.ledger = replies.ledger
         #: False once the daemon stops: new requests are refused SHUTTING_DOWN.
         self.accepting = True
         #: The workers each model routes to: asked of the pool, changed only by the pool.
         self.members_of: Members = lambda model: None
         #: A rollout's new inputs are admitted once a worker built with them serves.
         self.spec_served: SpecServed = lambda model, spec: _has_spec(self.members_of(model), spec, _SERVING)
-        self.queues: dict[str, ModelQueue] = {}
+        #: Each model's line and counters; queue wait, service and total time of every successful request, per model
+        #: (instruments/recorders.py).
+        self.queues: dict[str, ModelQueue] = replies.queues
         #: Requests refused before they named a served model (malformed, wrong version, unknown model), per code.
-        self.refused: collections.Counter[str] = collections.Counter()
-        #: Queue wait, service and total time of every successful request, per model (instruments/recorders.py).
-        self.replies = Replies(self.ledger, self.queues, self.refused, Connections(endpoints.sockets))
+        self.refused: collections.Counter[str] = replies.refused
         # Read as they come too, not only before a reply: libzmq blocks its I/O thread on a full monitor.
         for monitor in self.replies.connections.monitor_sockets:
             loop.register(monitor, CLIENTS, lambda flags: self.replies.forget_departed())
-        #: Streams of stateful models: their committed state, and their steps waiting their turn (streams.py).
-        self.streams = Streams(self.queues, self.replies.finish)
-        self.replies.streams = self.streams
+        #: Streams of stateful models: their committed state, their steps waiting their turn (streams.py); every
+        #: final reply of an accepted request passes through it (a step's commits its stream's state).
+        self.streams = streams
         #: What each worker process holds; the pool reads it through `load_of`.
         self.pipelines = Pipelines()
         self.next_id = 1
-        #: While the CPU throttles, route to half of each model's workers only (less heat, same answers).
-        self.shed = False
-        #: Models whose head request waits for batch companions, and until when.
-        self.batch_due: dict[str, float] = {}
-        self.batches_sent = 0
+        #: Hands each model's line to its workers with room (dispatcher.py).
+        self.dispatcher = Dispatcher(self.queues, serving, links, self.pipelines, streams.fail)
         #: The live audit's sampler (monitors/audit.py: AuditWatch.offer), wired by core/assembly.py.
         self.audit_tap: AuditTap = lambda slot, request, frames: None
         self.sync_queues()
@@ -168,11 +164,11 @@ class Broker:
 
     def shed_load(self, shed: bool) -> None:
         """While the CPU throttles, route to half of each model's workers only (core/responses.py decides)."""
-        self.shed = shed
+        self.dispatcher.shed = shed
 
     def route_to(self, members_of: Members) -> None:
         """Route each model's requests to the workers `members_of` names (the pool's, kept current by the pool)."""
-        self.members_of = members_of
+        self.members_of = self.dispatcher.members_of = members_of
 
     def sync_queues(self) -> None:
         """One queue per model of the serving config, sized as configured now (and the clients' budget).
@@ -274,7 +270,7 @@ class Broker:
                 self.anomalies.count(refused.anomaly, refused.message)
                 self.replies.refuse(client, request_id, name, refused.code, refused.message)
                 return
-            self.streams.dispatch_released(self.dispatch)
+            self.streams.dispatch_released(self.dispatcher.dispatch)
             return
         if len(queue.waiting) >= queue.capacity:
             why = f"queue of {name!r} is full ({queue.capacity})"
@@ -282,123 +278,23 @@ class Broker:
             return
         self.ledger.take(client, cost)
         queue.waiting.append(pending)
-        self.dispatch(name)
-
-    def pick_worker(self, config: ModelConfig, spec: tuple[TensorSpec, ...] | None) -> WorkerSlot | None:
-        """The least loaded serving worker of the model with room in its pipeline; ties go to the most recently busy.
-
-        Most recently busy, not longest idle: that worker's core is awake and its caches hold the
-        model, so at low load one warm worker answers sooner than a rotation through cold ones
-        (tiny model, 1 client: 0.31 ms round trip on one worker, 0.38 ms alternating between two).
-        Under load every worker is busy anyway.
-        """
-        best: WorkerSlot | None = None
-        best_key = (0, 0.0)
-        slots = self.members_of(config.name) or ()
-        if self.shed:  # half of the workers that can serve, so shedding never routes to a dead one
-            serving = [s for s in slots if s.state is SlotState.SERVING]
-            slots = serving[: (len(serving) + 1) // 2]
-        batched = config.batching is not None
-        for slot in slots:
-            if slot.state is not SlotState.SERVING or slot.proc.link is None or not slot.proc.link.sendable:
-                continue
-            if spec is not None and slot.model.inputs != spec:
-                continue
-            pipeline = self.pipelines.of(slot)
-            held = len(pipeline.held)
-            batches = pipeline.batches() if held and batched else 0
-            if not batcher.has_room(config.batching, config.prefetch, held, batches):
-                continue
-            key = (held, -pipeline.progress_at)
-            if best is None or key < best_key:
-                best, best_key = slot, key
-        return best
-
-    def dispatch(self, model: str) -> None:
-        """Hand the model's line to its workers with room, oldest first, as the batcher decides."""
-        queue = self.queues.get(model)
-        config = self.serving.model(model)
-        if queue is None or config is None:
-            return
-        waiting = queue.waiting
-        while waiting:
-            slot = self.pick_worker(config, waiting[0].spec)
-            if slot is None:
-                return
-            now = time.monotonic()
-            self.batch_due.pop(model, None)
-            busy = bool(self.pipelines.of(slot).held)
-            decision = batcher.decide(waiting, config.batching, now, lambda: self.line_share(model), worker_busy=busy)
-            if decision.wait_until is not None:
-                self.batch_due[model] = decision.wait_until
-                return
-            # A worker found gone is no longer picked (its link is closed): the next one is tried.
-            self.send_batch(slot, decision.batch, now, config.batching is not None)
-
-    def line_share(self, model: str) -> int | None:
-        """The batcher's cap on the next batch of `model`, from how busy its workers are (batcher.share_of_line)."""
-        slots = self.members_of(model) or ()
-        serving = [slot for slot in slots if slot.state is SlotState.SERVING]
-        held = [self.pipelines.of(slot).size for slot in serving]
-        idle = sum(
-            1 for slot, n in zip(serving, held, strict=True) if not n and slot.proc.link and slot.proc.link.sendable
-        )
-        return batcher.share_of_line(len(self.queues[model].waiting), idle, held)
-
-    def dispatch_due(self, now: float) -> None:
-        """Send the batches whose oldest request has waited its model's `max_queue_delay_us`."""
-        for model in [m for m, due in self.batch_due.items() if batcher.is_due(due, now)]:
-            self.dispatch(model)
-
-    @property
-    def next_batch_due(self) -> float | None:
-        """When the earliest waiting batch must go, if any waits."""
-        return min(self.batch_due.values(), default=None)
-
-    def send_batch(self, slot: WorkerSlot, batch: list[PendingRequest], now: float, batched: bool) -> None:
-        """Send requests to one worker as one forward pass (a lone one as itself); each keeps its id, deadline, reply.
-
-        If the worker is unreachable, they go back first in line and the link is reported lost.
-        """
-        live = []
-        for request in batch:
-            if request.expired(now):
-                self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
-            else:
-                live.append(request)
-        if not live:
-            return
-        queue = self.queues[live[0].model]
-        if batched:
-            queue.batch_sizes[sum(r.rows for r in live)] += 1
-            queue.batch_wait_ms.extend((now - request.accepted_at) * 1000.0 for request in live)
-        frames = _encode_dispatch(live, now)
-        if not self.links.send(slot, frames):
-            # Its process is gone or going; the pool settles the slot. The requests keep their place.
-            queue.waiting.extendleft(reversed(live))
-            self.links.lost(slot, "worker link closed")
-            return
-        if len(live) > 1:
-            self.batches_sent += 1
-            for request in live:
-                request.batch_id = self.batches_sent
-        self.pipelines.add(slot, live, time.monotonic())
+        self.dispatcher.dispatch(name)
 
     # ---- workers lost -----------------------------------------------------------------------
 
-    def worker_lost(self, slot: WorkerSlot, reason: str, order: RequestOrder) -> None:
+    def worker_lost(self, slot: WorkerSlot, reason: str, order: LostWork) -> None:
         """Carry out the pool's order on what a dead or hung worker held: re-dispatch it (oldest first in line),
         or give up after max_retries; if the slot failed and the model has no slot left, answer what waits.
 
         A worker serves its pipeline in order, so only the head was running when it died: the one request
-        charged a retry (`Charge.HEAD`), or the batch split in two halves, nobody charged (`Charge.SPLIT`).
+        charged a retry, or the batch split in two halves, nobody charged (`order.split`).
         The ones waiting behind it go back in line as they were; a request that lost more than `max_retries`
         workers is answered WORKER_LOST.
         """
         model = self.serving.model(slot.model.name) or slot.model
         running = self.pipelines.of(slot).running()
         held = self.pipelines.take_all(slot)
-        split = order.charge is Charge.SPLIT
+        split = order.split
         if split:
             half = (len(running) + 1) // 2
             for index, request in enumerate(running):
@@ -418,10 +314,10 @@ class Broker:
                     losses=request.losses,
                 )
                 why = f"request {request.request_id!r} lost {request.losses} workers ({reason}); not retried again"
-                self.replies.fail(request, ErrorCode.WORKER_LOST, why)
+                self.streams.fail(request, ErrorCode.WORKER_LOST, why)
             elif queue is None:
                 why = f"model {request.model!r} was removed from the config"
-                self.replies.fail(request, ErrorCode.UNKNOWN_MODEL, why)
+                self.streams.fail(request, ErrorCode.UNKNOWN_MODEL, why)
             else:
                 log.warning(
                     "request_redispatched",
@@ -432,10 +328,10 @@ class Broker:
                 )
                 queue.waiting.appendleft(request)
                 self.streams.requeued(request)  # streams.py: counted as resumed; its state was never committed
-        self.dispatch(slot.model.name)
+        self.dispatcher.dispatch(slot.model.name)
         if order.slot_failed and not _has_capacity(self.members_of(slot.model.name)):
             self.fail_queued(slot.model.name, ErrorCode.UNAVAILABLE, "every worker slot of the model failed")
-        self.streams.dispatch_released(self.dispatch)
+        self.streams.dispatch_released(self.dispatcher.dispatch)
 
     def expire(self, now: float) -> None:
         """Answer queued requests whose deadline passed, or whose spec no worker of the model has any more.
@@ -452,21 +348,21 @@ class Broker:
             keep: collections.deque[PendingRequest] = collections.deque()
             for request in queue.waiting:
                 if request.expired(now):
-                    self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+                    self.streams.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
                 elif request.spec in gone:
                     # A rollout of new inputs was rolled back, or finished: nothing can run this request's spec.
                     why = "the model no longer serves the inputs spec that admitted this request"
-                    self.replies.fail(request, ErrorCode.UNAVAILABLE, why)
+                    self.streams.fail(request, ErrorCode.UNAVAILABLE, why)
                 else:
                     keep.append(request)
             queue.waiting = keep
-        self.streams.dispatch_released(self.dispatch)
+        self.streams.dispatch_released(self.dispatcher.dispatch)
 
     def fail_queued(self, model: str, code: ErrorCode, message: str) -> None:
         """Answer every queued request of one model with `code`."""
         queue = self.queues.get(model)
         while queue is not None and queue.waiting:
-            self.replies.fail(queue.waiting.popleft(), code, message)
+            self.streams.fail(queue.waiting.popleft(), code, message)
 
     def fail_all(self, code: ErrorCode, message: str, slots: Sequence[WorkerSlot]) -> None:
         """Answer every queued request, and every request these workers hold, with `code` (end of a bounded stop)."""
@@ -475,14 +371,14 @@ class Broker:
             self.fail_queued(model, code, message)
         for slot in slots:
             for request in self.pipelines.take_all(slot):
-                self.replies.fail(request, code, message)
+                self.streams.fail(request, code, message)
 
     # ---- what workers sent (handed here by the worker inbox) ----------------------------------
 
     def worker_ready(self, slot: WorkerSlot) -> None:
         """A worker became ready: open its pipeline and give it what waits."""
         self.pipelines.open(slot, time.monotonic())
-        self.dispatch(slot.model.name)
+        self.dispatcher.dispatch(slot.model.name)
 
     def on_reply(self, slot: WorkerSlot, reply: wm.Reply | None, frames: list[Any], why: str = "") -> bool:
         """Forward a worker's answer to the client that asked, exactly once; True when a draining worker is now empty.
@@ -498,13 +394,13 @@ class Broker:
                 self.anomalies.count("reply_stale")
             return False
         if reply is None:
-            self.replies.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {why}")
+            self.streams.fail(request, ErrorCode.INTERNAL, f"the worker sent a malformed reply: {why}")
         else:
             self.answer(slot, request, reply, frames, now)
-        self.streams.dispatch_released(self.dispatch)
+        self.streams.dispatch_released(self.dispatcher.dispatch)
         if slot.state is SlotState.DRAINING:
             return not pipeline.held
-        self.dispatch(slot.model.name)
+        self.dispatcher.dispatch(slot.model.name)
         return False
 
     def answer(self, slot: WorkerSlot, request: PendingRequest, reply: wm.Reply, frames: list[Any], now: float) -> None:
@@ -514,19 +410,19 @@ class Broker:
         slot.proc.requests += 1
         if reply.error_code is not None:  # errors are fast and would fake a baseline
             code = ErrorCode(reply.error_code) if reply.error_code in ErrorCode.__members__ else ErrorCode.INTERNAL
-            self.replies.fail(request, code, reply.message)
+            self.streams.fail(request, code, reply.message)
             return
         slot.proc.latencies_ms.append(service_ms)
         if not frames:
             self.anomalies.count("worker_message_malformed", f"{slot.name}: a successful reply without a result header")
-            self.replies.fail(request, ErrorCode.INTERNAL, "the worker sent a reply without a result header")
+            self.streams.fail(request, ErrorCode.INTERNAL, "the worker sent a reply without a result header")
         elif request.expired(now):
             # The client asked for no answer after its deadline; a late result would be one.
-            self.replies.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
+            self.streams.fail(request, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model ran")
         else:
             # The worker wrote the client's result header itself: forwarded as is, never re-encoded.
             self.audit_tap(slot, request, frames)
-            self.replies.finish(request, None, frames[0], frames[1:])
+            self.streams.finish(request, None, frames[0], frames[1:])
 
     def close(self) -> None:
         """Close the client sockets (the pool closes worker links as it stops their processes)."""

@@ -7,31 +7,11 @@ runs, since when, was a batch running when it died); the broker alone changes it
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.workers.slot import WorkerSlot
-
-
-class Charge(enum.Enum):
-    """Who pays for a dead worker's running requests."""
-
-    #: The oldest request ran alone: it alone is charged a retry; those behind it go back in line as they were.
-    HEAD = "head"
-    #: A batch ran: which request killed the worker is unknown, so the batch is split in two halves and nobody
-    #: is charged; halving finds a poison request in log2(size) deaths.
-    SPLIT = "split"
-
-
-@dataclass(frozen=True)
-class RequestOrder:
-    """The one order the pool gives the broker about the requests a dead worker held."""
-
-    charge: Charge
-    #: The slot failed for good: if no member of its model can serve any more, what waits is answered now.
-    slot_failed: bool
 
 
 class PipelineView(Protocol):

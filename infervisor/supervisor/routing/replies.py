@@ -1,29 +1,25 @@
-"""The one final reply every request gets, counted once where it belongs (its model's queue, or refused)."""
+"""The one final reply every request gets, counted once where it belongs (its model's queue, or refused).
+
+An accepted request's reply comes here through the streams' stage (streams.py: `Streams.finish`), which commits
+a stream step's state first; these replies know nothing of streams.
+"""
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Protocol
+from typing import Any
+
+import zmq
 
 from infervisor.protocol.client_messages import RequestId, encode_error
 from infervisor.protocol.constants import ErrorCode
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.routing.client_ledger import ClientLedger
 from infervisor.supervisor.routing.connections import Connection, Connections
 from infervisor.supervisor.routing.model_queue import ModelQueue
 from infervisor.supervisor.routing.pending import Peer, PendingRequest
-
-
-class StepSettler(Protocol):
-    """What a stream step's final reply passes through (routing/streams.py: Streams)."""
-
-    def settle(
-        self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]
-    ) -> tuple[ErrorCode | None, Any, list[Any]]:
-        """Commit the state a result returns; the reply the client gets instead."""
-
-    def after_reply(self, request: PendingRequest) -> None:
-        """The reply went: the stream's next step may go."""
+from infervisor.supervisor.settings.serving_config import ServingConfig
 
 
 class Replies:
@@ -40,8 +36,6 @@ class Replies:
         self.connections = connections
         self.queues = queues
         self.refused = refused
-        #: Where a stream step's reply commits its state before it goes (routing/streams.py; set by the broker).
-        self.streams: StepSettler | None = None
 
     def error(self, client: Peer, request_id: RequestId | None, code: ErrorCode, message: str) -> None:
         """Send an error reply to a client connection (counted by the caller)."""
@@ -68,9 +62,6 @@ class Replies:
 
     def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
         """Send the one final reply of an accepted request, give back its budget, and count it."""
-        streams = self.streams if request.step is not None else None
-        if streams is not None:  # a stream step: its state is committed, the client gets the other outputs
-            code, header, frames = streams.settle(request, code, header, frames)
         queue = self.queues.get(request.model)  # None once a reload removed the model
         if queue is not None and code is None:
             queue.times.request_done(request.accepted_at, request.dispatched_at, time.monotonic())
@@ -83,15 +74,16 @@ class Replies:
             self.ledger.anomalies.count("reply_undeliverable", "the client disconnected before its reply")
         else:
             self.ledger.send(request.client, [header, *frames])
-        if streams is not None:  # only now, so the stream's next reply goes after this one
-            streams.after_reply(request)
-
-    def fail(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
-        """Finish an accepted request with an error."""
-        self.finish(request, code, encode_error(request.request_id, code, message), [])
 
     def flush(self) -> None:
         """Send replies that waited for room at their clients."""
         if self.ledger.waiting:
             self.forget_departed()
             self.ledger.flush()
+
+
+def client_replies(sockets: list[zmq.Socket[Any]], serving: ServingConfig, anomalies: Anomalies) -> Replies:
+    """The replies of the daemon's client sockets: a ledger within the configured budgets, no model's queue yet."""
+    current = serving.current
+    ledger = ClientLedger(anomalies, current.client_budget_mb * 2**20, current.clients_budget_mb * 2**20)
+    return Replies(ledger, {}, collections.Counter(), Connections(sockets))

@@ -95,8 +95,8 @@ def peer_bytes_share(model: ModelConfig, share: int) -> int:
     return model.max_state_bytes * share // model.max_streams
 
 
-#: Sends a stream's reply: (the request, its code or None, header, frames) through the broker's replies.
-Finish = Callable[[PendingRequest, ErrorCode | None, Any, list[Any]], None]
+#: Sends an accepted request's final reply (the request, its code or None, header, frames): `Replies.finish`.
+Send = Callable[[PendingRequest, ErrorCode | None, Any, list[Any]], None]
 
 
 def state_descs(pairs: tuple[StateSpec, ...]) -> tuple[TensorDesc, ...]:
@@ -117,11 +117,16 @@ def _pairs_change(old: tuple[StateSpec, ...], new: tuple[StateSpec, ...]) -> str
 
 
 class Streams:
-    """Every stateful model's stream table; the broker hands it stream requests and their final replies."""
+    """Every stateful model's stream table, and the stage every accepted request's final reply passes on its way out.
 
-    def __init__(self, queues: dict[str, ModelQueue], finish: Finish) -> None:
+    The broker hands it stream requests, and every final reply of a request it accepted; a step's reply commits
+    its stream's state here before `send` (the broker's replies, given at assembly) takes it to the client, and
+    the stream's next step goes after it. Nothing flows back: the replies know nothing of streams.
+    """
+
+    def __init__(self, queues: dict[str, ModelQueue], send: Send) -> None:
         self.queues = queues
-        self.finish = finish
+        self.send = send
         self.tables: dict[str, StreamTable] = {}
         #: Models whose queue got a released step since the broker last dispatched them.
         self.released: set[str] = set()
@@ -288,7 +293,7 @@ class Streams:
             stream.in_flight = pending
             queue = self.queues.get(pending.model)
             if queue is None:
-                self.finish_error(pending, ErrorCode.UNKNOWN_MODEL, f"model {pending.model!r} was removed")
+                self.fail(pending, ErrorCode.UNKNOWN_MODEL, f"model {pending.model!r} was removed")
                 continue
             queue.waiting.append(pending)
             self.released.add(pending.model)
@@ -298,21 +303,33 @@ class Streams:
         while self.released:
             dispatch(self.released.pop())
 
-    def settle(
-        self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]
+    def finish(self, request: PendingRequest, code: ErrorCode | None, header: Any, frames: list[Any]) -> None:
+        """Send the one final reply of an accepted request; a stream step's through its stream (see `_settle`)."""
+        step = request.step
+        if step is None:
+            self.send(request, code, header, frames)
+            return
+        code, header, frames = self._settle(request, step, code, header, frames)
+        self.send(request, code, header, frames)
+        if not step.stream.closed:  # only now, so the stream's next reply goes after this one
+            self.release_next(step.stream)
+
+    def fail(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
+        """Finish an accepted request with an error."""
+        self.finish(request, code, encode_error(request.request_id, code, message), [])
+
+    def _settle(
+        self, request: PendingRequest, step: StreamStep, code: ErrorCode | None, header: Any, frames: list[Any]
     ) -> tuple[ErrorCode | None, Any, list[Any]]:
         """A step's final reply is about to go: commit the state it returned, and answer the client's outputs.
 
         Only the stream's step in flight commits, and only a result does: an error leaves the state as it was.
         """
-        step = request.step
-        if step is None:
-            return code, header, frames
         stream = step.stream
         table = self.table(stream.model)
         if code is None and step.inputs:
             try:
-                code, header, frames = self._commit(request, step, header, frames)
+                code, header, frames = _commit(request, step, header, frames)
             except ProtocolError as exc:
                 code, header, frames = exc.code, encode_error(request.request_id, exc.code, exc.message), []
         if stream.in_flight is request:
@@ -321,53 +338,6 @@ class Streams:
         if step.end and not stream.closed:
             self._end(table, stream, ErrorCode.UNKNOWN_STREAM, "the client ended it")
         return code, header, frames
-
-    def _commit(
-        self, request: PendingRequest, step: StreamStep, header: Any, frames: list[Any]
-    ) -> tuple[ErrorCode | None, Any, list[Any]]:
-        """Take the state out of a worker's result: commit it, and the header the client gets.
-
-        The worker wrote the header (and the worker link checked its frames), so it is read as a plain map:
-        a full descriptor check would cost four times the decode, on every step.
-        """
-        stream = step.stream
-        raw = unpack(getattr(header, "buffer", header))
-        outputs = raw.get("outputs") if isinstance(raw, dict) else None
-        if not isinstance(outputs, list) or len(outputs) != len(frames):
-            raise ProtocolError(ErrorCode.INTERNAL, "the worker's result header does not describe its frames")
-        position = {entry.get("name"): i for i, entry in enumerate(outputs) if isinstance(entry, dict)}
-        new_state: list[bytes] = []
-        for pair, nbytes in zip(stream.pairs, _state_sizes(stream.pairs), strict=True):
-            index = position.get(pair.output)
-            entry = outputs[index] if index is not None else None
-            shape = [1, *pair.shape]
-            if not isinstance(entry, dict) or entry.get("dtype") != pair.dtype or entry.get("shape") != shape:
-                got = "nothing" if entry is None else f"{entry.get('dtype')}{entry.get('shape')}"
-                why = f"the model returned {got} as state output {pair.output!r}, not {pair.dtype}{shape}"
-                raise ProtocolError(ErrorCode.INTERNAL, why)
-            frame = frames[position[pair.output]]
-            if len(frame) != nbytes:
-                raise ProtocolError(ErrorCode.INTERNAL, f"state output {pair.output!r} is not {nbytes} bytes")
-            new_state.append(frame.bytes if hasattr(frame, "bytes") else bytes(frame))
-        if stream.in_flight is request and not stream.closed:
-            stream.state = new_state
-        if step.return_state:
-            raw["state"] = [pair.output for pair in stream.pairs]
-            return None, pack(raw), frames
-        names = {pair.output for pair in stream.pairs}
-        keep = [i for i, entry in enumerate(outputs) if not (isinstance(entry, dict) and entry.get("name") in names)]
-        raw["outputs"] = [outputs[i] for i in keep]
-        return None, pack(raw), [frames[i] for i in keep]
-
-    def finish_error(self, request: PendingRequest, code: ErrorCode, message: str) -> None:
-        """End one stream request with an error (through the broker's replies, which settles it)."""
-        self.finish(request, code, encode_error(request.request_id, code, message), [])
-
-    def after_reply(self, request: PendingRequest) -> None:
-        """A step's reply went: the stream's next step may go."""
-        step = request.step
-        if step is not None and not step.stream.closed:
-            self.release_next(step.stream)
 
     def requeued(self, request: PendingRequest) -> None:
         """A stream step goes back in line after its worker was lost: it re-runs from the same committed state."""
@@ -381,7 +351,7 @@ class Streams:
         stream.closed = True
         table.forget(stream, code, why)
         while stream.backlog:
-            self.finish_error(stream.backlog.popleft(), code, f"stream {stream.key[2]!r} ended: {why}")
+            self.fail(stream.backlog.popleft(), code, f"stream {stream.key[2]!r} ended: {why}")
 
     def upkeep(self, now: float, desired: Callable[[str], ModelConfig | None]) -> None:
         """Drop idle streams and answer their waiting steps past their deadline (and catch up on config changes).
@@ -396,7 +366,7 @@ class Streams:
             config = desired(name)
             for stream in list(table.streams.values()):
                 self._expire_waiting(stream, now)
-                if config is not None and self._idle(stream, now, config.stream_idle_s):
+                if config is not None and _idle(stream, now, config.stream_idle_s):
                     table.expired += 1
                     why = f"it expired after {config.stream_idle_s:g} s without a step (stream_idle_s)"
                     self._end(table, stream, ErrorCode.UNKNOWN_STREAM, why)
@@ -444,17 +414,13 @@ class Streams:
             stream.backlog = collections.deque(pending for pending in stream.backlog if not pending.expired(now))
             for pending in late:
                 why = "deadline passed while waiting behind its stream's step in flight"
-                self.finish_error(pending, ErrorCode.DEADLINE_EXCEEDED, why)
-
-    @staticmethod
-    def _idle(stream: OpenStream, now: float, limit_s: float) -> bool:
-        return stream.in_flight is None and not stream.backlog and now - stream.last_active > limit_s
+                self.fail(pending, ErrorCode.DEADLINE_EXCEEDED, why)
 
     def fail_waiting(self, code: ErrorCode, message: str) -> None:
         """Answer every step waiting in a stream backlog (the daemon stops)."""
         for stream in self.open_streams():
             while stream.backlog:
-                self.finish_error(stream.backlog.popleft(), code, message)
+                self.fail(stream.backlog.popleft(), code, message)
 
     def open_streams(self) -> Iterator[OpenStream]:
         """Every open stream of every model."""
@@ -478,3 +444,45 @@ def _bare_timing(accepted_at: float, answered_at: float) -> dict[str, float]:
 
 def _refusal(code: ErrorCode, why: str, request: InferRequest, anomaly: str | None = None) -> Refused:
     return Refused(code, why, request.request_id, request.model, anomaly or f"rejected_{code.value}")
+
+
+def _idle(stream: OpenStream, now: float, limit_s: float) -> bool:
+    return stream.in_flight is None and not stream.backlog and now - stream.last_active > limit_s
+
+
+def _commit(
+    request: PendingRequest, step: StreamStep, header: Any, frames: list[Any]
+) -> tuple[ErrorCode | None, Any, list[Any]]:
+    """Take the state out of a worker's result: commit it, and the header the client gets.
+
+    The worker wrote the header (and the worker link checked its frames), so it is read as a plain map:
+    a full descriptor check would cost four times the decode, on every step.
+    """
+    stream = step.stream
+    raw = unpack(getattr(header, "buffer", header))
+    outputs = raw.get("outputs") if isinstance(raw, dict) else None
+    if not isinstance(outputs, list) or len(outputs) != len(frames):
+        raise ProtocolError(ErrorCode.INTERNAL, "the worker's result header does not describe its frames")
+    position = {entry.get("name"): i for i, entry in enumerate(outputs) if isinstance(entry, dict)}
+    new_state: list[bytes] = []
+    for pair, nbytes in zip(stream.pairs, _state_sizes(stream.pairs), strict=True):
+        index = position.get(pair.output)
+        entry = outputs[index] if index is not None else None
+        shape = [1, *pair.shape]
+        if not isinstance(entry, dict) or entry.get("dtype") != pair.dtype or entry.get("shape") != shape:
+            got = "nothing" if entry is None else f"{entry.get('dtype')}{entry.get('shape')}"
+            why = f"the model returned {got} as state output {pair.output!r}, not {pair.dtype}{shape}"
+            raise ProtocolError(ErrorCode.INTERNAL, why)
+        frame = frames[position[pair.output]]
+        if len(frame) != nbytes:
+            raise ProtocolError(ErrorCode.INTERNAL, f"state output {pair.output!r} is not {nbytes} bytes")
+        new_state.append(frame.bytes if hasattr(frame, "bytes") else bytes(frame))
+    if stream.in_flight is request and not stream.closed:
+        stream.state = new_state
+    if step.return_state:
+        raw["state"] = [pair.output for pair in stream.pairs]
+        return None, pack(raw), frames
+    names = {pair.output for pair in stream.pairs}
+    keep = [i for i, entry in enumerate(outputs) if not (isinstance(entry, dict) and entry.get("name") in names)]
+    raw["outputs"] = [outputs[i] for i in keep]
+    return None, pack(raw), [frames[i] for i in keep]

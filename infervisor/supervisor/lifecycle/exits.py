@@ -1,0 +1,121 @@
+"""Reaping worker exits: each ended process's last words read, its exit judged by `decide_exit`, the verdict applied.
+
+The verdict's one order about the dead worker's requests goes to the broker (`worker_lost`), only once the slot
+no longer serves, so none of them is routed back to it.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import structlog
+
+from infervisor.protocol.constants import WorkerExitCode
+from infervisor.supervisor.lifecycle.exit_decision import ExitFacts, decide_exit, same_error
+from infervisor.supervisor.lifecycle.roster import Roster
+from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.launcher import ExitRecord
+from infervisor.supervisor.workers.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
+from infervisor.supervisor.workers.worker_links import WorkerLinks
+
+log = structlog.get_logger("supervisor")
+
+#: Exits remembered per model: enough for every worker of a model to have crashed a few times over.
+_EXITS_KEPT = 64
+
+
+class ExitReaper:
+    """Collects exited workers and settles their slots; keeps how each model's last workers ended."""
+
+    def __init__(
+        self,
+        roster: Roster,
+        serving: ServingConfig,
+        links: WorkerLinks,
+        broker: Broker,
+        restarts: collections.Counter[tuple[str, RestartReason]],
+    ) -> None:
+        self.roster = roster
+        self.serving = serving
+        self.links = links
+        self.broker = broker
+        self.restarts = restarts
+        #: Per model, how its last workers ended: a new worker tells a crashing profile from a stopped one by it.
+        self.recent_exits: dict[str, collections.deque[ExitRecord]] = {}
+        #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
+        self.load_failures: collections.Counter[str] = collections.Counter()
+
+    def reap(self, now: float) -> None:
+        """Collect exited workers: settle their state, then re-dispatch what they held."""
+        for slot in self.roster.all_slots():
+            if slot.proc.process is None or slot.state not in LIVE_STATES:
+                continue
+            code = slot.exit_code()
+            if code is not None:
+                self.on_exit(slot, code, now)
+
+    def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
+        """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
+        # First: its last words (a LOAD_ERROR written just before it exited) may still be in the link, unread when
+        # the exit is reaped; the exit's reason and the crash-loop verdict need them.
+        self.links.drain(slot)
+        how = describe_exit(code)
+        slot.end_descendants()
+        if code == WorkerExitCode.LOAD_FAILED:
+            self.load_failures[slot.model.name] += 1
+            if slot.proc.load_error:
+                # The worker's own words (what to declare, which file is missing) reach status, not only its log.
+                how = f"{how}: {slot.proc.load_error}"
+        # Status says why we killed it (which profile overran its build, which request hung), not only the signal.
+        proc = slot.proc
+        slot.notes.last_exit = f"{how} ({proc.kill_reason})" if proc.killed and proc.kill_reason else how
+        exits = self.recent_exits.setdefault(slot.model.name, collections.deque(maxlen=_EXITS_KEPT))
+        pid = proc.process.pid if proc.process is not None else None
+        signal_number = -code if code < 0 else None
+        exits.append(
+            {
+                "pid": pid,
+                "how": how,
+                "signal": signal_number,
+                "killed_by_supervisor": proc.killed,
+                # The next worker of the model skips a profile whose build keeps overrunning (profiles/attempts.py).
+                "compile_overrun": proc.compile_overrun,
+            }
+        )
+        self.links.detach(slot)
+        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
+            log.warning("worker_exited", slot=slot.name, pid=pid, how=how)
+        facts = self.exit_facts(slot, code, how, now)
+        verdict = decide_exit(facts, self.serving.current)
+        if verdict.counts:
+            slot.record_failure(now)
+        if verdict.restart is not None:
+            self.restarts[(slot.model.name, verdict.restart)] += 1  # a FAILED slot is not restarted: the gauge shows it
+        if verdict.respawn_in is not None:
+            slot.respawn_at = now + verdict.respawn_in
+        slot.transition(verdict.state, verdict.why)
+        if verdict.state is SlotState.FAILED:
+            load_error = {"load_error": slot.notes.last_load_error} if facts.repeated_load_error else {}
+            log.error("worker_slot_failed", slot=slot.name, failures=verdict.failures, last_exit=how, **load_error)
+        # Only now, with the slot no longer SERVING, can its requests not be routed back to it.
+        self.broker.worker_lost(slot, how, verdict.requests)
+
+    def exit_facts(self, slot: WorkerSlot, code: int, how: str, now: float) -> ExitFacts:
+        """What the exit decision reads of an ended process: its slot, its load error, and what it was running."""
+        proc = slot.proc
+        repeated = False
+        if slot.state not in (SlotState.DRAINING, SlotState.STOPPING):
+            load_error = proc.load_error if code == WorkerExitCode.LOAD_FAILED else ""
+            repeated = bool(load_error) and same_error(load_error, slot.notes.last_load_error)
+            slot.notes.last_load_error = load_error
+        return ExitFacts(
+            state=slot.state,
+            code=code,
+            how=how,
+            cause=(proc.kill_cause if proc.killed else None) or RestartReason.CRASH,
+            repeated_load_error=repeated,
+            hung=proc.hung_request,
+            running=self.broker.load_of(slot).running_count(),
+            failures_before=slot.failures_within(now, self.serving.current.restart_window_s),
+        )
