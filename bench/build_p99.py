@@ -1,16 +1,18 @@
-"""What a background build costs serving: P50/P99 while the builder runs against while it is paused, alternating.
+"""What a background build costs serving: P50/P99 with the builder running against the same builder stopped.
 
-    python bench/build_p99.py [--config configs/default.json] [--pairs 6] [--window-s 20] [--rate 4] [--clients 2]
+    python bench/build_p99.py [--config configs/default.json] [--arms build,paused,gated,onecore] [--rounds 6]
+        [--window-s 20] [--rate 4] [--clients 2] [--max-minutes 15]
 
 The daemon starts on the config with a private, empty cache, so its workers serve first (eager) and the background
 builder builds the chain behind them. Under a bounded load (--clients clients, each sending one request every
-1/--rate s, or back to back with --rate 0) each pair measures one window with the builder running and one with the
-builder's whole process group (its compilers too) stopped by SIGSTOP, in alternating order (build first in even
-pairs, paused first in odd ones), so the same workers serving the same profile on the same box are compared and
-drifting load from others weighs on both arms alike. A pair counts only when the same builder was building
-throughout; a build that ends is followed by a fresh daemon on another empty cache. Printed per pair: P50/P99 and
-requests of each arm, the P99 ratio, the CPU seconds the builder's group got in its window, and the load average;
-then the medians. The run is bounded by --max-minutes.
+1/--rate s, or back to back with --rate 0) each round measures one window per arm, the arms' order turned by one
+each round, so the same workers serving the same profile on the same box are compared and drifting load from others
+weighs on every arm alike. Arms: `build` (the builder as the daemon runs it), `paused` (its whole process group,
+compilers too, stopped by SIGSTOP: no build), `gated` (the group stopped while any request of the load is in flight
+and continued when none is) and `onecore` (the group pinned to the box's last cpu). A round counts only when the same
+builder was building throughout; a build that ends is followed by a fresh daemon on another empty cache. Printed per
+round: each arm's P50/P99, requests and the CPU seconds the builder's group got, each arm's P99 over `paused`, the
+load average; then per arm the medians of the rounds' ratios and the pooled figures. Bounded by --max-minutes.
 """
 
 from __future__ import annotations
