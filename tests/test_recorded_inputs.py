@@ -18,6 +18,7 @@ import torch
 from infervisor.common import recorded_inputs
 from infervisor.common.cpuinfo import read_caps
 from infervisor.common.profiles import cpu_refusal
+from tests.audio_models import AUDIO_INPUTS
 from tests.conftest import Daemon, model_entry, wait_for
 from tests.evidence_models import OFF_INPUTS, off_in_bf16
 
@@ -138,3 +139,34 @@ def test_the_next_start_refuses_a_profile_off_on_the_recorded_served_inputs(
         (got,) = client.infer("off", {"x": x}, timeout=30.0).values()
     with torch.inference_mode():
         assert np.allclose(got, off_in_bf16()(torch.from_numpy(x)).numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_the_pick_times_at_the_recorded_served_mix(start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """A 1-D audio model served 16,000- and 4,000-sample requests (3 to 1) has its fastest pick timed at its declared
+    example first, and at the next start at the served mix, both lengths named with their shares."""
+    cache = tmp_path / "cache"
+    config = {"oversubscribe": True, "cache_dir": str(cache), "models": {
+        "kws": model_entry({"python": "tests.audio_models:keyword_cnn"}, AUDIO_INPUTS, profiles=["jit", "eager"],
+                           pick="fastest"),
+    }}  # fmt: skip
+    daemon = start_daemon(config)
+    first = daemon.wait_ready(240)
+    assert "served mix" not in (first["models"]["kws"]["workers"][0]["timed_at"] or ""), first["models"]["kws"]
+    count = [0]
+    with daemon.client() as client:
+
+        def sent() -> dict[str, Any] | None:
+            count[0] += 1
+            length = 4000 if count[0] % 4 == 0 else 16000
+            audio = np.random.default_rng(count[0]).standard_normal((1, 1, length)).astype(np.float32)
+            client.infer("kws", {"audio": audio}, timeout=30.0)
+            groups = _recorded(status := daemon.status(), "kws").get("groups", {})
+            return status if len(groups) == 2 and sum(g["seen"] for g in groups.values()) >= 12 else None
+
+        wait_for(sent, 120, "both lengths recorded", interval=0.02)
+    assert daemon.stop() == 0
+    again = start_daemon(config)
+    status = again.wait_ready(240)
+    timed = status["models"]["kws"]["workers"][0]["timed_at"] or ""
+    assert timed.startswith("the served mix: ") and "1x16000" in timed and "1x4000" in timed, timed
+    assert "(recorded inputs)" in timed, timed
