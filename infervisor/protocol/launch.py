@@ -86,6 +86,9 @@ class LaunchSpec:
     typical_shape: dict[str, list[int]] | None = None
     #: Steps of each sequence the sequence gate walks (config `sequence_steps`).
     sequence_steps: int = 200
+    #: Config `record_inputs_mb` when `record_inputs` is on: the gate and the fastest pick read the served inputs
+    #: the supervisor recorded in the cache (common/recorded_inputs.py) up to this cap; 0: none are read.
+    recorded_inputs_mb: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

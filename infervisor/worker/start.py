@@ -31,6 +31,7 @@ from infervisor.worker.profiles.build import package_options
 from infervisor.worker.profiles.builders import REJECTED_NOTE, BuildContext
 from infervisor.worker.profiles.cache import ArtifactCache, artifact_key, model_digest
 from infervisor.worker.profiles.coverage import Covered, Reloaded
+from infervisor.worker.profiles.recorded import read_served_inputs
 from infervisor.worker.profiles.select import Selection, check_profiles, select_profile
 from infervisor.worker.profiles.sequence_gate import sequence_gate_for, validation_samples
 from infervisor.worker.profiles.validate import Tolerance
@@ -59,6 +60,8 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
     cached = launch.pick == "fastest" or any(p != REFERENCE_PROFILE for p in launch.profiles)
     digest = model_digest(runner.module, launch.source) if cached else ""
     cache = ArtifactCache(Path(launch.cache_dir), progress) if launch.cache_dir else None
+    known = read_verdicts(launch, cache, runner, digest) if digest else None
+    trusted = cache.root if cache is not None and known is not None and cache.trusted() else None
     return BuildContext(
         module=runner.module,
         example=example,
@@ -71,8 +74,11 @@ def build_context(launch: LaunchSpec, runner: ModelRunner, progress: LinkProgres
         served_batches=tuple(launch.served_batches),
         typical_shape=launch.typical_shape,
         sequences=sequence_gate_for(launch, runner),
-        verdicts=read_verdicts(launch, cache, runner, digest) if digest else None,
+        verdicts=known,
         needs_evidence=launch.shadow and not launch.build_only,
+        served=read_served_inputs(
+            trusted, known.key if known else "", launch.model, launch.recorded_inputs_mb, runner.specs
+        ),
     )
 
 

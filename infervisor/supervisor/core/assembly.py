@@ -123,12 +123,14 @@ def assemble(
     broker = Broker(endpoints, loop, links, serving, anomalies, replies, streams)
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
-    audit, shadows = monitors.audit.offer, pool.builds.offer
+    audit, shadows, recorder = monitors.audit.offer, pool.builds.offer, pool.builds.recorder.offer
 
     def tap(slot: WorkerSlot, request: PendingRequest, frames: list[Any]) -> None:
-        """Each successful answer: the live audit's and the shadow's sampler (each never raises)."""
+        """Each successful answer: the live audit's, the shadow's and the input recorder's sampler (each never
+        raises)."""
         audit(slot, request, frames)
         shadows(slot, request, frames)
+        recorder(slot, request, frames)
 
     broker.audit_tap = tap
     fallback = FallbackControl(serving, pool)

@@ -118,6 +118,8 @@ class FallbackControl:
             return {"ok": False, "error": refused}
         try:
             cleared = verdicts.clear(resolve_cache_dir(self.serving.current.cache_dir), model)
+            # What was recorded of its traffic goes too: the reset starts the model's evidence afresh.
+            self.pool.builds.recorder.clear(model)
         except OSError as exc:
             return {"ok": False, "error": f"the recorded verdicts of {model!r} could not be removed: {exc}"}
         outcome = self.fallbacks.reset(model)

@@ -38,6 +38,7 @@ from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.input_recorder import InputRecorder
 from infervisor.supervisor.lifecycle.shadow import ShadowOutcome, ShadowRun
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
@@ -183,6 +184,8 @@ class BackgroundBuilds:
         #: Per model, the refusals recorded in the cache (common/verdicts.py), read every _VERDICTS_EVERY_S for status.
         self.refusals: dict[str, dict[str, object]] = {}
         self.verdicts_read_at = -_VERDICTS_EVERY_S
+        #: Each model's recorded served inputs (the builder's gate and timing read them from the cache).
+        self.recorder = InputRecorder(config, members)
 
     def serves_first(self, model: ModelConfig) -> bool:
         """Whether a worker of `model` starts on what is ready only (its build is not done)."""
@@ -213,6 +216,7 @@ class BackgroundBuilds:
             self.settle(build, config.models[build.model], now, ready)
         for build in [b for b in self.builds.values() if b.state is BuildState.SHADOW]:
             self.follow_shadow(build, config, config.models[build.model], now)
+        self.recorder.tick(now)
         if now - self.verdicts_read_at >= _VERDICTS_EVERY_S:
             self.verdicts_read_at = now
             self.refusals = self.recorded_refusals(config)
@@ -228,6 +232,7 @@ class BackgroundBuilds:
         cpus, threads = self.cores_of(model.name)
         assignment = Assignment(model.name, 0, cpus, 0, threads, True)
         capped = dataclasses.replace(model, max_memory_mb=builder_memory_mb(config, model))
+        self.recorder.flush(model.name)  # what was served so far is on disk for the builder's gate and timing
         try:
             build.launched = self.launcher(capped, assignment, config, build.exits, build_only=True, background=True)
         except OSError as exc:  # the box is short of pids or memory: tried again next turn
@@ -427,7 +432,9 @@ class BackgroundBuilds:
         build.launched = None
 
     def stop_all(self, reason: str) -> None:
-        """The daemon stops: every builder goes (a build left half-done is never loaded; the next start builds)."""
+        """The daemon stops: every builder goes (a build left half-done is never loaded; the next start builds), and
+        the recorded inputs are written back."""
+        self.recorder.stop()
         for build in self.builds.values():
             self.end(build, reason)
             if build.shadow is not None:

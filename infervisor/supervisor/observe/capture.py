@@ -103,6 +103,7 @@ def _models(pool: WorkerPool, broker: Broker, fallbacks: Fallbacks | None) -> li
                 build=build.report(time.monotonic()) if build is not None else None,
                 streams=broker.streams.report(pool.serving.desired(name) or model),
                 refusals=pool.builds.refusals.get(name),
+                recorded_inputs=pool.builds.recorder.report(name),
                 **_queue_figures(queue),
             )
         )

@@ -111,6 +111,8 @@ class ModelSample:
     streams: Mapping[str, Any] | None = None
     #: Profiles refused on live traffic and recorded in the cache (common/verdicts.py): profile -> its record.
     refusals: Mapping[str, object] | None = None
+    #: Its recorded served inputs (lifecycle/input_recorder.py: InputRecorder.report), None when it records none.
+    recorded_inputs: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)

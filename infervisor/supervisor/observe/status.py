@@ -147,6 +147,7 @@ def models_status(snapshot: Snapshot) -> dict[str, Any]:
             ),
             "build": sample.build,
             "refusals": dict(sample.refusals) if sample.refusals else None,
+            "recorded_inputs": None if sample.recorded_inputs is None else dict(sample.recorded_inputs),
             "fallback": sample.fallback,
             "batching": batching_status(model.batching, sample),
             "streams": None if sample.streams is None else dict(sample.streams),

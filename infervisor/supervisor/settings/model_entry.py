@@ -13,6 +13,7 @@ from typing import Any
 from infervisor.common.accuracy import FEW_VALUES_PER_ROW
 from infervisor.common.builtin_models import BUILTIN_MODELS
 from infervisor.common.profiles import PROFILE_NAMES
+from infervisor.common.recorded_inputs import DEFAULT_CAP_MB
 from infervisor.protocol.launch import PICK_MODES, ModelSource
 from infervisor.protocol.state import StateSpec
 from infervisor.protocol.tensors import TensorSpec
@@ -115,6 +116,9 @@ class ModelConfig:
     shadow: str
     shadow_rows: int
     shadow_budget: float
+    #: Keep a bounded sample of served inputs in the cache as the gate's and the pick's evidence.
+    record_inputs: bool
+    record_inputs_mb: int
 
 
 def _read_source(ctx: ReadContext, raw: Any, path: str) -> ModelSource:
@@ -322,5 +326,12 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("shadow_budget", Fraction(0.25, 1.0), Applied.LIVE,
         "share of one core the shadow process may spend (at the lowest CPU priority) running sampled requests on "
         "the lossy candidate."),
+    Key("record_inputs", Flag(True), Applied.LIVE,
+        "keep a bounded sample of the inputs this model served (the newest 16 per input shape, sampled at most 4 "
+        "times a second) in the cache, 0600, per spec key: the builder's gate checks profiles on them beside the "
+        "validation set and pick `fastest` times at their shape mix; `false` (a box whose inputs must not be kept "
+        "on disk) records nothing and removes what was recorded ([more](optimization.md#recorded-inputs))."),
+    Key("record_inputs_mb", Integer(DEFAULT_CAP_MB, 1, 1 << 20), Applied.LIVE,
+        "cap of the model's recorded inputs (MiB); past it the oldest samples are dropped."),
 )
 # fmt: on

@@ -126,6 +126,7 @@ def launch_spec(
         served_batches=served_batches(model),
         state=model.state,
         sequence_steps=model.sequence_steps,
+        recorded_inputs_mb=model.record_inputs_mb if model.record_inputs else 0,
         supervisor_pid=os.getpid(),
         client_gid=config.socket_group.gid if config.socket_group is not None else None,
         compile_timeout_s=config.compile_timeout_s,

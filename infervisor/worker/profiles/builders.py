@@ -22,6 +22,7 @@ from infervisor.worker.profiles.cache import ArtifactCache, file_digest
 from infervisor.worker.profiles.calibration import Inputs, load_calibration, random_calibration, random_calibration_id
 
 if TYPE_CHECKING:  # the gate imports the runner and the comparison, which need nothing from here
+    from infervisor.worker.profiles.recorded import ServedInputs
     from infervisor.worker.profiles.sequence_gate import SequenceGate
 
 
@@ -57,6 +58,8 @@ class BuildContext:
     verdicts: Verdicts | None = None
     #: A lossy profile serves only with a shadow pass in `verdicts` (a serving worker with config `shadow: on`).
     needs_evidence: bool = False
+    #: The served inputs the supervisor recorded (recorded.py): the gate checks them, pick "fastest" times their mix.
+    served: ServedInputs | None = None
 
     def evidence_refusal(self, name: str) -> str | None:
         """Why live traffic's verdicts keep `name` from serving (refused, or lossy and not yet shadowed), or None."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from infervisor.worker.profiles.calibration import Inputs
+from infervisor.worker.profiles.recorded import ServedInput
 from infervisor.worker.runner import ModelRunner
 from infervisor.worker.synthetic import describe as describe_synthetic
 from infervisor.worker.synthetic import probe_steps, probed_inputs
@@ -79,16 +80,32 @@ def _batched_sizes(count: int, batch: tuple[int, int | None], bounded: bool, ser
     return sizes
 
 
-def golden_set(runner: ModelRunner, validation: Sequence[Inputs] | None, served: Sequence[int] = ()) -> GoldenSet:
-    """The samples of _sample_set, then synthetic inputs across each declared range (_shape_cases)."""
+def golden_set(
+    runner: ModelRunner,
+    validation: Sequence[Inputs] | None,
+    served: Sequence[int] = (),
+    recorded: Sequence[ServedInput] = (),
+) -> GoldenSet:
+    """The samples of _sample_set, then synthetic inputs across each declared range (_shape_cases), then the served
+    inputs the supervisor recorded (recorded.py), each as it was served."""
     samples = _sample_set(runner, validation, served)
     shaped = _shape_cases(runner)
-    if not shaped:
-        return samples
-    shapes = ", ".join(case.label.removeprefix("synthetic input ") for case in shaped)
-    return GoldenSet(
-        [*samples.cases, *shaped], f"{samples.checked}; and synthetic inputs across the declared ranges ({shapes})"
-    )
+    cases, checked = [*samples.cases, *shaped], samples.checked
+    if shaped:
+        shapes = ", ".join(case.label.removeprefix("synthetic input ") for case in shaped)
+        checked += f"; and synthetic inputs across the declared ranges ({shapes})"
+    if recorded:
+        cases += [_recorded_case(index, sample) for index, sample in enumerate(recorded)]
+        groups = len({sample.group for sample in recorded})
+        checked += f"; and {len(recorded)} recorded served inputs in {groups} shape group{'s' if groups > 1 else ''}"
+    return GoldenSet(cases, checked)
+
+
+def _recorded_case(index: int, sample: ServedInput) -> GoldenCase:
+    """A recorded served request as its own case, at the batch it was served in."""
+    rows = int(next(iter(sample.inputs.values())).shape[0]) if sample.inputs else 1
+    return GoldenCase(f"recorded input {index} (served as {sample.shapes})", sample.inputs, (index,) * max(1, rows),
+                      "recorded input")  # fmt: skip
 
 
 def _shape_cases(runner: ModelRunner) -> list[GoldenCase]:

@@ -62,6 +62,10 @@ def decision_path(
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+    if context.served is not None and context.served.mix and not context.typical_shape:
+        # Timed at the served mix (timing_size.py): its groups decide, their shares only weigh (a pick is not timed
+        # again each time the shares move).
+        key["served_mix"] = sorted(group for group, _ in context.served.mix)
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return context.cache.root / f"pick-{name}.json"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,9 @@ class _Trial:
         self.tolerance = tolerance
         self.caps = caps
         self.eager = runner.module
-        self.golden = golden_set(runner, validation, context.served_batches)
+        self.golden = golden_set(
+            runner, validation, context.served_batches, context.served.samples if context.served else ()
+        )
         self.validation = validation
         self.cases = [case.inputs for case in self.golden.cases]
         #: Eager's outputs on the golden cases, and their names (so the gate can say which one failed), computed
@@ -211,12 +213,17 @@ class _Trial:
         """Interleaved rounds of every candidate at the size that is served (timing_size.py), at each batch size the
         model serves, and the decision they make."""
         batches = timed_batches(self.runner.specs, self.context.served_batches)
-        size = timing_size(self.runner.specs, batches, self.validation, self.context.typical_shape)
+        size = timing_size(self.runner.specs, batches, self.validation, self.context.typical_shape, self.context.served)
         inputs = size.inputs
+
+        def served_mix() -> None:
+            for case in size.mix:
+                self.runner.forward(case)
 
         def contender(candidate: _Candidate) -> Contender:
             runs = {b: (lambda case=inputs[b]: self.runner.forward(case)) for b in size.batches}
-            return Contender(candidate.name, lambda: self.install(candidate), runs)
+            mixed: dict[int, Callable[[], object]] = {1: served_mix}
+            return Contender(candidate.name, lambda: self.install(candidate), mixed if size.mix else runs)
 
         rounds = run_rounds(
             [contender(c) for c in candidates],
