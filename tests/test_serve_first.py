@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,8 +28,9 @@ from infervisor.supervisor.settings.config import load_config
 from infervisor.supervisor.workers.launcher import Launched
 from infervisor.supervisor.workers.slot import WorkerSlot
 from infervisor.worker.profiles.cache import ArtifactCache, NotBuiltYet
-from tests.conftest import STATIC_TINY_INPUTS, Daemon, model_entry, notify_messages, wait_for
+from tests.conftest import Daemon, model_entry, notify_messages, wait_for
 from tests.gated_models import GATE_ENV, GATED_INPUTS, expected
+from tests.held_compile import end_held_compiles, start_held_compile
 
 GATED = {"python": "tests.gated_models:gated"}
 #: The load's bound: it stops at this many requests even if the test forgot to stop it.
@@ -156,39 +156,13 @@ def test_a_builder_killed_while_it_compiles_takes_its_compilers_with_it(
     """kill -9 of a background builder while g++ compiles for aoti: no g++ or cc1plus of its process group (nor any
     other process of it) is alive shortly after. The compile is held in flight: the real g++ is told to include a
     FIFO nobody writes, so its cc1plus waits there until it is killed."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("aoti compiles with g++")
-    hold = tmp_path / "held-compile.h"
-    os.mkfifo(hold)
-    wrapper = tmp_path / "bin" / "g++"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nexec {compiler} -include {hold} "$@"\n')
-    wrapper.chmod(0o755)
-    entry = model_entry({"builtin": "tiny"}, STATIC_TINY_INPUTS, outputs=["y"], profiles=["aoti", "eager"],
-                        build="background")  # fmt: skip
-    daemon = start_daemon({"models": {"t": entry}}, env={"CXX": str(wrapper)})
-    daemon.wait_ready(timeout=120)
-
-    def compiling() -> tuple[int, list[psutil.Process]] | None:
-        builder = (daemon.status()["models"]["t"]["build"] or {}).get("pid")
-        try:
-            below = psutil.Process(builder).children(recursive=True) if builder else []
-            compilers = [p for p in below if p.name().startswith(("g++", "cc1plus"))]
-        except psutil.Error:
-            return None
-        names = {p.name().rstrip("-0123456789") for p in compilers}
-        return (builder, compilers) if {"g++", "cc1plus"} <= names else None
-
-    builder, compilers = wait_for(compiling, 300, "g++ and cc1plus compiling under the builder")
+    _, builder, compilers = start_held_compile(start_daemon, tmp_path)
     try:
         os.kill(builder, signal.SIGKILL)
         wait_for(lambda: not _group(builder), 10, "every process of the killed builder's group gone")
         assert not [p for p in compilers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:  # what a daemon that leaves them running left behind: ours alone name the FIFO
-        for process in psutil.process_iter(["cmdline"]):
-            if str(hold) in " ".join(process.info["cmdline"] or ()):
-                process.kill()
+        end_held_compiles(tmp_path)
 
 
 def test_a_worker_serving_first_never_builds_nor_waits_and_loads_only_verified_packages(tmp_path: Path) -> None:

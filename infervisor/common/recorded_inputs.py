@@ -18,13 +18,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from infervisor.common.strict_modes import read_small_file
+from infervisor.common.whole_file import write_whole
 from infervisor.protocol.constants import DTYPE_ITEMSIZE
 
 PREFIX, SUFFIX = "inputs-", ".bin"
@@ -113,19 +113,8 @@ def encode(recording: Recording) -> list[bytes]:
 
 
 def write(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write the file whole: a 0600 temporary file in the same folder, fsynced, then renamed over the old one."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")  # mode 0600
-    try:
-        with os.fdopen(handle, "wb") as file:
-            for chunk in chunks:
-                file.write(chunk)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write the file whole (common/whole_file.py): a reader sees the old recording or the new one, never a part."""
+    write_whole(path, chunks)
 
 
 def read(root: Path, key: str, model: str, cap_bytes: int) -> Recording | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 from infervisor.common.profiles import PROFILES
 from infervisor.common.strict_modes import UnsafePath, read_small_file
+from infervisor.common.whole_file import write_whole
 
 #: The file of one spec key's verdicts in the cache folder: `verdicts-<32 hex digits>.json`.
 PREFIX, SUFFIX = "verdicts-", ".json"
@@ -108,17 +108,7 @@ def record(root: Path, key: str, model: str, profile: str, verdict: Mapping[str,
 
 
 def _write(path: Path, document: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")  # mode 0600
-    try:
-        with os.fdopen(handle, "w") as file:
-            json.dump(document, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_whole(path, [json.dumps(document, indent=1).encode()])
 
 
 def every(root: Path) -> list[Verdicts]:
