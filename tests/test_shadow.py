@@ -91,6 +91,19 @@ def _when(daemon: Daemon, holds: Callable[[dict[str, Any]], bool]) -> dict[str, 
 def _build(status: dict[str, Any], model: str) -> dict[str, Any]:
     return status["models"][model]["build"] or {}  # type: ignore[no-any-return]
 
+def _serves_what_was_proven(daemon: Daemon) -> None:
+    """`good` serves bf16 at its first answer (its evidence is recorded); `off` never serves it, under its traffic."""
+    first = daemon.wait_ready(240)
+    assert first["models"]["good"]["serving"] == ["bf16"], first["models"]["good"]
+    assert first["models"]["off"]["serving"] == ["eager"], first["models"]["off"]
+    with daemon.client() as client:
+        traffic = Traffic(client)
+        settled = traffic.until(daemon, lambda: traffic.send("off", 1.5),
+                                lambda s: _build(s, "off").get("state") == "done", 240, "off's build done")  # fmt: skip
+    assert traffic.off == 0 and settled["models"]["off"]["serving"] == ["eager"], settled["models"]["off"]
+    assert _build(settled, "off")["refused"]["bf16"].startswith("refused by shadow"), _build(settled, "off")
+
+
 
 def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refused_while_a_right_one_switches(
     start_daemon: Callable[..., Daemon], tmp_path: Path
@@ -144,29 +157,11 @@ def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refus
     assert len(list((tmp_path / "fleet-cache").glob(f"{verdicts.PREFIX}*{verdicts.SUFFIX}"))) == 2, imported
 
     again = start_daemon(config)
-    first = again.wait_ready(240)
-    # `good` serves bf16 at its first answer (its evidence is recorded); `off` never serves it again.
-    assert first["models"]["good"]["serving"] == ["bf16"], first["models"]["good"]
-    assert first["models"]["off"]["serving"] == ["eager"], first["models"]["off"]
-    with again.client() as client:
-        traffic = Traffic(client)
-        settled = traffic.until(again, lambda: traffic.send("off", 1.5),
-                                lambda s: _build(s, "off").get("state") == "done", 240, "off's build done")  # fmt: skip
-        assert traffic.off == 0 and settled["models"]["off"]["serving"] == ["eager"], settled["models"]["off"]
-        assert _build(settled, "off")["refused"]["bf16"].startswith("refused by shadow"), _build(settled, "off")
-        answer = again.control({"cmd": "fallback", "model": "off", "reset": True})
-        assert answer["ok"] and answer["refusals_cleared"] == 1, answer
+    _serves_what_was_proven(again)
+    answer = again.control({"cmd": "fallback", "model": "off", "reset": True})
+    assert answer["ok"] and answer["refusals_cleared"] == 1, answer
     remaining = [json.loads(f.read_text())["model"] for f in (tmp_path / "cache").glob(f"{verdicts.PREFIX}*")]
     assert remaining == ["good"], remaining
     again.stop()
 
-    fleet = start_daemon({**config, "cache_dir": str(tmp_path / "fleet-cache")})
-    first = fleet.wait_ready(240)
-    assert first["models"]["good"]["serving"] == ["bf16"], first["models"]["good"]
-    assert first["models"]["off"]["serving"] == ["eager"], first["models"]["off"]
-    with fleet.client() as client:
-        traffic = Traffic(client)
-        settled = traffic.until(fleet, lambda: traffic.send("off", 1.5),
-                                lambda s: _build(s, "off").get("state") == "done", 240, "off's build done")  # fmt: skip
-    assert traffic.off == 0 and settled["models"]["off"]["serving"] == ["eager"], settled["models"]["off"]
-    assert _build(settled, "off")["refused"]["bf16"].startswith("refused by shadow"), _build(settled, "off")
+    _serves_what_was_proven(start_daemon({**config, "cache_dir": str(tmp_path / "fleet-cache")}))
