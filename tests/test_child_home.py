@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
+from infervisor.protocol.constants import WorkerExitCode
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, model_entry, wait_for
 
 TINY = model_entry({"builtin": "tiny"}, TINY_INPUTS)
@@ -163,3 +165,20 @@ def test_warm_template_false_execs_every_child(start_daemon: Callable[..., Daemo
     worker = daemon.status()["models"]["tiny"]["workers"][0]["pid"]
     assert psutil.Process(worker).cmdline()[:4] == [sys.executable, "-P", "-m", "infervisor.worker"]
     assert daemon.worker_pids() == [worker]
+
+
+def test_a_forked_child_adopted_by_neither_the_supervisor_nor_its_middle_exits_at_once() -> None:
+    """A child whose middle exited and whose supervisor died before its first look exits at once, not after the wait."""
+    code = (
+        "import os, sys, time\n"
+        "from infervisor.worker.template import await_supervisor\n"
+        "started = time.monotonic()\n"
+        "try:\n"
+        "    await_supervisor(supervisor_pid=os.getppid() + 1, middle_pid=os.getppid() + 2)\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, round(time.monotonic() - started, 3))\n"
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    exit_code, waited_s = result.stdout.split()
+    assert int(exit_code) == WorkerExitCode.SUPERVISOR_LOST, result.stderr
+    assert float(waited_s) < 1.0, waited_s

@@ -123,6 +123,7 @@ def fork_child(request: dict[str, Any], fds: list[int], link: socket.socket, sup
         code = 0
         try:
             os.close(read_end)
+            middle_pid = os.getpid()
             child = os.fork()
             if child == 0:
                 os.close(write_end)
@@ -130,7 +131,7 @@ def fork_child(request: dict[str, Any], fds: list[int], link: socket.socket, sup
                 # SIGTERM reaches the supervisor, which stops children in order, and the supervisor ends what the
                 # child started (a compiler) by killing its group (supervisor/workers/process_tree.py).
                 os.setsid()
-                run_child(entry, spec, env, title, fds, link, supervisor_pid)
+                run_child(entry, spec, env, title, fds, link, (supervisor_pid, middle_pid))
             os.write(write_end, str(child).encode())
         except OSError as exc:
             os.write(write_end, f"error {exc}".encode())
@@ -157,14 +158,23 @@ def _read_all(fd: int) -> str:
 
 
 def run_child(
-    entry: str, spec: str, env: dict[str, str], title: str, fds: list[int], link: socket.socket, supervisor_pid: int
+    entry: str,
+    spec: str,
+    env: dict[str, str],
+    title: str,
+    fds: list[int],
+    link: socket.socket,
+    parents: tuple[int, int],
 ) -> None:
-    """Become `python -P -m ENTRY SPEC` with `env`, the link as its launch spec says; never returns."""
+    """Become `python -P -m ENTRY SPEC` with `env`, the link as its launch spec says; never returns.
+
+    `parents`: the supervisor's pid and the middle process's, the two this child may see as its parent.
+    """
     code: int = 1
     try:
         link.close()
         child_link, output = fds[0], (fds[1] if len(fds) > 1 else None)
-        await_supervisor(supervisor_pid)
+        await_supervisor(*parents)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -197,14 +207,18 @@ def run_child(
         os._exit(code)
 
 
-def await_supervisor(supervisor_pid: int) -> None:
+def await_supervisor(supervisor_pid: int, middle_pid: int) -> None:
     """Wait until the middle process has exited and the supervisor adopted this one (its parent-death signal and
     its check of the parent are about the supervisor, as after an exec); exit at once when something else did (the
-    supervisor died meanwhile)."""
-    middle = os.getppid()
+    supervisor died meanwhile).
+
+    The middle's pid comes from the middle itself, not from this child's first `getppid()`: when the middle had
+    exited and the supervisor died before that first look, the adopter (init) was taken for the middle and the
+    child waited out the whole deadline as an orphan.
+    """
     deadline = time.monotonic() + _REPARENT_WAIT_S
     while (parent := os.getppid()) != supervisor_pid:
-        if parent != middle or time.monotonic() > deadline:
+        if parent != middle_pid or time.monotonic() > deadline:
             raise SystemExit(WorkerExitCode.SUPERVISOR_LOST)
         time.sleep(0.001)
 
