@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -13,9 +14,12 @@ import pytest
 from tests.conftest import STATIC_TINY_INPUTS, Daemon, model_entry, wait_for
 
 
-def start_held_compile(start_daemon: Callable[..., Daemon], folder: Path) -> tuple[Daemon, int, list[psutil.Process]]:
-    """A daemon serving model `t` whose background builder is compiling: (the daemon, the builder's pid, its g++ and
-    cc1plus). The real g++ is told to include a FIFO in `folder`, so the compile stays in flight until killed."""
+def start_held_compile(
+    start_daemon: Callable[..., Daemon], folder: Path, models: dict[str, Any] | None = None, **settings: Any
+) -> tuple[Daemon, int, list[psutil.Process]]:
+    """A daemon serving model `t` (beside `models`, with the top-level `settings`) whose background builder is
+    compiling: (the daemon, the builder's pid, its g++ and cc1plus). The real g++ is told to include a FIFO in
+    `folder`, so the compile stays in flight until killed."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("aoti compiles with g++")
@@ -27,7 +31,7 @@ def start_held_compile(start_daemon: Callable[..., Daemon], folder: Path) -> tup
     wrapper.chmod(0o755)
     entry = model_entry({"builtin": "tiny"}, STATIC_TINY_INPUTS, outputs=["y"], profiles=["aoti", "eager"],
                         build="background")  # fmt: skip
-    daemon = start_daemon({"models": {"t": entry}}, env={"CXX": str(wrapper)})
+    daemon = start_daemon({**settings, "models": {"t": entry, **(models or {})}}, env={"CXX": str(wrapper)})
     daemon.wait_ready(timeout=120)
 
     def compiling() -> tuple[int, list[psutil.Process]] | None:

@@ -399,7 +399,7 @@ WORKER_LAYERS = (
     ("profiles", "state_check", "open_dims"),  # building, gating and picking profiles; checks the start runs
     ("loader", "request_path", "batching", "progress", "reexec", "memory"),  # what the start and the loop call
     ("runner", "shared_inputs", "models"),  # the model as the worker runs it; inputs in shared memory; model sources
-    ("synthetic", "trusted_import", "process_tree", "pinning", "logs"),  # leaves
+    ("synthetic", "trusted_import", "process_tree", "pinning", "stop_sentinel", "logs"),  # leaves
 )
 WORKER = ROOT / "infervisor" / "worker"
 

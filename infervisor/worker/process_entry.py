@@ -16,6 +16,7 @@ from infervisor.worker.pinning import (
     lowest_priority,
     pin_before_torch,
 )
+from infervisor.worker.stop_sentinel import start_stop_sentinel
 
 
 def enter_process(argv: list[str], role: str, idle: bool) -> LaunchSpec | WorkerExitCode:
@@ -37,6 +38,9 @@ def enter_process(argv: list[str], role: str, idle: bool) -> LaunchSpec | Worker
         line = {"event": "supervisor_lost", "level": "error", "reason": str(exc), "worker_id": launch.worker_id}
         print(json.dumps(line), file=sys.stderr)
         return WorkerExitCode.SUPERVISOR_LOST
+    if launch.background and launch.supervisor_pid is not None:
+        # While this process has one thread (the guard below starts one): a fork copies only the calling thread.
+        start_stop_sentinel(launch.supervisor_pid, settle=lowest_priority)
     # Imported only now: structlog (through the guard) is most of this process's imports before the death request,
     # 150 ms quiet and seconds on a loaded box, a window in which a kill -9 of the supervisor left an orphan.
     from infervisor.worker.process_tree import guard_tree

@@ -131,6 +131,8 @@ class Arbiter:
                 now = time.monotonic()
                 if self.broker.dispatcher.batch_due:
                     self.broker.dispatcher.dispatch_due(now)
+                # Every turn (at least every housekeeping interval): a request's arrival and its answer move the gate.
+                self.pool.builds.gate(now, self.broker.unanswered > 0)
                 if now >= self.next_housekeeping:
                     self.next_housekeeping = now + _HOUSEKEEPING_S
                     self.housekeeping(now)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.build_gate import BuildGate
 from infervisor.supervisor.lifecycle.input_recorder import InputRecorder
 from infervisor.supervisor.lifecycle.shadow import ShadowOutcome, ShadowRun
 from infervisor.supervisor.routing.pending import PendingRequest
@@ -114,6 +116,8 @@ class ModelBuild:
     notes: list[str] = field(default_factory=list)
     #: Its lossy pick in shadow (state SHADOW), or the last shadow's outcome.
     shadow: ShadowRun | None = None
+    #: Stops the running builder while requests are in flight (config build_yield); the last one's, once it ended.
+    gate: BuildGate | None = None
 
     def report(self, now: float) -> dict[str, object]:
         """The status document's `build` object of the model."""
@@ -130,6 +134,7 @@ class ModelBuild:
             "refused": {p: why for p, (outcome, why) in self.outcomes.items() if outcome != StartPhase.PASSED.value},
             "passed": [p for p, (outcome, _) in self.outcomes.items() if outcome == StartPhase.PASSED.value],
             "shadow": self.shadow.report() if self.shadow is not None else None,
+            "gate": self.gate.tally.report(now) if self.gate is not None else None,
         }
         if self.state is BuildState.BUILDING:
             report.update(
@@ -153,7 +158,9 @@ class ModelBuild:
             done = len(self.outcomes)
             tail = f", {done} of {self.count} profiles decided" if done and self.count else ""
             doing = f"{self.phase} {where}" if self.phase else "starting the builder"
-            return f"optimizing: {doing}, {elapsed:.0f} s{tail}"
+            paused = self.gate.tally.report(now) if self.gate is not None else None
+            waits = f", paused {paused['paused_s']:.0f} s for requests" if paused and paused["pauses"] else ""
+            return f"optimizing: {doing}, {elapsed:.0f} s{tail}{waits}"
         if self.state is BuildState.DONE:
             refused = len([o for o, _ in self.outcomes.values() if o != StartPhase.PASSED.value])
             return f"optimized: picked {self.picked or '?'}" + (f", {refused} refused" if refused else "")
@@ -239,11 +246,19 @@ class BackgroundBuilds:
             log.error("builder_spawn_failed", model=model.name, error=str(exc))
             return
         build.attempts += 1
+        build.gate = BuildGate(build.launched.process.pid, config.build_min_share)
         if build.started_at is None:
             build.started_at = now
         build.state, build.phase, build.phase_at = BuildState.BUILDING, "", now
         log.info("builder_started", model=model.name, pid=build.launched.process.pid, attempt=build.attempts,
                  cpus=list(cpus), threads=threads)  # fmt: skip
+
+    def gate(self, now: float, busy: bool) -> None:
+        """Stop the running builder while serving is `busy`, continue it when not (or when the floor says so)."""
+        config = self.config()
+        for build in self.builds.values():
+            if build.launched is not None and build.gate is not None:
+                build.gate.reconcile(now, busy, build.phase, config.build_yield, config.build_min_share)
 
     def cores_of(self, name: str) -> tuple[tuple[int, ...], int]:
         """The cpus of the model's workers and the supervisor's own (with `pin_supervisor`, the ones no worker
@@ -311,6 +326,8 @@ class BackgroundBuilds:
         if launched.link is not None:
             launched.link.close()
         build.launched = None
+        if build.gate is not None:
+            build.gate.close(now)
         if code == 0:
             self.finish(build, now, ready)
             return
@@ -430,6 +447,8 @@ class BackgroundBuilds:
         if launched.link is not None:
             launched.link.close()
         build.launched = None
+        if build.gate is not None:
+            build.gate.close(time.monotonic())
 
     def stop_all(self, reason: str) -> None:
         """The daemon stops: every builder goes (a build left half-done is never loaded; the next start builds), and

@@ -22,6 +22,7 @@ from infervisor.supervisor.settings.config_keys import (
     Choice,
     Custom,
     Flag,
+    Fraction,
     Integer,
     Key,
     Number,
@@ -116,6 +117,10 @@ class Config:
     compile_timeout_s: float
     #: Cap on the background builder's private writable memory (RLIMIT_DATA) in MB; None: the worker's cap.
     builder_memory_mb: int | None
+    #: Stop the background builder while a request is in flight (infervisor/supervisor/lifecycle/build_gate.py).
+    build_yield: bool
+    #: The least share of wall time a builder keeps while serving stays busy.
+    build_min_share: float
     shutdown_grace_s: float
     max_frame_bytes: int
     client_budget_mb: int
@@ -325,6 +330,14 @@ TOP_KEYS: tuple[Key, ...] = (
         "cap on the background builder's private writable memory (`RLIMIT_DATA`); past it the profile being built "
         "is refused with the reason and the serving workers are untouched; null: the model's `max_memory_mb`, else "
         "half the box's memory ([more](#the-background-builder))."),
+    Key("build_yield", Flag(True), Applied.LIVE,
+        "stop the background builder's processes (its compilers too) while any request is in flight and continue "
+        "them when none is, except while it times its candidates; `false`: it runs at idle priority only "
+        "([more](#the-background-builder))."),
+    Key("build_min_share", Fraction(0.25, 1.0), Applied.LIVE,
+        "while requests keep coming, the background builder still runs at least this share of the time (stopped "
+        "at most 1 s in a row), so a box that is never idle finishes its build; `0`: it waits for a moment with no "
+        "request in flight; `1`: never stopped."),
     Key("shutdown_grace_s", Number(10.0, 0.0), Applied.LIVE,
         "on SIGTERM, queued and in-flight requests get this long to finish; the rest are answered `SHUTTING_DOWN`. "
         "A retiring (draining) worker is SIGKILLed if it has not exited `shutdown_grace_s` + 5 s after it began "
