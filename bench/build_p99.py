@@ -1,13 +1,14 @@
 """What a background build costs serving: P50/P99 with the builder running against the same builder stopped.
 
-    python bench/build_p99.py [--config configs/default.json] [--arms build,paused,gated,onecore] [--rounds 6]
+    python bench/build_p99.py [--config configs/default.json] [--arms build,yield,paused,gated,onecore] [--rounds 6]
         [--window-s 20] [--rate 4] [--clients 2] [--max-minutes 15]
 
 The daemon starts on the config with a private, empty cache, so its workers serve first (eager) and the background
 builder builds the chain behind them. Under a bounded load (--clients clients, each sending one request every
 1/--rate s, or back to back with --rate 0) each round measures one window per arm, the arms' order turned by one
 each round, so the same workers serving the same profile on the same box are compared and drifting load from others
-weighs on every arm alike. Arms: `build` (the builder as the daemon runs it), `paused` (its whole process group,
+weighs on every arm alike. Arms: `build` (the builder at idle priority, the daemon's gate off: build_yield false),
+`yield` (the daemon's own gate: build_yield true, the default), `paused` (its whole process group,
 compilers too, stopped by SIGSTOP: no build), `gated` (the group stopped while any request of the load is in flight
 and continued when none is) and `onecore` (the group pinned to the box's last cpu). A round counts only when the same
 builder was building throughout; a build that ends is followed by a fresh daemon on another empty cache. Printed per
@@ -152,10 +153,32 @@ def pin_group(pgid: int, cpus: set[int]) -> None:
             continue
 
 
-def measure(load: Load, arm: str, pgid: int, seconds: float) -> Window:
+def set_yield(runtime: Path, model: str, on: bool) -> None:
+    """Turn the daemon's own build gate (config build_yield) on or off, and wait until its status says so."""
+    path = runtime.parent / f"{runtime.name}-config.json"
+    config = json.loads(path.read_text())
+    if config.get("build_yield", True) != on:
+        temp = path.with_suffix(".tmp")
+        temp.write_text(json.dumps({**config, "build_yield": on}))
+        os.replace(temp, path)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = control_request(runtime, {"cmd": "status"}, timeout=10.0)
+        build = status["models"][model].get("build") or {}
+        if build.get("state") != "building":
+            raise ProcessLookupError("the build ended")  # the round is dropped, as when the builder is gone
+        if (build.get("gate") or {}).get("on") == on:
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"the daemon did not turn build_yield {'on' if on else 'off'} within 30 s")
+
+
+def measure(load: Load, arm: str, pgid: int, seconds: float, runtime: Path) -> Window:
     """One window of `seconds` under the running load, with the builder's group as the arm says."""
+    set_yield(runtime, load.model, arm == "yield")
     allowed = os.sched_getaffinity(pgid)
-    os.killpg(pgid, signal.SIGSTOP if arm == "paused" else signal.SIGCONT)
+    if arm != "yield":  # the daemon's gate, off in every other arm, has the group running now
+        os.killpg(pgid, signal.SIGSTOP if arm == "paused" else signal.SIGCONT)
     if arm == "onecore":
         pin_group(pgid, {max(allowed)})
     if arm == "gated":
@@ -170,7 +193,8 @@ def measure(load: Load, arm: str, pgid: int, seconds: float) -> Window:
     with load.lock:
         load.gate = None
     with contextlib.suppress(ProcessLookupError):  # the builder ended meanwhile: the round is dropped
-        os.killpg(pgid, signal.SIGCONT)
+        if arm != "yield":
+            os.killpg(pgid, signal.SIGCONT)
     if arm == "onecore":
         pin_group(pgid, allowed)
     chosen = [ms for at, ms in load.samples if since <= at < until]
@@ -216,7 +240,7 @@ def run(args: argparse.Namespace, config: dict[str, Any], folder: Path) -> list[
                 turn = len(rounds) % len(args.arms)
                 order = args.arms[turn:] + args.arms[:turn]
                 try:
-                    windows = [measure(load, arm, pid, args.window_s) for arm in order]
+                    windows = [measure(load, arm, pid, args.window_s, runtime) for arm in order]
                 except ProcessLookupError:
                     windows = []
                 after = builder_of(runtime, model)
@@ -263,7 +287,9 @@ def summary(rounds: list[list[Window]], arms: list[str]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.json"), help="the config to start")
-    parser.add_argument("--arms", default="build,paused", help="builder states compared: build, paused, gated, onecore")
+    parser.add_argument(
+        "--arms", default="build,yield,paused", help="builder states compared: build, yield, paused, gated, onecore"
+    )
     parser.add_argument("--rounds", type=int, default=6, help="rounds of one window per arm")
     parser.add_argument("--window-s", type=float, default=20.0, help="seconds of each window")
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second per client (0: back to back)")
