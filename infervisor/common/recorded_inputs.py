@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,20 @@ def group_of(shapes: Sequence[tuple[str, Sequence[int]]]) -> str:
     """The shape group of a request's inputs (name, full shape): `3x480x640`, or `image 3x480x640, mask 480x640`."""
     texts = [(name, "x".join(map(str, shape[1:]))) for name, shape in shapes]
     return texts[0][1] if len(texts) == 1 else ", ".join(f"{n} {s}" for n, s in texts)
+
+
+def case_label(index: int, shapes: str) -> str:
+    """The gate's name for a recorded served input, as its refusals say it: `recorded input 3 (served as x[1, 8])`."""
+    return f"recorded input {index} (served as {shapes})"
+
+
+def served_shape_in(text: str) -> str | None:
+    """The shapes a refusal names with `case_label` (the first), else None."""
+    found = _SERVED_AS.search(text)
+    return found.group(1) if found else None
+
+
+_SERVED_AS = re.compile(r"recorded input \d+ \(served as ([^()]*)\)")
 
 
 def path_for(root: Path, key: str, model: str) -> Path:

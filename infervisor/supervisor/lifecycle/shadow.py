@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from infervisor.common.accuracy import cosine_text
+from infervisor.common.recorded_inputs import served_shape_in
 from infervisor.common.verdicts import SPEC_KEY_NOTE, lossy
 from infervisor.protocol import worker_messages as wm
 from infervisor.supervisor.routing.pending import PendingRequest
@@ -156,6 +157,8 @@ class ShadowRun:
             self.judge(result)
             if self.outcome is not ShadowOutcome.RUNNING:
                 return self.outcome
+        if process.rejected is not None:
+            return self.end(ShadowOutcome.REFUSED, self.rejected_at_load(process.rejected))
         while self.waiting and process.state is AuditState.READY:
             held = self.waiting[0]
             if not process.send(held.seq, held.inputs, held.answer):
@@ -199,6 +202,12 @@ class ShadowRun:
                 f"off the served exact answer ({result.failure}) after {self.rows - result.rows} rows within tolerance"
             )
             self.end(ShadowOutcome.REFUSED, {"why": why, "measure": result.failure, **figures})
+
+    def rejected_at_load(self, detail: str) -> dict[str, Any]:
+        """The verdict when the shadow process's own gate refused the candidate: served inputs recorded since the
+        builder's gate ran (the same rows the shadow would have compared) are off."""
+        why = f"shadow: {self.candidate} refused by the gate of the shadow's start on recorded served inputs: {detail}"
+        return {"why": why, "measure": "gate", "input_shape": served_shape_in(detail)}
 
     def end(self, outcome: ShadowOutcome, verdict: dict[str, Any]) -> ShadowOutcome:
         """The candidate's shadow is over: its process goes, its samples are let go."""

@@ -20,6 +20,7 @@ import structlog
 
 from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.protocol import worker_messages as wm
+from infervisor.protocol.constants import StartPhase
 from infervisor.protocol.errors import ProtocolError
 from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.planner import Assignment
@@ -67,6 +68,8 @@ class AuditProcess:
         self.next_start = 0.0
         self.last_exit: str | None = None
         self.error: str | None = None
+        #: Why its start's gate rejected the profile (a shadow's candidate off on the recorded served inputs).
+        self.rejected: str | None = None
         #: The process as psutil sees it, and its progress: CPU seconds, when they last grew, when it was seen stopped.
         self.tree_root: psutil.Process | None = None
         self.cpu_s = 0.0
@@ -129,6 +132,9 @@ class AuditProcess:
                         self.notes = list(message.build_notes)
                     elif isinstance(message, wm.LoadError):
                         self.error = f"{self.profile} did not load: {message.error}"
+                    elif isinstance(message, wm.Progress) and message.profile == self.profile:
+                        if message.phase == StartPhase.REJECTED.value:
+                            self.rejected = " ".join(message.detail.split())
                     elif isinstance(message, wm.AuditResult):
                         results.append(message)
         except (LinkClosed, ProtocolError):
@@ -147,6 +153,7 @@ class AuditProcess:
         if code is None:  # the link broke while the process lives: end it, it cannot be talked to
             launched.process.kill()
             code = launched.process.wait()
+        self.receive()  # what it said before it exited (its LOAD_ERROR, the gate's rejection) is read, not lost
         self.ended(describe_exit(code), now)
         return True
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infervisor.common.recorded_inputs import case_label
 from infervisor.worker.profiles.calibration import Inputs
 from infervisor.worker.profiles.recorded import ServedInput
 from infervisor.worker.runner import ModelRunner
@@ -104,8 +105,7 @@ def golden_set(
 def _recorded_case(index: int, sample: ServedInput) -> GoldenCase:
     """A recorded served request as its own case, at the batch it was served in."""
     rows = int(next(iter(sample.inputs.values())).shape[0]) if sample.inputs else 1
-    return GoldenCase(f"recorded input {index} (served as {sample.shapes})", sample.inputs, (index,) * max(1, rows),
-                      "recorded input")  # fmt: skip
+    return GoldenCase(case_label(index, sample.shapes), sample.inputs, (index,) * max(1, rows), "recorded input")
 
 
 def _shape_cases(runner: ModelRunner) -> list[GoldenCase]:
