@@ -9,8 +9,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from infervisor.common import recorded_inputs
 from infervisor.supervisor.commands.optimize import format_report
 from infervisor.supervisor.host.topology import LogicalCpu, Topology
 from infervisor.supervisor.settings.config import Config, parse_config
@@ -207,6 +209,58 @@ def test_optimize_sweeps_the_layouts_checks_the_choice_through_a_daemon_and_writ
     )  # fmt: skip
     assert probed.returncode == 0, probed.stdout + probed.stderr
     assert json.loads((tmp_path / "probe.json").read_text())["samples"] > 0
+
+
+def _recording_of_kws(cache: Path, lengths: dict[int, int]) -> None:
+    """A recording of model `kws` in `cache` as the daemon writes it: one sample per length, each seen so often."""
+    recording = recorded_inputs.Recording("kws", "0" * 32)
+    for length, seen in lengths.items():
+        data = np.zeros((1, 1, length), np.float32).tobytes()
+        tensor = recorded_inputs.RecordedTensor("audio", "float32", (1, 1, length), data)
+        group = recorded_inputs.group_of([("audio", (1, 1, length))])
+        recording.samples.append(recorded_inputs.RecordedSample(group, 0.0, (tensor,)))
+        recording.seen[group] = seen
+    cache.mkdir(mode=0o700, exist_ok=True)
+    recorded_inputs.write(recorded_inputs.path_for(cache, recording.key, "kws"), recorded_inputs.encode(recording))
+
+
+def test_optimize_measures_at_the_served_mix_the_daemon_recorded(tmp_path: Path) -> None:
+    """With neither data.inputs nor typical_shape, the sweep and the daemon check measure at the mix the daemon
+    recorded in the config's cache (16,000 samples 80%, 8,000 20%), and say so, not at the declared 1,000."""
+    cache = tmp_path / "cache"
+    _recording_of_kws(cache, {16000: 8, 8000: 2})
+    config = tmp_path / "config.json"
+    entry = {"source": {"python": "tests.audio_models:keyword_cnn"}, "inputs": AUDIO_INPUTS, "workers": 1,
+             "cores_per_worker": 1}  # fmt: skip
+    config.write_text(json.dumps({"cache_dir": str(cache), "models": {"kws": entry}}))
+    report = tmp_path / "report.json"
+    done = _optimize("--model", "kws", "--config", str(config), "--profiles", "eager", "--layouts", "1x1",
+                     "--seconds", "0.3", "--check-seconds", "1", "--timeout", "120", "--dry-run",
+                     "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    served = [{"audio": [1, 1, n]} for n in (16000, 16000, 16000, 16000, 8000)]
+    assert result["sizes"] == served and result["check"]["inputs"] == served, result["sizes"]
+    assert "the served mix recorded by the daemon: 1x16000 80%, 1x8000 20%" in done.stdout, done.stdout
+    assert "WARNING: measured at" not in done.stdout
+
+
+def test_a_recording_the_model_no_longer_takes_is_not_measured_at() -> None:
+    """A recorded size outside the model's declared range (the spec changed since) is left out; none left: the
+    declared example, with its warning."""
+    specs = parse_config(json.dumps({"models": {"kws": {"source": {"builtin": "tiny"}, "inputs": AUDIO_INPUTS}}}),
+                         Path(".")).models["kws"].inputs  # fmt: skip
+    recording = recorded_inputs.Recording("kws", "0" * 32)
+    for length in (16000, 64000):
+        tensor = recorded_inputs.RecordedTensor("audio", "float32", (1, 1, length), b"")
+        group = recorded_inputs.group_of([("audio", (1, 1, length))])
+        recording.samples.append(recorded_inputs.RecordedSample(group, 0.0, (tensor,)))
+        recording.seen[group] = 5
+    sizes = served_sizes(specs, None, None, recording)
+    assert sizes.shapes == ({"audio": (1, 1, 16000)},) * 5 and sizes.source.endswith("1x16000 100%"), sizes
+    recording.samples.pop(0)
+    fallback = served_sizes(specs, None, None, recording)
+    assert fallback.minimum and warning(fallback), fallback
 
 
 def test_optimize_on_a_variable_length_model_measures_at_the_declared_sizes(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from infervisor.common.cpuinfo import read_caps
 from infervisor.common.profiles import cpu_refusal
 from tests.audio_models import AUDIO_INPUTS
 from tests.conftest import Daemon, model_entry, wait_for
+from tests.crossing_models import WIDE_INPUTS
 from tests.evidence_models import OFF_INPUTS, off_in_bf16
 
 SOURCE = {"python": "tests.evidence_models:off_in_bf16"}
@@ -170,3 +171,33 @@ def test_the_pick_times_at_the_recorded_served_mix(start_daemon: Callable[..., D
     timed = status["models"]["kws"]["workers"][0]["timed_at"] or ""
     assert timed.startswith("the served mix: ") and "1x16000" in timed and "1x4000" in timed, timed
     assert "(recorded inputs)" in timed, timed
+
+
+def test_a_pick_timed_at_wide_served_traffic_chooses_what_is_fastest_there(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A running-sum model whose jit (traced at its smallest width, 16) is O(width^2) where eager is O(width): its
+    first fastest pick is timed at 16; after traffic at 2,048 is recorded, the next start times at the served mix and
+    picks eager, with jit passed and timed, not refused."""
+    cache = tmp_path / "cache"
+    config = {"oversubscribe": True, "cache_dir": str(cache), "models": {
+        "sum": model_entry({"python": "tests.crossing_models:running_sum"}, WIDE_INPUTS, profiles=["jit", "eager"],
+                           pick="fastest", build="at_start"),
+    }}  # fmt: skip
+    daemon = start_daemon(config)
+    first = daemon.wait_ready(240)["models"]["sum"]["workers"][0]
+    assert "served mix" not in (first["timed_at"] or "") and "16" in (first["timed_at"] or ""), first
+    rows = np.random.default_rng(0)
+    with daemon.client() as client:
+
+        def sent() -> bool:
+            client.infer("sum", {"x": rows.standard_normal((1, 2048)).astype(np.float32)}, timeout=60.0)
+            return _recorded(daemon.status(), "sum").get("samples", 0) >= 3
+
+        wait_for(sent, 180, "wide requests recorded", interval=0.02)
+    assert daemon.stop() == 0
+    again = start_daemon(config).wait_ready(240)["models"]["sum"]["workers"][0]
+    assert again["timed_at"].startswith("the served mix: ") and "2048" in again["timed_at"], again
+    assert again["profile"] == "eager", again
+    (jit,) = [note for note in again["profile_skipped"] if note.startswith("jit")]
+    assert "passed" in jit and "not picked" in jit, jit

@@ -31,16 +31,22 @@ from infervisor.supervisor.toolkit.constraints import ConstraintsError, load_con
 from infervisor.supervisor.toolkit.inputs import inputs_at
 from infervisor.supervisor.toolkit.models import Measured, UnknownModel, resolve
 from infervisor.supervisor.toolkit.scratch import ScratchDaemon, ScratchFailed, scratch_config, scratch_daemon
-from infervisor.supervisor.toolkit.served_sizes import ServedSizes, served_sizes
+from infervisor.supervisor.toolkit.served_sizes import ServedSizes, recorded_mix, served_sizes
 
 
-def sizes_of(target: Measured, args: argparse.Namespace) -> ServedSizes | None:
+def sizes_of(target: Measured, args: argparse.Namespace, records: Path | None) -> ServedSizes | None:
     """The sizes a configured model is measured at (served_sizes: --constraints' data.inputs, else its
-    typical_shape, else the declared example); None for a built-in, whose only open dim is the batch."""
+    typical_shape, else the served mix its daemon recorded in `records`, else the declared example); None for a
+    built-in, whose only open dim is the batch."""
     if target.model is None:
         return None
     data = load_constraints(Path(args.constraints)).data if args.constraints else None
-    return served_sizes(target.model.inputs, data, target.model.typical_shape)
+    recording = None
+    if records is not None and target.model.record_inputs:
+        recording, why_not = recorded_mix(records, target.name, target.model.record_inputs_mb)
+        if why_not:
+            print(f"infervisor bench: {why_not}", file=sys.stderr)
+    return served_sizes(target.model.inputs, data, target.model.typical_shape, recording)
 
 
 def in_process(
@@ -174,21 +180,23 @@ def format_table(rows: list[dict[str, Any]], batch: int) -> str:
     return "\n".join(lines)
 
 
-def _targets(args: argparse.Namespace) -> list[Measured]:
-    """The models named by --models: a config's models (--config first), else built-ins; UnknownModel otherwise."""
+def _targets(args: argparse.Namespace) -> tuple[list[Measured], Path | None]:
+    """The models named by --models: a config's models (--config first), else built-ins; UnknownModel otherwise.
+    With them, the cache the config's daemon records its served inputs in (None without a config)."""
     names = [name for name in args.models.split(",") if name]
     config, path = None, None
     if args.config or any(name not in BUILTIN_MODELS for name in names):
         path = resolve_config_path(args.config).path
         config = load_config(path)
-    return [resolve(name, config, path, prefer_config=bool(args.config)) for name in names]
+    records = resolve_cache_dir(config.cache_dir) if config is not None else None
+    return [resolve(name, config, path, prefer_config=bool(args.config)) for name in names], records
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table, write the JSON; exit 2 when a model or the config is not there."""
     try:
-        targets = _targets(args)
-        measured_at = {target.name: sizes_of(target, args) for target in targets}
+        targets, records = _targets(args)
+        measured_at = {target.name: sizes_of(target, args, records) for target in targets}
     except (UnknownModel, ConfigError, ConfigPathError, ConstraintsError) as exc:
         print(f"infervisor bench: {exc}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from infervisor.supervisor.toolkit.layouts import Layout, layouts, placement
 from infervisor.supervisor.toolkit.models import entry_of, launch_of
 from infervisor.supervisor.toolkit.optimize import Verdict, chain_at, choose, judge_check, noise_notes, within_budget
 from infervisor.supervisor.toolkit.provenance import command_line, measured_on
-from infervisor.supervisor.toolkit.served_sizes import ServedSizes, served_sizes, warning
+from infervisor.supervisor.toolkit.served_sizes import ServedSizes, recorded_mix, served_sizes, warning
 from infervisor.supervisor.toolkit.sweep import ChildFailed, Point, SweepOptions, auto_pick, measure_cores, restart_of
 
 
@@ -355,7 +355,12 @@ def run_optimize(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     budget, sla = _budget_and_sla(model, constraints)
     cache_dir = Path(args.cache_dir) if args.cache_dir else resolve_cache_dir(config.cache_dir)
-    sizes = served_sizes(model.inputs, constraints.data if constraints else None, model.typical_shape)
+    recording = None
+    if model.record_inputs:
+        recording, why_not = recorded_mix(resolve_cache_dir(config.cache_dir), model.name, model.record_inputs_mb)
+        if why_not:
+            _say(why_not)
+    sizes = served_sizes(model.inputs, constraints.data if constraints else None, model.typical_shape, recording)
     options = SweepOptions(args.seconds, args.batch, args.timeout, cache_dir, sizes.as_json(), sizes.text)
     _say(f"layouts: {', '.join(map(str, candidates))} (workers x cores per worker); sizes: {sizes.text}")
     try:

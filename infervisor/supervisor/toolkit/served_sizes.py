@@ -3,15 +3,20 @@
 A keyword model declared `[null, 1, [256, 32000]]` that serves 16,000 samples costs 0.2 ms a call at 256 and 14.6 ms
 at 16,000: a sweep timed at the minimum chooses, and promises, on a size nobody sends. The sizes come, in order,
 from the constraints' `data.inputs` (each range read as a uniform distribution: SPREAD sizes at its quantiles, so
-the mean cost over them is the range's), else the model's `typical_shape` (one size), else the declared example
-(its smallest sizes), which the text then says in so many words.
+the mean cost over them is the range's), else the model's `typical_shape` (one size), else the served mix the
+daemon recorded in the cache (common/recorded_inputs.py: each shape group in SPREAD sizes by its share of the
+requests seen), else the declared example (its smallest sizes), which the text then says in so many words.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from infervisor.common import recorded_inputs
+from infervisor.common.recorded_inputs import Recording
+from infervisor.common.strict_modes import UnsafePath
 from infervisor.protocol.tensors import TensorSpec
 from infervisor.supervisor.toolkit.constraints import Data
 
@@ -75,17 +80,69 @@ def _from_data(specs: tuple[TensorSpec, ...], data: Data) -> ServedSizes | None:
     return ServedSizes(tuple(shapes), "constraints data.inputs")
 
 
-def served_sizes(specs: tuple[TensorSpec, ...], data: Data | None, typical: dict[str, list[int]] | None) -> ServedSizes:
+def _from_recording(specs: tuple[TensorSpec, ...], recording: Recording) -> ServedSizes | None:
+    """SPREAD sizes over the recorded shape groups, each by its share of the requests seen (the largest share first);
+    None when the recording holds no sample every spec accepts (the model changed since)."""
+    shapes_of_group: dict[str, dict[str, tuple[int, ...]]] = {}
+    for sample in recording.samples:
+        sizes = {t.name: (1, *t.shape[1:]) for t in sample.tensors}
+        if sample.group not in shapes_of_group and _accepted(specs, sizes):
+            shapes_of_group[sample.group] = sizes
+    seen = {group: recording.seen.get(group, 0) or 1 for group in shapes_of_group}
+    if not seen:
+        return None
+    total = sum(seen.values())
+    ranked = sorted(seen, key=lambda group: -seen[group])
+    slots = {group: round(SPREAD * seen[group] / total) for group in ranked}
+    slots[ranked[0]] = max(1, slots[ranked[0]])
+    shapes = tuple(shapes_of_group[group] for group in ranked for _ in range(slots[group]))
+    shares = ", ".join(f"{group} {100 * seen[group] / total:.0f}%" for group in ranked if slots[group])
+    return ServedSizes(shapes, f"the served mix recorded by the daemon: {shares}")
+
+
+def _accepted(specs: tuple[TensorSpec, ...], sizes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether every spec takes its input at these sizes (same names, ranks and fixed dims)."""
+    if set(sizes) != {spec.name for spec in specs}:
+        return False
+    for spec in specs:
+        shape = sizes[spec.name]
+        if len(shape) != len(spec.shape) or not all(spec.takes(i, size) for i, size in enumerate(shape) if i > 0):
+            return False
+    return True
+
+
+def served_sizes(
+    specs: tuple[TensorSpec, ...],
+    data: Data | None,
+    typical: dict[str, list[int]] | None,
+    recording: Recording | None = None,
+) -> ServedSizes:
     """The sizes to measure at (see the module's docstring)."""
     found = _from_data(specs, data) if data is not None else None
     if found is not None:
         return found
     if typical:
         return ServedSizes(({s.name: (1, *typical[s.name][1:]) for s in specs},), "typical_shape")
+    served = _from_recording(specs, recording) if recording is not None else None
+    if served is not None:
+        return served
     example = {spec.name: spec.example_shape(1) for spec in specs}
     open_dims = any(spec.shape[i] is None for spec in specs for i in range(1, len(spec.shape)))
     what = "the declared example: its smallest sizes" if open_dims else "the declared shape"
     return ServedSizes((example,), what, minimum=open_dims)
+
+
+def recorded_mix(root: Path, model: str, cap_mb: int) -> tuple[Recording | None, str]:
+    """The model's newest recording in the cache `root` and "", or None and why there is none to use."""
+    paths = recorded_inputs.of_model(root, model)
+    if not paths:
+        return None, ""
+    newest = max(paths, key=lambda path: path.stat().st_mtime)
+    key = newest.name.removesuffix(recorded_inputs.SUFFIX).rpartition("-")[2]
+    try:
+        return recorded_inputs.read(root, key, model, cap_mb << 20), ""
+    except (UnsafePath, ValueError, OSError) as exc:
+        return None, f"the daemon's recorded inputs were not used: {exc}"
 
 
 def warning(sizes: ServedSizes) -> list[str]:
