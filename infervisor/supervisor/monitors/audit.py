@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from infervisor.supervisor.monitors.audit_feed import NO_RUN, AuditFeed, AuditVerdict
+from infervisor.supervisor.monitors.audit_feed import NO_RUN, AuditFeed, AuditVerdict, NoFeed
 from infervisor.supervisor.monitors.audit_tally import AuditTally
 from infervisor.supervisor.monitors.findings import Action, Finding
 from infervisor.supervisor.monitors.readings import Reading, Readings, Scope
@@ -58,8 +58,8 @@ class AuditWatch:
     """Judges the verdicts the audit runner collected, reports rows below tolerance and each model's audit."""
 
     def __init__(self) -> None:
-        #: The audit runner's read side, wired by core/assembly.py (none: nothing audited, nothing to judge).
-        self.feed: AuditFeed | None = None
+        #: The audit runner's read side, wired by core/assembly.py.
+        self.feed: AuditFeed = NoFeed()
         self.models: dict[str, ModelJudgement] = {}
 
     def read_from(self, feed: AuditFeed) -> None:
@@ -73,12 +73,12 @@ class AuditWatch:
         for name in [name for name in self.models if name not in view.config.models]:
             del self.models[name]
         for name, judged in self.models.items():
-            if (facts := self.feed.facts(name) if self.feed is not None else None) is not None:
+            if (facts := self.feed.facts(name)) is not None:
                 judged.follow(facts.changes)
             served = {s.proc.profile for s in view.serving.get(name, ()) if s.proc.profile}
             judged.acted_on = {p: at for p, at in judged.acted_on.items() if p in served and now - at < ACT_AGAIN_S}
         findings = []
-        for verdict in self.feed.hand_over() if self.feed is not None else ():
+        for verdict in self.feed.hand_over():
             model = view.config.models.get(verdict.model)
             if model is None:
                 continue
@@ -118,7 +118,7 @@ class AuditWatch:
     def report(self, name: str, model: ModelConfig | None) -> dict[str, object] | None:
         """The model's `audit` object in status (None when it is not audited and never was)."""
         judged = self.models.get(name)
-        run = self.feed.facts(name) if self.feed is not None else None
+        run = self.feed.facts(name)
         if model is None or (run is None and judged is None and model.audit.budget <= 0):
             return None
         tally = judged.tally if judged is not None else AuditTally()

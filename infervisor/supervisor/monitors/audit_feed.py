@@ -57,3 +57,15 @@ class AuditFeed(Protocol):
     def facts(self, name: str) -> AuditRunFacts | None:
         """The model's figures now (None when it was never sampled)."""
         ...
+
+
+class NoFeed:
+    """The feed before the runner is wired (core/assembly.py): nothing collected, no model sampled."""
+
+    def hand_over(self) -> list[AuditVerdict]:
+        """No verdicts."""
+        return []
+
+    def facts(self, name: str) -> AuditRunFacts | None:
+        """No model was sampled."""
+        return None
