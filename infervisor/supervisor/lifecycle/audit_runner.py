@@ -43,6 +43,10 @@ def model_fingerprint(model: ModelConfig) -> tuple[object, ...]:
     return (model.source, stat, model.inputs, model.outputs, tuple(sorted(model.tolerance.items())))
 
 
+#: How often the model file and the audit processes' state are looked at (the verdicts: every tick).
+CHECK_EVERY_S = 0.25
+
+
 @dataclass
 class ModelAuditRun:
     """One model's audit as the runner keeps it: its samples, its process, and the model it judges by."""
@@ -67,6 +71,7 @@ class AuditRunner:
         self.members = members
         self.runs: dict[str, ModelAuditRun] = {}
         self.seq = 0
+        self.checked_at = -CHECK_EVERY_S
         #: Verdicts collected since the monitor's last turn; at most one a second per model (MIN_INTERVAL_S).
         self.verdicts: list[AuditVerdict] = []
 
@@ -140,16 +145,22 @@ class AuditRunner:
         for name in list(self.runs):
             if name not in config.models:
                 self.runs.pop(name).process.stop()
+        # The model file's stat and the process's /proc reads every CHECK_EVERY_S, not at every 20 ms tick.
+        checking = now - self.checked_at >= CHECK_EVERY_S
+        if checking:
+            self.checked_at = now
         for name, run in self.runs.items():
             model = config.models[name]
-            self.follow_changes(run, model, now)
+            if checking:
+                self.follow_changes(run, model, now)
             serving = [slot for slot in self.members(name) or () if slot.state is SlotState.SERVING]
             served = {slot.proc.profile for slot in serving if slot.proc.profile}
             if not any(audited(model, p) for p in served) or model.audit.budget <= 0:
                 run.samples.forget(dropped=False)
                 run.process.stop()
                 continue
-            self.keep_process(run, config, model, serving, now)
+            if checking or run.process.launched is None:
+                self.keep_process(run, config, model, serving, now)
             self.collect(name, run)
             self.send_waiting(run, now)
 
