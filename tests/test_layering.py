@@ -389,6 +389,54 @@ def test_a_pool_reaching_into_the_pipelines_is_named(tmp_path: Path) -> None:
     assert pipeline_readers(tmp_path) == ["lifecycle/pool.py:2"]
 
 
+#: What starts, signals or ends a process: a monitor only reports, and the pool or core/responses.py acts.
+PROCESS_KEEPERS = (
+    "infervisor.supervisor.workers.launcher",
+    "infervisor.supervisor.workers.child_home",
+    "infervisor.supervisor.workers.process_tree",
+    "infervisor.supervisor.workers.gateway_process",
+    "infervisor.supervisor.workers.audit_process.AuditProcess",
+    "subprocess",
+    "signal",
+    "os.kill",
+    "os.killpg",
+)
+
+
+def process_keepers(folder: Path) -> list[str]:
+    """Places in monitors/ that import what starts, signals or ends a process, or call os.kill or os.killpg."""
+    places = []
+    for path in sorted((folder / "monitors").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+                names = [f"os.{node.attr}"]
+            else:
+                continue
+            if any(name == keeper or name.startswith(f"{keeper}.") for name in names for keeper in PROCESS_KEEPERS):
+                places.append(f"{path.relative_to(folder)}:{node.lineno}")
+    return sorted(places)
+
+
+def test_no_monitor_starts_signals_or_ends_a_process() -> None:
+    """Monitors never act: nothing in monitors/ reaches a launcher, the child home, a process class or a kill."""
+    assert process_keepers(Path(cli.__file__).resolve().parent) == []
+
+
+def test_a_monitor_keeping_a_process_is_named(tmp_path: Path) -> None:
+    """A monitor that imports the audit process class or calls os.kill is named with each line."""
+    (tmp_path / "monitors").mkdir()
+    keeper = (
+        "from infervisor.supervisor.workers.audit_process import AuditProcess, AuditState\n"
+        "import os\n\n\ndef end(pid):\n    os.kill(pid, 9)\n"
+    )
+    (tmp_path / "monitors" / "leak.py").write_text(keeper)
+    assert process_keepers(tmp_path) == ["monitors/leak.py:1", "monitors/leak.py:6"]
+
+
 #: worker/'s modules and folders from the top down (docs/architecture.md), in the supervisor's style: each imports only
 #: what stands after it, and nothing at its own level, so the start sequence and the serving loop never import each
 #: other (serve.py joins them) and profiles/ never reaches the process that runs it.

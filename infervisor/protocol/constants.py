@@ -76,7 +76,8 @@ class WorkerMessageType(enum.IntEnum):
     BATCH = 12
     PROGRESS = 13
     LOAD_ERROR = 14
-    #: The live audit process (supervisor/monitors/audit.py): a served answer to rerun on eager fp32, and its verdict.
+    #: The live audit process (supervisor/lifecycle/audit_runner.py): a served answer to rerun on eager fp32, and
+    #: its verdict.
     AUDIT = 20
     AUDIT_RESULT = 21
 

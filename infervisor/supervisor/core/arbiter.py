@@ -207,7 +207,7 @@ class Arbiter:
         """Kill anything still alive, then close sockets so no file is left behind."""
         self.gateway.stop()
         self.parts.metrics.close()
-        self.parts.monitors.audit.stop_all()
+        self.pool.audits.stop_all()
         self.pool.stop.shutdown()
         self.parts.home.close()
         self.broker.close()

@@ -97,6 +97,22 @@ def core_planner(sysfs_root: Path, affinity: SupervisorAffinity) -> Callable[[Co
     return plan
 
 
+def wire_audit(broker: Broker, pool: WorkerPool, monitors: Monitors) -> None:
+    """Wire each successful answer to the samplers (the live audit's, the shadow's, the input recorder's), and the
+    audit runner's verdicts to the audit monitor, which only judges them."""
+    audit, shadows, recorder = pool.audits.offer, pool.builds.offer, pool.builds.recorder.offer
+
+    def tap(slot: WorkerSlot, request: PendingRequest, frames: list[Any]) -> None:
+        """Each successful answer: the live audit's, the shadow's and the input recorder's sampler (each never
+        raises)."""
+        audit(slot, request, frames)
+        shadows(slot, request, frames)
+        recorder(slot, request, frames)
+
+    broker.audit_tap = tap
+    monitors.audit.read_from(pool.audits)
+
+
 def assemble(
     config: Config,
     config_path: Path,
@@ -123,16 +139,7 @@ def assemble(
     broker = Broker(endpoints, loop, links, serving, anomalies, replies, streams)
     pool = WorkerPool(serving, plan(config), links, broker, launcher)
     monitors = build_monitors()
-    audit, shadows, recorder = monitors.audit.offer, pool.builds.offer, pool.builds.recorder.offer
-
-    def tap(slot: WorkerSlot, request: PendingRequest, frames: list[Any]) -> None:
-        """Each successful answer: the live audit's, the shadow's and the input recorder's sampler (each never
-        raises)."""
-        audit(slot, request, frames)
-        shadows(slot, request, frames)
-        recorder(slot, request, frames)
-
-    broker.audit_tap = tap
+    wire_audit(broker, pool, monitors)
     fallback = FallbackControl(serving, pool)
     responses = Responses(serving, pool, broker, links, fallback, monitors.canaries)
     # Each worker message goes straight to its owner; a link that lost its framing, to the pool.

@@ -21,6 +21,7 @@ import structlog
 
 from infervisor.protocol import worker_messages as wm
 from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.lifecycle.audit_runner import AuditRunner
 from infervisor.supervisor.lifecycle.background_build import BackgroundBuilds
 from infervisor.supervisor.lifecycle.exit_decision import BACKOFF_MAX_S, same_error
 from infervisor.supervisor.lifecycle.exits import ExitReaper
@@ -72,6 +73,8 @@ class WorkerPool:
         self.watchdog = Watchdog(self.roster, serving, links, broker)
         #: Each model's background build; its workers serve first until it is done (background_build.py).
         self.builds = BackgroundBuilds(lambda: serving.current, self.roster.members_of, self.switch_to_pick)
+        #: Each model's live audit: its sampler and its audit process (audit_runner.py); the audit monitor judges.
+        self.audits = AuditRunner(lambda: serving.current, self.roster.members_of)
         broker.route_to(self.roster.members_of)
 
     # ---- the reconcile step ------------------------------------------------------------------
@@ -82,18 +85,20 @@ class WorkerPool:
             self.spawn(slot)
 
     def tick(self, now: float) -> None:
-        """One reconcile step: reap exits, kill the stuck, heartbeat, then stop or roll out and manage."""
+        """One reconcile step: reap exits, kill the stuck, heartbeat, then stop or roll out, manage, build and audit."""
         self.exits.reap(now)
         self.watchdog.murder(now)
         self.watchdog.heartbeat(now)
         if self.stop.stopping:
             self.builds.stop_all("the daemon stops")
+            self.audits.stop_all()
             self.stop.advance(now)
             return
         self.rollout.advance(self.steps)
         self.settle_targets()
         self.manage(now)
         self.builds.tick(now, self.served_profiles)
+        self.audits.tick(now)
 
     def spawn(self, slot: WorkerSlot) -> None:
         """Start the slot's process and listen to it; a failed fork/exec is retried later, not fatal."""

@@ -53,20 +53,16 @@ class AuditFinding:
 
 @dataclass
 class AuditTally:
-    """One model's audit counters and worst figures (since the daemon started)."""
+    """One model's audit counters and worst figures (since the daemon started), from the verdicts judged."""
 
     requests: int = 0
     rows: int = 0
     rows_below: int = 0
-    #: Samples not audited: the queue was full, or the audit process ended while holding them.
-    dropped: int = 0
     #: Samples the audit process could not read back (never a verdict on the profile).
     unreadable: int = 0
     worst: dict[str, Any] = field(default_factory=dict)
     last_finding: AuditFinding | None = None
     findings: int = 0
-    #: Estimated CPU ms one row costs on eager fp32 in the audit process (None before the first result).
-    cost_ms_per_row: float | None = None
     cpu_ms: float = 0.0
 
     def take(self, result: wm.AuditResult, profile: str, pid: int | None) -> AuditFinding | None:
@@ -75,9 +71,6 @@ class AuditTally:
         if result.rows == 0:
             self.unreadable += 1
             return None
-        per_row = result.cpu_ms / result.rows
-        # A moving estimate: recent timings weigh most (a box under load, another shape of input).
-        self.cost_ms_per_row = per_row if self.cost_ms_per_row is None else 0.8 * self.cost_ms_per_row + 0.2 * per_row
         self.requests += 1
         self.rows += result.rows
         self.rows_below += result.rows_below
@@ -96,11 +89,12 @@ class AuditTally:
         self.findings += 1
         return finding
 
-    def line(self) -> str:
-        """`412 rows audited, 3 below tolerance, worst cosine 0.9987 (x[1, 8])`."""
+    def line(self, dropped: int) -> str:
+        """`412 rows audited, 3 below tolerance, worst cosine 0.9987 (x[1, 8]), 2 dropped` (`dropped`: the samples
+        the runner let go unaudited)."""
         text = f"{self.rows} rows audited, {self.rows_below} below tolerance"
         if self.worst:
             text += f", worst cosine {cosine_text(float(self.worst['cosine']))} ({self.worst['input_shape']})"
-        if self.dropped:
-            text += f", {self.dropped} dropped"
+        if dropped:
+            text += f", {dropped} dropped"
         return text

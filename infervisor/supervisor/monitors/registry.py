@@ -3,9 +3,9 @@
 core/assembly.py builds the monitors from `MONITORS` once at start, the arbiter runs every one each turn;
 adding a monitor is one module in this package and one entry here. What a monitor shows in status and
 /metrics it declares on its entry (`readings`, monitors/readings.py) and reports through its `readings`
-method; the snapshot collects them from every entry. A few monitors keep state the daemon uses beyond
-their findings and readings (heat for the idle-polling hold, canary verdicts for worker replies, the
-audit's sampler for the broker): `Monitors` names those, typed, by their class.
+method; the snapshot collects them from every entry. A few monitors are reached beyond their findings and
+readings (heat for the idle-polling hold, canary verdicts for worker replies, the audit's wiring to the
+runner whose verdicts it judges): `Monitors` names those, typed, by their class.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ MONITORS: tuple[MonitorEntry, ...] = (
     ),
     MonitorEntry(
         "audit",
-        "served answers of optimised profiles, sampled within a CPU budget, rerun on eager fp32",
+        "verdicts on served answers of optimised profiles, sampled within a CPU budget and rerun on eager fp32",
         AuditWatch,
         AUDIT_READINGS,
     ),

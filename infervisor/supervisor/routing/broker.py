@@ -154,7 +154,7 @@ class Broker:
         self.next_id = 1
         #: Hands each model's line to its workers with room (dispatcher.py).
         self.dispatcher = Dispatcher(self.queues, serving, links, self.pipelines, streams.fail)
-        #: The live audit's sampler (monitors/audit.py: AuditWatch.offer), wired by core/assembly.py.
+        #: The live audit's sampler (lifecycle/audit_runner.py: AuditRunner.offer), wired by core/assembly.py.
         self.audit_tap: AuditTap = lambda slot, request, frames: None
         self.sync_queues()
 

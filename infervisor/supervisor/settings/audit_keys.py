@@ -1,5 +1,6 @@
 """A model's `audit` key: how much CPU the live audit may spend re-running served answers on eager fp32, and what a
-row below tolerance does (supervisor/monitors/audit.py)."""
+row below tolerance does (supervisor/lifecycle/audit_runner.py samples and reruns, supervisor/monitors/audit.py
+judges)."""
 
 from __future__ import annotations
 
