@@ -13,11 +13,13 @@ import argparse
 import json
 import re
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,6 +35,7 @@ from infervisor.supervisor.monitors.registry import MonitorEntry, build_monitors
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.settings.config import Config, parse_config
 from tests.conftest import ROOT, TINY_INPUTS, Daemon, free_loopback_port, model_entry, wait_for
+from tests.fault_models import FAULT_INPUTS
 
 
 class FirstWorkerWatch:
@@ -96,6 +99,33 @@ TURN_READINGS = (
 )
 
 
+class QueueAgeWatch:
+    """docs/architecture.md's sketch, whole: each model's oldest queued request's wait, from the view alone."""
+
+    def __init__(self) -> None:
+        self.ages: dict[str, float] = {}
+
+    def check(self, now: float, view: MonitorView) -> list[Finding]:
+        """Keep the ages; never a finding."""
+        self.ages = dict(view.queue_ages)
+        return []
+
+    def readings(self, config: Config) -> Readings:
+        """The oldest wait of each model with requests waiting."""
+        return Readings(models={name: {"oldest_s": age} for name, age in self.ages.items()})
+
+
+QUEUE_AGE_READINGS = (
+    Reading(
+        "oldest_s",
+        Scope.MODEL,
+        "how long the oldest queued request has waited",
+        metric="infervisor_fake_queue_oldest_seconds",
+        unit="seconds",
+    ),
+)
+
+
 def served_models(host: ControlHost, command: dict[str, Any]) -> dict[str, Any]:
     """A fake control command: the names of the models the pool serves."""
     return {"ok": True, "models": sorted(host.pool.roster.members)}
@@ -105,7 +135,8 @@ def register_fakes(patch: pytest.MonkeyPatch) -> None:
     """The one monitor entry and the one control-command entry the fakes need, added to the live tables."""
     entry = MonitorEntry("first_worker", "recycles the first serving worker once", FirstWorkerWatch)
     turns = MonitorEntry("turns", "counts turns and serving workers (readings only)", TurnWatch, TURN_READINGS)
-    patch.setattr(registry, "MONITORS", (*registry.MONITORS, entry, turns))
+    ages = MonitorEntry("queue_age", "queued requests' oldest wait", QueueAgeWatch, QUEUE_AGE_READINGS)
+    patch.setattr(registry, "MONITORS", (*registry.MONITORS, entry, turns, ages))
     command = ControlCommand("served_models", True, "the models the pool serves", served_models)
     patch.setattr(control_commands, "CONTROL_COMMANDS", {**control_commands.CONTROL_COMMANDS, command.name: command})
 
@@ -117,7 +148,10 @@ def daemon_with_fakes(tmp_path: Path) -> Iterator[Daemon]:
         "monitor_interval_s": 0.2,
         "oversubscribe": True,
         "metrics_listen": f"127.0.0.1:{free_loopback_port()}",
-        "models": {"tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS)},
+        "models": {
+            "tiny": model_entry({"builtin": "tiny"}, TINY_INPUTS),
+            "rowslow": model_entry({"python": "tests.fault_models:rowslow"}, FAULT_INPUTS, workers=1),
+        },
     }
     daemon = Daemon(tmp_path, config, command_prefix=[sys.executable, "-m", __name__])
     try:
@@ -172,8 +206,37 @@ def test_a_monitor_s_readings_declared_on_its_entry_show_in_status_and_metrics(d
     assert (turns.type, turns.documentation) == ("counter", "monitor turns the fake monitor ran")
     assert [s.value for s in turns.samples if s.name == "infervisor_fake_turns_total"][0] >= 1
     assert (serving.type, serving.documentation) == ("gauge", "serving workers the fake monitor saw")
-    assert [s.labels for s in serving.samples] == [{"model": "tiny"}] and serving.samples[0].value >= 1
+    assert sorted(s.labels["model"] for s in serving.samples) == ["rowslow", "tiny"]
+    assert [s.value for s in serving.samples if s.labels["model"] == "tiny"][0] >= 1
     assert [s.value for s in seen.samples if s.labels == labels and s.name.endswith("_total")][0] >= 1
+
+
+def test_a_monitor_reads_the_queues_ages_from_its_view_alone(daemon_with_fakes: Daemon) -> None:
+    """With four clients on a one-worker model of 20 ms a request, the queue-age sketch reports a wait in status."""
+    daemon = daemon_with_fakes
+    daemon.wait_ready()
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        with daemon.client() as client:
+            for _ in range(3000):  # 60 s of requests at most
+                if done.is_set():
+                    return
+                client.infer("rowslow", {"x": np.zeros((1, 2), np.float32)}, timeout=60)
+
+    clients = [threading.Thread(target=keep_asking) for _ in range(4)]
+    for client in clients:
+        client.start()
+    try:
+        oldest = wait_for(lambda: daemon.status()["models"]["rowslow"].get("oldest_s"), 60, "a queue age in status")
+    finally:
+        done.set()
+        for client in clients:
+            client.join(90)
+    # Three requests wait behind the one served: the oldest has waited at least part of a 20 ms turn, and far less
+    # than the test's minute.
+    assert 0.0 < oldest < 30.0
+    assert daemon.status()["models"]["tiny"]["oldest_s"] is None
 
 
 #: The families of TURN_READINGS, as prometheus_client's parser names them (a counter without `_total`).
@@ -208,7 +271,7 @@ def test_a_control_command_added_to_the_table_is_answered_over_the_control_socke
     """The fake command answers on the real control.sock, and the unknown-command answer lists it."""
     daemon = daemon_with_fakes
     wait_for(daemon.try_status, 60, "the daemon answering")
-    assert daemon.control({"cmd": "served_models"}) == {"ok": True, "models": ["tiny"]}
+    assert daemon.control({"cmd": "served_models"}) == {"ok": True, "models": ["rowslow", "tiny"]}
     unknown = daemon.control({"cmd": "nope"})
     assert unknown["ok"] is False and unknown["error"].endswith(", served_models")
 

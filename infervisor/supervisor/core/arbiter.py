@@ -176,7 +176,8 @@ class Arbiter:
             return
         config, monitors, roster = self.config, self.parts.monitors, self.pool.roster
         self.next_monitor = now + config.monitor_interval_s
-        view = MonitorView(config, roster.serving_members(), roster.draining(), roster.live_pids())
+        ages = {name: age for name, queue in self.broker.queues.items() if (age := queue.oldest_wait(now)) is not None}
+        view = MonitorView(config, roster.serving_members(), roster.draining(), roster.live_pids(), ages)
         findings = monitors.check(now, view)
         self.pool.track_descendants()
         self.parts.memory.trim_if_grown()

@@ -14,7 +14,8 @@ from infervisor.supervisor.workers.slot import WorkerSlot
 
 @dataclass(frozen=True)
 class MonitorView:
-    """What monitors may look at on one turn: the serving config and the workers, never the pool itself."""
+    """What monitors may look at on one turn: the serving config, the workers and the queues' ages, never the pool or
+    the broker themselves."""
 
     config: Config
     #: Per model, the pool's workers that serve now.
@@ -23,6 +24,8 @@ class MonitorView:
     draining: Sequence[WorkerSlot]
     #: Every live worker pid: a monitor drops what it keeps about any other.
     live_pids: frozenset[int]
+    #: Per model with requests waiting for a worker, how long (s) the oldest of them has waited.
+    queue_ages: Mapping[str, float]
 
     def model_of(self, slot: WorkerSlot) -> ModelConfig:
         """The serving config of the slot's model (live keys apply at once), or what it was built from."""

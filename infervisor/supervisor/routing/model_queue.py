@@ -22,6 +22,13 @@ class ModelQueue:
     batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     batch_wait_ms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4096))
 
+    def oldest_wait(self, now: float) -> float | None:
+        """How long (s) the longest-waiting request has waited at `now`, or None when none waits.
+
+        Not simply the head: a request a lost worker held goes back to the head with its own acceptance time.
+        """
+        return max((now - request.accepted_at for request in self.waiting), default=None)
+
     @property
     def completed(self) -> int:
         """Requests of the model answered with a result."""
