@@ -14,8 +14,9 @@ import structlog
 log = structlog.get_logger("worker")
 
 _MADV_DONTNEED = 4
-#: Where torch's AOTInductor loader extracts a package's shared library before loading it.
-_PACKAGE_LIBRARY = re.compile(r"/aotinductor_[^/]+/.*\.so$")
+#: Where torch's AOTInductor loader extracts a package's shared library before loading it. The folder is removed once
+#: the package is loaded (profiles/package_scratch.py), so the kernel names the mapping's file `... (deleted)`.
+_PACKAGE_LIBRARY = re.compile(r"/aotinductor_[^/]+/.*\.so(?: \(deleted\))?$")
 #: OpenVINO's cached IR weights (`openvino*-<key>.bin`) and compiled blobs (`openvino/<hash>.blob`): the CPU plugin
 #: maps them shared and read-only, and serves from its own repacked copy of the weights.
 _OPENVINO_WEIGHTS = re.compile(r"/openvino[a-z0-9_]*-[0-9a-f]{32}\.bin$|/openvino/[0-9]+\.blob$")
