@@ -5,7 +5,8 @@
 Each round starts the daemon twice on the same config and cache, `warm_template` on then off (the order swapped
 every other round, so a box that slows mid-run weighs on both arms alike). Each start waits until every worker
 serves and no build is running, sends `--requests` batch-1 requests to every model, reads /proc/PID/smaps_rollup of
-every process of the daemon's tree (workers, audit processes, the template, the supervisor), then kills a serving
+every process of the daemon's tree (workers, audit processes, the template, the supervisor) once no audit process is
+still starting (an exec'd one at idle priority is still importing torch after the requests), then kills a serving
 worker with SIGKILL `--kills` times and times how long until its slot serves again (a new process past READY)
 and a request of the model is answered.
 
@@ -59,6 +60,18 @@ def _settled(runtime_dir: Path, timeout: float) -> dict[str, Any]:
             return status
         if time.monotonic() > deadline:
             raise SystemExit(f"not settled within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _audits_started(runtime_dir: Path, timeout: float) -> None:
+    """Wait until no model's audit process is starting: a half-imported one would be measured at half its size."""
+    deadline = time.monotonic() + timeout
+    while True:
+        audits = [m["audit"]["process"] for m in _status(runtime_dir)["models"].values() if m.get("audit")]
+        if not any(a.get("state") == "starting" for a in audits):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"an audit process still starting after {timeout:.0f} s")
         time.sleep(0.5)
 
 
@@ -116,6 +129,7 @@ def one_start(config: dict[str, Any], folder: Path, template: bool, requests: in
                 arrays = random_inputs(entry["inputs"], 1)
                 for _ in range(requests):
                     client.infer(name, arrays, timeout=120)
+        _audits_started(runtime_dir, 600)
         memory = tree_memory(process.pid)
         model = next(iter(config["models"]))
         arrays = random_inputs(config["models"][model]["inputs"], 1)

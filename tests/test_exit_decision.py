@@ -72,3 +72,15 @@ def test_the_reason_says_why_for_operators() -> None:
     assert verdict.why == "load failed: no file (twice in a row: not retried until a reload or restart)"
     later = ExitFacts(STARTING, 1, "exited with 1", CRASH, False, False, 0, 1)
     assert decide_exit(later, _config(3)).why == "exited with 1; respawn in 2.0 s"
+
+
+def test_a_worker_that_answered_requests_is_respawned_at_once_however_many_ended_before() -> None:
+    """A serving worker that answered a request respawns at once at its second crash; one that answered none, and
+    one that never got ready, still back off; the window's limit still fails the slot."""
+    answered = ExitFacts(SERVING, -9, "killed by SIGKILL", CRASH, False, False, 0, 2, answered=1)
+    assert (decide_exit(answered, _config(5)).state, decide_exit(answered, _config(5)).respawn_in) == (BACKOFF, 0.0)
+    silent = ExitFacts(SERVING, -9, "killed by SIGKILL", CRASH, False, False, 0, 2, answered=0)
+    assert decide_exit(silent, _config(5)).respawn_in == 2.0
+    starting = ExitFacts(STARTING, 1, "exited with 1", CRASH, False, False, 0, 1, answered=3)
+    assert decide_exit(starting, _config(5)).respawn_in == 2.0
+    assert decide_exit(answered, _config(3)).state is FAILED

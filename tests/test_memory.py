@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -130,3 +132,24 @@ def test_mismatched_large_frames_from_many_connections_leave_no_memory_behind(
         context.term()
     with daemon.client() as client:
         assert client.infer("tiny", {"x": np.ones((1, 16), np.float32)})["y"].shape == (1, 16)
+
+
+def test_the_weights_of_a_package_whose_unpacked_library_was_removed_are_still_released(tmp_path: Path) -> None:
+    """A library mapped from an unpacked folder that is gone since (`... (deleted)`) still has its pages dropped."""
+    from infervisor.worker.memory import drop_package_weight_pages, maps_weights_files
+
+    assert not maps_weights_files(Path("/proc/self/maps").read_text()), "no package: smaps is not read at all"
+
+    library = tmp_path / "aotinductor_x" / "model" / "weights.wrapper.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(os.urandom(4 << 20))
+    with library.open("rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    try:
+        before = bytes(mapped[:: mmap.PAGESIZE])  # every page resident
+        shutil.rmtree(tmp_path / "aotinductor_x")  # what profiles/package_scratch.py does after the load
+        assert maps_weights_files(Path("/proc/self/maps").read_text())
+        assert drop_package_weight_pages() >= 4 << 20
+        assert bytes(mapped[:: mmap.PAGESIZE]) == before  # read again from the unlinked file
+    finally:
+        mapped.close()

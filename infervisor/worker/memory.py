@@ -14,8 +14,9 @@ import structlog
 log = structlog.get_logger("worker")
 
 _MADV_DONTNEED = 4
-#: Where torch's AOTInductor loader extracts a package's shared library before loading it.
-_PACKAGE_LIBRARY = re.compile(r"/aotinductor_[^/]+/.*\.so$")
+#: Where torch's AOTInductor loader extracts a package's shared library before loading it. The folder is removed once
+#: the package is loaded (profiles/package_scratch.py), so the kernel names the mapping's file `... (deleted)`.
+_PACKAGE_LIBRARY = re.compile(r"/aotinductor_[^/]+/.*\.so(?: \(deleted\))?$")
 #: OpenVINO's cached IR weights (`openvino*-<key>.bin`) and compiled blobs (`openvino/<hash>.blob`): the CPU plugin
 #: maps them shared and read-only, and serves from its own repacked copy of the weights.
 _OPENVINO_WEIGHTS = re.compile(r"/openvino[a-z0-9_]*-[0-9a-f]{32}\.bin$|/openvino/[0-9]+\.blob$")
@@ -46,10 +47,7 @@ def package_weight_mappings(smaps: str) -> list[tuple[int, int]]:
         match = _MAPPING.match(line)
         if match is not None:
             start, end, perms, path = match.groups()
-            wanted = (perms == "r--p" and _PACKAGE_LIBRARY.search(path) is not None) or (
-                perms in ("r--p", "r--s") and _OPENVINO_WEIGHTS.search(path) is not None
-            )
-            current = (int(start, 16), int(end, 16) - int(start, 16)) if wanted else None
+            current = (int(start, 16), int(end, 16) - int(start, 16)) if _weights_file(perms, path) else None
         elif current is not None and line.startswith("Anonymous:"):
             if line.split()[1] == "0":
                 found.append(current)
@@ -57,14 +55,30 @@ def package_weight_mappings(smaps: str) -> list[tuple[int, int]]:
     return found
 
 
+def _weights_file(perms: str, path: str) -> bool:
+    """A read-only mapping of a package library's or an OpenVINO cache's file: where on-file weights may be mapped."""
+    return (perms == "r--p" and _PACKAGE_LIBRARY.search(path) is not None) or (
+        perms in ("r--p", "r--s") and _OPENVINO_WEIGHTS.search(path) is not None
+    )
+
+
+def maps_weights_files(maps: str) -> bool:
+    """Whether /proc/self/maps (`maps`) shows any mapping `package_weight_mappings` could pick."""
+    return any((m := _MAPPING.match(line)) is not None and _weights_file(m[3], m[4]) for line in maps.splitlines())
+
+
 def drop_package_weight_pages() -> int:
     """Unmap the resident pages of the packages' on-file weights (they fault back in from the file if read); bytes."""
     libc = _libc()
+    if libc is None:
+        return 0
     try:
+        # smaps walks the page tables of every mapping (35-95 ms in a worker forked from the warm template, a fifth
+        # of a tiny worker's way back after a kill); maps does not, and an eager worker maps no package at all.
+        if not maps_weights_files(Path("/proc/self/maps").read_text()):
+            return 0
         smaps = Path("/proc/self/smaps").read_text()
     except OSError:
-        return 0
-    if libc is None:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     dropped = 0

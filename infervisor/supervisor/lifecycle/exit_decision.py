@@ -21,7 +21,8 @@ from infervisor.supervisor.workers.retry_policy import POLICIES, ChildKind, retr
 from infervisor.supervisor.workers.slot import RestartReason, SlotState
 
 #: Back-off of an exit not asked for (workers/retry_policy.py): 1, 2, 4 s ... from a never-ready worker's first exit,
-#: and from a serving worker's second (its first respawns at once), up to the maximum.
+#: and from a serving worker's second (its first respawns at once, and so does any that answered a request), up to
+#: the maximum.
 BACKOFF_MAX_S = POLICIES[ChildKind.WORKER].max_s
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
@@ -73,6 +74,8 @@ class ExitFacts:
     running: int
     #: Failures of the slot inside the restart window before this exit.
     failures_before: int
+    #: Requests this process answered: one that answered any proved that its model loads and serves.
+    answered: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,5 +132,10 @@ def decide_exit(facts: ExitFacts, config: Config) -> ExitVerdict:
     # A worker that never got ready (bad model, bad spec) backs off harder than one that crashed while serving.
     never_ready = facts.state is SlotState.STARTING or facts.code == WorkerExitCode.LOAD_FAILED
     delay = retry_in(ChildKind.WORKER, failures if never_ready else failures - 1)
-    respawn_in = delay if never_ready or failures > 1 else 0.0
+    # One that answered requests before it ended is respawned at once, as a first crash is: waiting would only cost
+    # capacity (a killed worker's slot was 1, 2, 4 s longer away at its second, third kill). The back-off is for
+    # processes that end before answering anything (at their start, or on their first request), and
+    # `max_restarts` in the window still fails a slot whose workers keep ending.
+    served = facts.answered > 0 and not never_ready
+    respawn_in = delay if never_ready or (failures > 1 and not served) else 0.0
     return verdict(SlotState.BACKOFF, f"{how}; respawn in {respawn_in:.1f} s", respawn_in, True, failures)

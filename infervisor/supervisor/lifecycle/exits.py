@@ -118,4 +118,5 @@ class ExitReaper:
             hung=proc.hung_request,
             running=self.broker.load_of(slot).running_count(),
             failures_before=slot.failures_within(now, self.serving.current.restart_window_s),
+            answered=proc.requests,
         )

@@ -30,8 +30,9 @@ class RetryPolicy:
     max_s: float
 
 
-#: Each kind's policy. A worker's first crash while serving respawns at once (exit_decision.py): these waits start
-#: from its second, or from the first of one that never got ready. An audit or shadow process runs at idle priority
+#: Each kind's policy. A worker's first crash while serving respawns at once, and so does the end of one that answered
+#: a request (exit_decision.py): these waits start from the second end of one that answered none, or from the first
+#: of one that never got ready. An audit or shadow process runs at idle priority
 #: beside serving, so a broken one is retried slowly; the template's start imports torch (seconds of CPU), so a
 #: template that keeps failing must not cost the box that every few seconds.
 POLICIES: dict[ChildKind, RetryPolicy] = {
