@@ -229,7 +229,9 @@ def test_shedding_is_a_thermal_finding_answered_by_the_responses_table(tmp_path:
     sysfs = tmp_path / "sysfs"
     write_thermal_sysfs(sysfs, 99.0, 0)
     settings = {"thermal_sysfs_root": str(sysfs), "thermal_action": "shed", "thermal_max_c": 95.0}
-    view = MonitorView(parse_config(json.dumps({**settings, "models": {"tiny": MODEL}}), tmp_path), {}, [], frozenset(), {})
+    view = MonitorView(
+        parse_config(json.dumps({**settings, "models": {"tiny": MODEL}}), tmp_path), {}, [], frozenset(), {}
+    )
     (tmp_path / "rig").mkdir()
     rig = Rig(tmp_path / "rig")
     responses = Responses(
