@@ -21,6 +21,7 @@ from infervisor.supervisor.core.assembly import Parts, assemble
 from infervisor.supervisor.core.control import ControlServer, status_server
 from infervisor.supervisor.core.control_commands import dispatch
 from infervisor.supervisor.host.event_loop import CONTROL
+from infervisor.supervisor.lifecycle.exits import keep_gateway
 from infervisor.supervisor.monitors.memory import rss_now
 from infervisor.supervisor.monitors.view import MonitorView
 from infervisor.supervisor.observe import status
@@ -163,7 +164,7 @@ class Arbiter:
         if self.pool.stop.stopping:
             return
         self.reloader.react_to_file_changes(now)
-        self.gateway.tick(now, self.config)
+        keep_gateway(self.gateway, now, self.config)
         self.monitor(now)
         parts.affinity.reconcile((s.assignment.cpus for s in self.pool.roster.all_slots()), self.config.pin_supervisor)
         # Polling idle adds heat: a throttling box lets go of the request until it cools.

@@ -7,7 +7,8 @@ eager fp32 at the lowest CPU priority and judges them by the gate's own measures
 The runner collects those verdicts; the audit monitor (monitors/audit.py) takes them at its turn, counts them
 and reports a row below tolerance as a finding. The pool ticks the runner (`tick`), as it does the background
 builds: it starts the process when samples wait, restarts it after its back-off, kills it when it hangs or is
-stuck, and stops it when the model serves nothing to audit.
+stuck (lifecycle/exits.py `reap_runner`: the limits and the back-off are lifecycle/exit_decision.py's), and stops
+it when the model serves nothing to audit.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from typing import Any
 import structlog
 
 from infervisor.supervisor.lifecycle.audit_sampler import HeldSamples, Sample, audited
+from infervisor.supervisor.lifecycle.exits import reap_runner
 from infervisor.supervisor.monitors.audit_feed import AuditRunFacts, AuditVerdict
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
-from infervisor.supervisor.workers.audit_process import HANG_S, AuditProcess, AuditState
+from infervisor.supervisor.workers.audit_process import AuditProcess, AuditState
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -187,22 +189,17 @@ class AuditRunner:
     def keep_process(
         self, run: ModelAuditRun, config: Config, model: ModelConfig, serving: Sequence[WorkerSlot], now: float
     ) -> None:
-        """Start the process when samples wait, restart it after its back-off, end it when it hangs."""
+        """Start the process when samples wait, restart it after its back-off, end it when it hangs or is stuck."""
         process, samples = run.process, run.samples
-        if process.settle(now):
-            samples.forget(dropped=True)
         oldest = min((s.sent_at for s in samples.sent.values() if s.sent_at is not None), default=None)
-        stuck = process.stuck(samples.count(), now) if process.launched is not None else None
-        if stuck is not None:
-            process.kill(f"{stuck}: killed", now)
-            samples.forget(dropped=True)
-        elif oldest is not None and now - oldest > HANG_S:
-            process.kill(f"no verdict for {HANG_S:.0f} s: ended as hung", now)
+        if reap_runner(process, now, waiting=samples.count(), oldest_sent_at=oldest, watch=True) is not None:
             samples.forget(dropped=True)
         due = process.state is AuditState.OFF or now >= process.next_start
         if process.launched is None and samples.waiting and due:
             cpus = [cpu for slot in serving for cpu in slot.assignment.cpus]
-            process.start(config, model, cpus or sorted(os.sched_getaffinity(0)), now)
+            failed = process.start(config, model, cpus or sorted(os.sched_getaffinity(0)), now)
+            if failed is not None:
+                reap_runner(process, now, failed_start=failed)
 
     # ---- what the audit monitor reads (monitors/audit_feed.py: AuditFeed) ------------------------
 

@@ -13,7 +13,8 @@ Builders run one at a time (a box sharing its cores with serving is not asked to
 once), each once its model serves. A builder that dies of a signal while on a profile is started
 again and told how its predecessor ended (as `infervisor build` does): a SIGKILL (the OOM killer,
 kill -9, a reboot's stop) is retried once, a second one or any other native crash refuses that
-profile with the reason (profiles/attempts.py), and the chain goes on. Packages are installed
+profile with the reason (profiles/attempts.py), and the chain goes on. Those rules, and when a
+build fails, are lifecycle/exit_decision.py's (`decide_build_exit`); `settle` applies them. Packages are installed
 whole after their digest is stored (cache.py), so a killed build leaves nothing a worker loads.
 """
 
@@ -40,6 +41,7 @@ from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.build_gate import BuildGate
+from infervisor.supervisor.lifecycle.exit_decision import BuildExitFacts, Then, decide_build_exit
 from infervisor.supervisor.lifecycle.input_recorder import InputRecorder
 from infervisor.supervisor.lifecycle.shadow import ShadowOutcome, ShadowRun
 from infervisor.supervisor.routing.pending import PendingRequest
@@ -53,8 +55,6 @@ log = structlog.get_logger("supervisor")
 
 #: How often the recorded refusals (common/verdicts.py) are read again for status.
 _VERDICTS_EVERY_S = 2.0
-#: SIGKILL: the OOM killer, kill -9, a stop that did not wait. Retried once per profile before it is a refusal.
-_SIGKILL = 9
 
 
 class BuildState(enum.Enum):
@@ -313,7 +313,8 @@ class BackgroundBuilds:
     def settle(
         self, build: ModelBuild, model: ModelConfig, now: float, ready: Callable[[str], list[str] | None]
     ) -> None:
-        """A builder that ended: switch to its pick, start another after a crash, or stop with the reason."""
+        """A builder that ended: its end judged by lifecycle/exit_decision.py `decide_build_exit` (switch to its pick,
+        start another at the next tick after a crash, or stop with the reason) and the verdict applied."""
         launched = build.launched
         if launched is None:
             return
@@ -328,29 +329,27 @@ class BackgroundBuilds:
         build.launched = None
         if build.gate is not None:
             build.gate.close(now)
-        if code == 0:
+        how = describe_exit(code)
+        kills_before = build.kills.get(build.profile, 0)
+        facts = BuildExitFacts(code, how, build.attempts, len(model.profiles), build.phase, build.profile, kills_before)
+        verdict = decide_build_exit(facts)
+        if verdict.then is Then.DONE:
             self.finish(build, now, ready)
             return
-        how = describe_exit(code)
-        if code > 0 or build.attempts > len(model.profiles) + 1:
-            build.state, build.ended_at = BuildState.FAILED, now
-            build.error = f"the builder ended with {how} while {build.phase or 'starting'} {build.profile}".rstrip()
+        if verdict.then is Then.FAIL:
+            build.state, build.ended_at, build.error = BuildState.FAILED, now, verdict.why
             log.error("builder_failed", model=build.model, error=build.error)
             return
-        if not build.profile:  # killed before it reached a profile (a stop, a reboot): nothing to blame
+        build.phase = "restarting"  # the next tick starts it again
+        if verdict.kills is None:  # killed before it reached a profile (a stop, a reboot): nothing to blame
             log.warning("builder_interrupted", model=build.model, how=how)
-            build.phase = "restarting"
             return
-        kills = build.kills[build.profile] = build.kills.get(build.profile, 0) + 1
-        # A first SIGKILL on a profile is an interruption (kill -9, the OOM killer once): built again. Any other
-        # signal, or a second kill, is that profile's native crash: the next builder refuses it (attempts.py).
-        interrupted = -code == _SIGKILL and kills == 1
+        build.kills[build.profile] = verdict.kills
         build.exits.append(
-            {"pid": launched.process.pid, "how": how, "signal": -code, "killed_by_supervisor": interrupted}
+            {"pid": launched.process.pid, "how": how, "signal": -code, "killed_by_supervisor": verdict.interrupted}
         )
         log.warning("builder_crashed", model=build.model, profile=build.profile, how=how, again=True,
-                    profile_refused=not interrupted)  # fmt: skip
-        build.phase = "restarting"
+                    profile_refused=not verdict.interrupted)  # fmt: skip
 
     def finish(self, build: ModelBuild, now: float, ready: Callable[[str], list[str] | None]) -> None:
         """Built: roll the workers over to the pick unless every one serves it already; a lossy pick not proven on

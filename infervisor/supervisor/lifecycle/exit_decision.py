@@ -1,18 +1,28 @@
-"""What a worker's exit means, decided in one place: the retry policy as one pure function.
+"""What a child's exit means, decided in one place: each kind's retry policy as one pure function.
 
-`decide_exit` reads only its arguments (like routing/batcher.py's `decide`): what the pool knew of the
-slot when its process ended (`ExitFacts`) and the serving config. Its `ExitVerdict` says everything
-that follows: the slot's new state and why, when it respawns, whether the exit counts toward
-`max_restarts`, the restart reason counted in `infervisor_worker_restarts_total`, and the one order
-the broker gets about the requests the worker held (`RequestOrder`: whom it `Charge`s), both defined here.
-The pool's exit reaper applies the verdict (lifecycle/exits.py `on_exit`); the broker carries out the order
-on the request side (`worker_lost`, which reads it as its `LostWork`).
+Every function here reads only its arguments (like routing/batcher.py's `decide`): the facts its owner read once
+when the process ended, or was found hung or stuck, and returns a verdict in one vocabulary (`Then`: restart now,
+restart after a back-off, fail with the reason, done):
+
+- a serving worker, `decide_exit(ExitFacts, config) -> ExitVerdict`: the slot's new state and why, when it
+  respawns, whether the exit counts toward `max_restarts`, the restart reason counted in
+  `infervisor_worker_restarts_total`, and the one order the broker gets about the requests the worker held
+  (`RequestOrder`: whom it `Charge`s). The pool's exit reaper applies it (lifecycle/exits.py `on_exit`); the broker
+  carries out the order on the request side (`worker_lost`, which reads it as its `LostWork`);
+- a background builder, `decide_build_exit(BuildExitFacts) -> BuildExitVerdict`: done, failed, or started again
+  at once with the profile it was on blamed or not (lifecycle/background_build.py `settle` applies it);
+- an audit or shadow process and the OIP gateway, `decide_child_exit(ChildExitFacts) -> ChildExitVerdict`: their
+  hang and stuck limits, the back-off before the next start and when to give up, one row per kind in
+  `CHILD_LIMITS` (lifecycle/exits.py `reap_runner` and `reap_gateway` apply it).
+
+How long each kind waits is a row of workers/retry_policy.py `POLICIES`, read here through `retry_in`.
 """
 
 from __future__ import annotations
 
 import enum
 import re
+import signal
 from dataclasses import dataclass
 
 from infervisor.protocol.constants import WorkerExitCode
@@ -25,6 +35,18 @@ from infervisor.supervisor.workers.slot import RestartReason, SlotState
 #: the maximum.
 BACKOFF_MAX_S = POLICIES[ChildKind.WORKER].max_s
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+class Then(enum.Enum):
+    """What follows a child's end, for every kind."""
+
+    RESTART_NOW = "restart now"
+    #: Started again once its back-off (the verdict's `restart_in`) has passed.
+    RESTART_LATER = "restart after back-off"
+    #: Not started again: the reason says why (a slot FAILED, a build failed, a shadow given up).
+    FAIL = "fail"
+    #: Its work is over (a drained or stopped worker, a builder that finished).
+    DONE = "done"
 
 
 class Charge(enum.Enum):
@@ -95,6 +117,15 @@ class ExitVerdict:
     #: Failures inside the window, this one included, when it counts (what a FAILED slot's log says).
     failures: int
 
+    @property
+    def then(self) -> Then:
+        """The verdict in every kind's words."""
+        if self.state is SlotState.FAILED:
+            return Then.FAIL
+        if self.state is not SlotState.BACKOFF:
+            return Then.DONE
+        return Then.RESTART_NOW if not self.respawn_in else Then.RESTART_LATER
+
 
 def decide_exit(facts: ExitFacts, config: Config) -> ExitVerdict:
     """The verdict on one exit: STOPPED if asked for, else BACKOFF with a respawn time, or FAILED after too many."""
@@ -139,3 +170,155 @@ def decide_exit(facts: ExitFacts, config: Config) -> ExitVerdict:
     served = facts.answered > 0 and not never_ready
     respawn_in = delay if never_ready or (failures > 1 and not served) else 0.0
     return verdict(SlotState.BACKOFF, f"{how}; respawn in {respawn_in:.1f} s", respawn_in, True, failures)
+
+
+# ---- a background builder ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildExitFacts:
+    """What the background build knew when its builder process ended."""
+
+    code: int
+    #: The exit as status says it (`describe_exit`).
+    how: str
+    #: Builder processes started for this build, this one included.
+    attempts: int
+    #: Profiles in the model's chain.
+    chain: int
+    #: Where the builder was (its last PROGRESS): the phase, and the profile ("" before it reached one).
+    phase: str
+    profile: str
+    #: Ends by a signal earlier builders of this build took on that profile.
+    kills_before: int
+
+
+@dataclass(frozen=True)
+class BuildExitVerdict:
+    """What follows a builder's end: DONE (switch to its pick), FAIL (the reason), or RESTART_NOW (next tick)."""
+
+    then: Then
+    why: str
+    #: Ends by a signal on the profile, this one included (None: no profile is blamed, nothing passed on).
+    kills: int | None = None
+    #: Passed on to the next builder as an interruption (the profile is built again), else as that profile's
+    #: native crash (the next builder refuses it, worker/profiles/attempts.py).
+    interrupted: bool = False
+
+
+def decide_build_exit(facts: BuildExitFacts) -> BuildExitVerdict:
+    """A builder's end: done at 0; failed on an exit code or past its attempts; else started again at once.
+
+    A first SIGKILL on a profile (the OOM killer, kill -9, a reboot's stop) is an interruption and the profile is
+    built again; any other signal, or a second end on it, refuses that profile and the chain goes on. A builder
+    killed before it reached a profile blames nothing.
+    """
+    code, how = facts.code, facts.how
+    if code == 0:
+        return BuildExitVerdict(Then.DONE, "built")
+    if code > 0 or facts.attempts > facts.chain + 1:
+        why = f"the builder ended with {how} while {facts.phase or 'starting'} {facts.profile}".rstrip()
+        return BuildExitVerdict(Then.FAIL, why)
+    if not facts.profile:
+        return BuildExitVerdict(Then.RESTART_NOW, f"{how} before it reached a profile: nothing to blame")
+    kills = facts.kills_before + 1
+    interrupted = -code == signal.SIGKILL and kills == 1
+    then = "built again" if interrupted else "refused by the next builder"
+    return BuildExitVerdict(Then.RESTART_NOW, f"{how} on {facts.profile}: {then}", kills, interrupted)
+
+
+# ---- an audit or shadow process, the OIP gateway -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildLimits:
+    """One kind's rules beside its back-off: when a live process is ended, when its ends stop counting, when to
+    give up. None: no such rule for the kind."""
+
+    #: A sample sent and unanswered this long: the process hangs, it is killed (at idle priority on a busy box it
+    #: may be slow, not dead).
+    hang_s: float | None = None
+    #: Stopped (SIGSTOP, a debugger) this long while samples wait: stuck, killed.
+    stopped_s: float | None = None
+    #: No CPU time gained this long while samples wait: stuck, killed. Even at idle priority on a saturated box a
+    #: live process gains some (SCHED_IDLE has a small weight, not none), so this is a wedged process, not a slow one.
+    stalled_s: float | None = None
+    #: After this many ends the process's work is given up (FAIL).
+    max_ends: int | None = None
+    #: A process that ran this long before ending starts its back-off afresh.
+    stable_s: float | None = None
+
+
+#: Each kind's limits. The shadow's tick reads no /proc state, so it is never judged stuck; its candidate is given
+#: up, unrecorded, after three ends (crash, load failure, hang).
+CHILD_LIMITS: dict[ChildKind, ChildLimits] = {
+    ChildKind.AUDIT: ChildLimits(hang_s=300.0, stopped_s=3.0, stalled_s=60.0),
+    ChildKind.SHADOW: ChildLimits(hang_s=300.0, max_ends=3),
+    ChildKind.GATEWAY: ChildLimits(stable_s=60.0),
+}
+
+
+@dataclass(frozen=True)
+class ChildExitFacts:
+    """What the owner of an audit, shadow or gateway process read of it, once, at its tick."""
+
+    kind: ChildKind
+    #: How it ended on its own (exit, broken link, could not start); None while it lives.
+    how: str | None
+    #: Its ends in a row before this one (reset by a READY, or by a stable run).
+    ends_in_row: int
+    #: Its ends so far, before this one.
+    ends: int = 0
+    #: How long it ran before it ended (None: it never started).
+    ran_s: float | None = None
+    #: Samples waiting for it (held or sent), and the age of the oldest one sent and unanswered.
+    waiting: int = 0
+    oldest_sent_s: float | None = None
+    #: While samples wait: how long it has been seen stopped, how long it gained no CPU time (None: not read).
+    stopped_s: float | None = None
+    stalled_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ChildExitVerdict:
+    """What follows: RESTART_LATER (after `restart_in`), or FAIL (its work given up)."""
+
+    then: Then
+    #: The end as status says it (`last_exit`).
+    how: str
+    #: Why that follows.
+    why: str
+    restart_in: float
+    #: Its ends in a row, this one included (what the next back-off reads).
+    ends_in_row: int
+    #: It still lives: end it first (hung or stuck).
+    kill: bool
+
+
+def why_ended(facts: ChildExitFacts, limits: ChildLimits) -> str | None:
+    """Why a live process is ended (stuck, then hung), else None."""
+    waiting = facts.waiting
+    if limits.stopped_s is not None and facts.stopped_s is not None and facts.stopped_s >= limits.stopped_s:
+        return f"stuck: stopped for {facts.stopped_s:.0f} s with {waiting} samples waiting: killed"
+    if limits.stalled_s is not None and facts.stalled_s is not None and facts.stalled_s >= limits.stalled_s:
+        return f"stuck: no CPU time for {facts.stalled_s:.0f} s with {waiting} samples waiting: killed"
+    if limits.hang_s is not None and facts.oldest_sent_s is not None and facts.oldest_sent_s > limits.hang_s:
+        return f"no verdict for {limits.hang_s:.0f} s: ended as hung"
+    return None
+
+
+def decide_child_exit(facts: ChildExitFacts) -> ChildExitVerdict | None:
+    """The verdict on an audit, shadow or gateway process: None while it lives within its limits; else it is
+    started again after its kind's back-off, or given up after its kind's last end."""
+    limits = CHILD_LIMITS[facts.kind]
+    how, kill = facts.how, False
+    if how is None:
+        how, kill = why_ended(facts, limits), True
+        if how is None:
+            return None
+    stable = limits.stable_s is not None and facts.ran_s is not None and facts.ran_s >= limits.stable_s
+    in_row = (0 if stable else facts.ends_in_row) + 1
+    restart_in = retry_in(facts.kind, in_row)
+    if limits.max_ends is not None and facts.ends + 1 >= limits.max_ends:
+        return ChildExitVerdict(Then.FAIL, how, f"{facts.ends + 1} ends: given up", restart_in, in_row, kill)
+    return ChildExitVerdict(Then.RESTART_LATER, how, f"{how}; restart in {restart_in:.1f} s", restart_in, in_row, kill)

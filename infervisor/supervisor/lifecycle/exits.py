@@ -1,7 +1,11 @@
-"""Reaping worker exits: each ended process's last words read, its exit judged by `decide_exit`, the verdict applied.
+"""Reaping children's exits: each ended process's last words read, its exit judged by lifecycle/exit_decision.py,
+the verdict applied.
 
-The verdict's one order about the dead worker's requests goes to the broker (`worker_lost`), only once the slot
-no longer serves, so none of them is routed back to it.
+A serving worker's (`ExitReaper`): the verdict's one order about the dead worker's requests goes to the broker
+(`worker_lost`), only once the slot no longer serves, so none of them is routed back to it. An audit or shadow
+process's (`reap_runner`, at its owner's tick: lifecycle/audit_runner.py, lifecycle/shadow.py) and the OIP
+gateway's (`keep_gateway`, at the arbiter's housekeeping) through `decide_child_exit`. A background builder's
+end is judged by `decide_build_exit` in lifecycle/background_build.py `settle`, beside the build it ends.
 """
 
 from __future__ import annotations
@@ -11,11 +15,22 @@ import collections
 import structlog
 
 from infervisor.protocol.constants import WorkerExitCode
-from infervisor.supervisor.lifecycle.exit_decision import ExitFacts, decide_exit, same_error
+from infervisor.supervisor.lifecycle.exit_decision import (
+    ChildExitFacts,
+    ChildExitVerdict,
+    ExitFacts,
+    decide_child_exit,
+    decide_exit,
+    same_error,
+)
 from infervisor.supervisor.lifecycle.roster import Roster
 from infervisor.supervisor.routing.broker import Broker
+from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.audit_process import AuditProcess
+from infervisor.supervisor.workers.gateway_process import GatewayProcess
 from infervisor.supervisor.workers.launcher import ExitRecord
+from infervisor.supervisor.workers.retry_policy import ChildKind
 from infervisor.supervisor.workers.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
@@ -120,3 +135,54 @@ class ExitReaper:
             failures_before=slot.failures_within(now, self.serving.current.restart_window_s),
             answered=proc.requests,
         )
+
+
+def reap_runner(
+    process: AuditProcess,
+    now: float,
+    *,
+    failed_start: str | None = None,
+    waiting: int = 0,
+    oldest_sent_at: float | None = None,
+    watch: bool = False,
+) -> ChildExitVerdict | None:
+    """An audit or shadow process's turn: its exit (or a start that failed), else, with `watch`, how long it has
+    been stopped or without CPU time while `waiting` samples wait, and the oldest sample's age, judged by
+    `decide_child_exit`; the verdict applied (ended, killed first if it lives, counted, its next start set)."""
+    how = failed_start or process.exited()
+    stopped = stalled = None
+    if how is None and watch and process.launched is not None:
+        stopped, stalled = process.stillness(waiting, now)
+    facts = ChildExitFacts(
+        kind=process.kind,
+        how=how,
+        ends_in_row=process.failures_in_row,
+        ends=process.restarts,
+        waiting=waiting,
+        oldest_sent_s=now - oldest_sent_at if oldest_sent_at is not None else None,
+        stopped_s=stopped,
+        stalled_s=stalled,
+    )
+    verdict = decide_child_exit(facts)
+    if verdict is not None:
+        process.ended(verdict.how, verdict.restart_in, verdict.ends_in_row, now)
+    return verdict
+
+
+def keep_gateway(gateway: GatewayProcess, now: float, config: Config) -> None:
+    """The OIP gateway's turn: its exit (or a start that failed) judged by `decide_child_exit` and its back-off
+    applied; started when config wants it and the back-off has passed."""
+    ended = gateway.exited(now)
+    if ended is not None:
+        back_off_gateway(gateway, now, *ended)
+    failed = gateway.tick(now, config)
+    if failed is not None:
+        back_off_gateway(gateway, now, failed, None)
+
+
+def back_off_gateway(gateway: GatewayProcess, now: float, how: str, ran_s: float | None) -> None:
+    """Apply the verdict on one end of the gateway: wait before its next start."""
+    facts = ChildExitFacts(ChildKind.GATEWAY, how, gateway.failures_in_row, gateway.restarts, ran_s=ran_s)
+    verdict = decide_child_exit(facts)
+    if verdict is not None:
+        gateway.ended(now, verdict.restart_in, verdict.ends_in_row)

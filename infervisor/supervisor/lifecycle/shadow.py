@@ -27,10 +27,12 @@ from infervisor.common.accuracy import cosine_text
 from infervisor.common.recorded_inputs import served_shape_in
 from infervisor.common.verdicts import SPEC_KEY_NOTE, lossy
 from infervisor.protocol import worker_messages as wm
+from infervisor.supervisor.lifecycle.exit_decision import ChildExitVerdict, Then
+from infervisor.supervisor.lifecycle.exits import reap_runner
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
-from infervisor.supervisor.workers.audit_process import HANG_S, AuditProcess, AuditState
+from infervisor.supervisor.workers.audit_process import AuditProcess, AuditState
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -41,8 +43,6 @@ MAX_HELD = 8
 MIN_INTERVAL_S = 0.1
 #: Distinct input shapes (the batch aside) a candidate must have matched on when an input has another open dim.
 SHAPE_GROUPS = 3
-#: Ends of the shadow process (crash, load failure, hang) after which the candidate is given up, unrecorded.
-MAX_ENDS = 3
 #: Before the shadow process has timed a row: the candidate is taken to cost this many times the served time.
 _FIRST_GUESS_FACTOR = 2.0
 _BATCH_DIM = re.compile(r"\[\d+")
@@ -139,20 +139,19 @@ class ShadowRun:
         if self.outcome is not ShadowOutcome.RUNNING:
             return self.outcome
         process = self.process
-        if process.settle(now):
-            self.dropped += len(self.sent)
-            self.sent.clear()
         oldest = min((h.sent_at for h in self.sent.values() if h.sent_at is not None), default=None)
-        if oldest is not None and now - oldest > HANG_S:
-            process.kill(f"no verdict for {HANG_S:.0f} s: ended as hung", now)
+        verdict = reap_runner(process, now, waiting=len(self.waiting) + len(self.sent), oldest_sent_at=oldest)
+        if verdict is not None:
             self.dropped += len(self.sent)
             self.sent.clear()
-        if process.restarts >= MAX_ENDS:
-            why = process.error or process.last_exit or "ended"
-            return self.end(ShadowOutcome.FAILED, {"why": f"the shadow process could not run {self.candidate}: {why}"})
+        if verdict is not None and verdict.then is Then.FAIL:
+            return self.given_up(verdict)
         due = process.state is AuditState.OFF or now >= process.next_start
         if process.launched is None and self.waiting and due:
-            process.start(config, model, cpus or sorted(os.sched_getaffinity(0)), now)
+            failed = process.start(config, model, cpus or sorted(os.sched_getaffinity(0)), now)
+            verdict = reap_runner(process, now, failed_start=failed) if failed is not None else None
+            if verdict is not None and verdict.then is Then.FAIL:
+                return self.given_up(verdict)
         for result in process.receive():
             self.judge(result)
             if self.outcome is not ShadowOutcome.RUNNING:
@@ -174,6 +173,12 @@ class ShadowRun:
             )
             return self.end(ShadowOutcome.PASSED, {"why": why, "rows": self.rows, "worst": dict(self.worst)})
         return self.outcome
+
+    def given_up(self, verdict: ChildExitVerdict) -> ShadowOutcome:
+        """The shadow process ended once too often (lifecycle/exit_decision.py): the candidate is not served, and
+        not recorded."""
+        why = self.process.error or verdict.how
+        return self.end(ShadowOutcome.FAILED, {"why": f"the shadow process could not run {self.candidate}: {why}"})
 
     def judge(self, result: wm.AuditResult) -> None:
         """One sample's verdict: counted, and the candidate refused at its first row outside tolerance."""

@@ -2,9 +2,10 @@
 
 The process (`python -P -m infervisor.worker.audit`, worker/audit.py) runs at the lowest CPU priority on the
 model's cores and the supervisor's, with one thread and its own memory cap. Everything here is non-blocking: a
-send that does not fit waits in the link's outbox, a dead process is noticed by its exit code, a hung one by its
-oldest sample's age, a stuck one (no progress while samples wait for it: stopped by SIGSTOP or a debugger, or no
-CPU time gained at all) by the kernel's word on its state and CPU time.
+send that does not fit waits in the link's outbox, a dead process is noticed by its exit code, and how long it has
+been stopped or gained no CPU time while samples wait for it is read from the kernel. Whether it hangs or is
+stuck, and how long it waits before its next start, is lifecycle/exit_decision.py's (`decide_child_exit`), applied
+by lifecycle/exits.py `reap_runner` through `ended`.
 """
 
 from __future__ import annotations
@@ -28,18 +29,11 @@ from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.launcher import AUDIT_ENTRY, Launched, launch_worker
 from infervisor.supervisor.workers.process_tree import own_child
-from infervisor.supervisor.workers.retry_policy import ChildKind, retry_in
+from infervisor.supervisor.workers.retry_policy import ChildKind
 from infervisor.supervisor.workers.slot import describe_exit
 
 log = structlog.get_logger("supervisor")
 
-#: A sample unanswered this long means the process hangs (at idle priority on a busy box it may be slow, not dead).
-HANG_S = 300.0
-#: Stopped (SIGSTOP, a debugger) this long while samples wait for it: stuck, killed and started again.
-STOPPED_S = 3.0
-#: No CPU time gained this long while samples wait: stuck. Even at idle priority on a saturated box a live process
-#: gains some (SCHED_IDLE has a small weight, not none), so this is a wedged process, not a slow one.
-STALLED_S = 60.0
 _HALTED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
 
 
@@ -80,8 +74,14 @@ class AuditProcess:
     def pid(self) -> int | None:
         return self.launched.process.pid if self.launched is not None else None
 
-    def start(self, config: Config, model: ModelConfig, cpus: Sequence[int], now: float) -> None:
-        """Spawn the process for `model` (its profile only, one thread) on `cpus`; on OSError, a back-off."""
+    @property
+    def kind(self) -> ChildKind:
+        """An audit process (eager fp32) or a shadow (a lossy candidate): their limits and back-off differ."""
+        return ChildKind.AUDIT if self.profile == REFERENCE_PROFILE else ChildKind.SHADOW
+
+    def start(self, config: Config, model: ModelConfig, cpus: Sequence[int], now: float) -> str | None:
+        """Spawn the process for `model` (its profile only, one thread) on `cpus`; on OSError, why it did not start
+        (an end its owner judges like any other)."""
         cap = config.builder_memory_mb or model.max_memory_mb or int(psutil.virtual_memory().total // 2**20 // 4)
         if self.profile == REFERENCE_PROFILE:
             loaded = dataclasses.replace(model, profiles=("eager",), channels_last=False, max_memory_mb=max(512, cap))
@@ -94,12 +94,12 @@ class AuditProcess:
             ready_only = self.profile != REFERENCE_PROFILE
             self.launched = launch_worker(loaded, assignment, config, entry=AUDIT_ENTRY, ready_only=ready_only)
         except OSError as exc:
-            self.ended(f"could not start: {exc}", now)
-            return
+            return f"could not start: {exc}"
         self.state = AuditState.STARTING
         self.tree_root, self.progress_at, self.stopped_at = own_child(self.launched.process.pid), now, None
         self.cpu_s = 0.0
         log.info("audit_started", model=self.model, pid=self.launched.process.pid, profile=self.profile)
+        return None
 
     def send(self, seq: int, inputs: Sequence[Any], answer: Sequence[Any]) -> bool:
         """Queue one sample on the link (never blocks); False when the process is gone."""
@@ -142,60 +142,48 @@ class AuditProcess:
             launched.link = None
         return results
 
-    def settle(self, now: float) -> bool:
-        """Notice an exit (crash, kill -9, load failure): back-off before the next start. True when it ended."""
+    def exited(self) -> str | None:
+        """How the process ended (crash, kill -9, load failure, a broken link), else None while it lives."""
         launched = self.launched
         if launched is None:
-            return False
+            return None
         code = launched.process.poll()
         if code is None and launched.link is not None:
-            return False
+            return None
         if code is None:  # the link broke while the process lives: end it, it cannot be talked to
             launched.process.kill()
             code = launched.process.wait()
         self.receive()  # what it said before it exited (its LOAD_ERROR, the gate's rejection) is read, not lost
-        self.ended(describe_exit(code), now)
-        return True
+        return describe_exit(code)
 
-    def stuck(self, waiting: int, now: float) -> str | None:
-        """Why the process is stuck while `waiting` samples wait for it (stopped for STOPPED_S, or no CPU time gained
-        for STALLED_S), else None; with nothing waiting, idling is no fault and counts as progress."""
+    def stillness(self, waiting: int, now: float) -> tuple[float | None, float | None]:
+        """While `waiting` samples wait for it: how long it has been seen stopped (None: it is not) and how long it
+        has gained no CPU time; (None, None) with nothing waiting (idling is no fault and counts as progress), or
+        when it cannot be read."""
         root = self.tree_root
         if root is None or not waiting:
             self.progress_at, self.stopped_at = now, None
-            return None
+            return None, None
         try:
             with root.oneshot():
                 halted = root.status() in _HALTED
                 times = root.cpu_times()
         except psutil.Error:
-            return None  # it ended: settle() says how
+            return None, None  # it ended: exited() says how
         if times.user + times.system != self.cpu_s:
             self.cpu_s, self.progress_at = times.user + times.system, now
         self.stopped_at = (now if self.stopped_at is None else self.stopped_at) if halted else None
-        if self.stopped_at is not None and now - self.stopped_at >= STOPPED_S:
-            return f"stuck: stopped for {now - self.stopped_at:.0f} s with {waiting} samples waiting"
-        if now - self.progress_at >= STALLED_S:
-            return f"stuck: no CPU time for {now - self.progress_at:.0f} s with {waiting} samples waiting"
-        return None
+        return (now - self.stopped_at if self.stopped_at is not None else None), now - self.progress_at
 
-    def ended(self, how: str, now: float) -> None:
-        """The process is gone (or never started): count it, and wait longer after each end in a row."""
+    def ended(self, how: str, restart_in: float, ends_in_row: int, now: float) -> None:
+        """The process is gone, killed or never started (lifecycle/exits.py `reap_runner` judged it): ended if it
+        lives, counted, and started again after `restart_in`."""
         self.close()
         self.restarts += 1
-        self.failures_in_row += 1
+        self.failures_in_row = ends_in_row
         self.last_exit = how
-        kind = ChildKind.AUDIT if self.profile == REFERENCE_PROFILE else ChildKind.SHADOW
-        backoff = retry_in(kind, self.failures_in_row)
-        self.state, self.next_start = AuditState.BACKOFF, now + backoff
-        log.warning("audit_process_ended", model=self.model, how=how, error=self.error, restart_in_s=backoff)
-
-    def kill(self, why: str, now: float) -> None:
-        """End a process that hangs: it is restarted after the back-off."""
-        if self.launched is not None:
-            self.launched.process.kill()
-            self.launched.process.wait()
-        self.ended(why, now)
+        self.state, self.next_start = AuditState.BACKOFF, now + restart_in
+        log.warning("audit_process_ended", model=self.model, how=how, error=self.error, restart_in_s=restart_in)
 
     def stop(self) -> None:
         """Not needed any more (budget 0, eager serves, the model left, the daemon stops): ended without a count."""

@@ -1,5 +1,8 @@
 """The Open Inference Protocol gateway as the daemon holds it: started, reaped, restarted with back-off, stopped.
 
+How long it waits before its next start is lifecycle/exit_decision.py's (`decide_child_exit`), applied each
+housekeeping turn by lifecycle/exits.py `keep_gateway` through `exited`, `tick` and `ended`.
+
 The gateway (`python -P -m infervisor.gateway`, infervisor/gateway/) is a client of the broker on the ipc
 endpoint, in its own process so HTTP and gRPC never share the broker's loop. It asks the kernel to kill it when
 the daemon dies, so even a kill -9 of the daemon leaves no gateway behind.
@@ -21,13 +24,10 @@ import structlog
 
 from infervisor.supervisor.settings.config import Config, OipConfig
 from infervisor.supervisor.workers.child_home import HOME
-from infervisor.supervisor.workers.retry_policy import ChildKind, retry_in
 from infervisor.supervisor.workers.slot import describe_exit
 
 log = structlog.get_logger("supervisor")
 
-#: A gateway that served this long before ending starts its back-off afresh.
-_STABLE_S = 60.0
 #: The largest request body (HTTP) or message (gRPC) whatever max_frame_bytes says: grpcio's caps are C ints.
 _MAX_BODY_BYTES = 2**31 - 1
 #: How long a stopping gateway has to close its listeners before SIGKILL.
@@ -57,20 +57,29 @@ class GatewayProcess:
         self.restarts = 0
         self.last_exit: str | None = None
 
-    def tick(self, now: float, config: Config) -> None:
-        """Reap an ended gateway and start one when config wants it and its back-off has passed."""
-        self.oip = config.oip
-        if self.process is not None and self.process.poll() is not None:
-            self.reap(now, self.process.returncode)
-        if self.oip is None or self.process is not None or now < self.next_start:
-            return
-        self.start(now, config)
+    def exited(self, now: float) -> tuple[str, float] | None:
+        """How an ended gateway ended and how long it ran (reaped and counted), else None."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        pid, code = self.process.pid, self.process.returncode
+        self.process = None
+        self.last_exit = describe_exit(code)
+        log.warning("gateway_exited", pid=pid, exit=self.last_exit)
+        self.restarts += 1
+        return self.last_exit, now - self.started_at
 
-    def start(self, now: float, config: Config) -> None:
-        """Spawn the gateway with its launch (addresses, limits, our pid)."""
+    def tick(self, now: float, config: Config) -> str | None:
+        """Start one when config wants it and its back-off has passed; why it did not start, if it failed to."""
+        self.oip = config.oip
+        if self.oip is None or self.process is not None or now < self.next_start:
+            return None
+        return self.start(now, config)
+
+    def start(self, now: float, config: Config) -> str | None:
+        """Spawn the gateway with its launch (addresses, limits, our pid); on OSError, why it did not start."""
         oip = config.oip
         if oip is None:
-            return
+            return None
         launch = {
             "endpoint": self.endpoint,
             "runtime_dir": str(self.runtime_dir),
@@ -89,27 +98,15 @@ class GatewayProcess:
             )
         except OSError as exc:
             log.error("gateway_spawn_failed", error=str(exc))
-            self.back_off(now)
-            return
+            return f"could not start: {exc}"
         self.state, self.started_at = GatewayState.RUNNING, now
         log.info("gateway_started", pid=self.process.pid, http=oip.http, grpc=oip.grpc)
+        return None
 
-    def reap(self, now: float, returncode: int) -> None:
-        """Note how the gateway ended and back off before the next start."""
-        pid = self.process.pid if self.process is not None else None
-        self.process = None
-        self.last_exit = describe_exit(returncode)
-        if now - self.started_at >= _STABLE_S:
-            self.failures_in_row = 0
-        log.warning("gateway_exited", pid=pid, exit=self.last_exit)
-        self.restarts += 1
-        self.back_off(now)
-
-    def back_off(self, now: float) -> None:
-        """Wait before the next start, longer after each end in a row (workers/retry_policy.py)."""
-        self.failures_in_row += 1
-        delay = retry_in(ChildKind.GATEWAY, self.failures_in_row)
-        self.state, self.next_start = GatewayState.BACKOFF, now + delay
+    def ended(self, now: float, restart_in: float, ends_in_row: int) -> None:
+        """Wait `restart_in` before the next start (the exit decision's back-off for this end in a row)."""
+        self.failures_in_row = ends_in_row
+        self.state, self.next_start = GatewayState.BACKOFF, now + restart_in
 
     def stop(self) -> None:
         """SIGTERM, a short grace to close the listeners, then SIGKILL; reaped before returning."""

@@ -1,9 +1,10 @@
 """How long each kind of child waits to be started again after ending unasked: one table, one function.
 
 Workers, audit and shadow processes, the OIP gateway and the warm template each doubled their own wait; here each
-kind is one row, so changing a kind's retry policy is one line. What else an exit means stays with its kind's
-owner: a worker's (state, requests, `max_restarts`) in lifecycle/exit_decision.py; a builder restarts at once and
-gives a profile up by its own rule (lifecycle/background_build.py `settle`, worker/profiles/attempts.py).
+kind is one row, so changing a kind's wait is one line. What else an exit means (a worker's state, requests and
+`max_restarts`, a builder's restart at once and the profile it gives up, an audit or shadow process's hang and
+stuck limits, when a shadow is given up, when a gateway's run starts its count afresh) is
+lifecycle/exit_decision.py's, which reads these waits through `retry_in`.
 """
 
 from __future__ import annotations
