@@ -134,7 +134,13 @@ def test_a_lossy_profile_off_on_live_inputs_is_refused_in_shadow_and_stays_refus
     assert traffic.off == 0, f"{traffic.off} answers off eager were served"
     shadow = _build(refused, "off")["shadow"]
     assert shadow["state"] == "refused" and shadow["verdict"]["input_shape"] == "x[1, 8]", shadow
-    assert shadow["verdict"]["cosine"] < 0.999 and "off the served exact answer" in shadow["verdict"]["why"], shadow
+    verdict = shadow["verdict"]
+    if verdict.get("measure") == "gate":
+        # Off rows recorded before the shadow process started: its own start's gate refused bf16 on them, the same
+        # rows it would have compared (which path is taken depends on when the recorder's first write lands).
+        assert "on recorded served inputs" in verdict["why"], shadow
+    else:
+        assert verdict["cosine"] < 0.999 and "off the served exact answer" in verdict["why"], shadow
     listed = wait_for(lambda: _when(daemon, lambda s: "bf16" in (s["models"]["off"]["refusals"] or {})),
                       30, "off's refusal listed")  # fmt: skip
     off = listed["models"]["off"]
