@@ -22,10 +22,15 @@ from infervisor.protocol import InferenceError
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import StartPhase
 from infervisor.supervisor.commands.status import format_status
+from infervisor.supervisor.host.event_loop import EventLoop
 from infervisor.supervisor.host.planner import Assignment
+from infervisor.supervisor.instruments.anomalies import Anomalies
 from infervisor.supervisor.lifecycle.background_build import BackgroundBuilds, BuildState
 from infervisor.supervisor.settings.config import load_config
+from infervisor.supervisor.workers.child_links import ChildLinks
+from infervisor.supervisor.workers.children import Children
 from infervisor.supervisor.workers.launcher import Launched
+from infervisor.supervisor.workers.reaper import Reaper
 from infervisor.supervisor.workers.slot import WorkerSlot
 from infervisor.worker.profiles.cache import ArtifactCache, NotBuiltYet
 from tests.conftest import Daemon, model_entry, notify_messages, wait_for
@@ -269,21 +274,30 @@ def test_a_builder_killed_once_on_a_profile_builds_it_again_and_twice_refuses_it
         launched.append([dict(e) for e in exits])
         return Launched(_Ended(100 + len(launched), codes[len(launched) - 1]), None, "tiny.build")
 
-    builds = BackgroundBuilds(lambda: config, lambda name: [slot], lambda m, why: switched.append(why), launcher)
+    reaper = Reaper()
+    children = Children(reaper, ChildLinks(EventLoop(), Anomalies()))
+    switch = lambda m, why: switched.append(why)  # noqa: E731
+    builds = BackgroundBuilds(lambda: config, lambda name: [slot], switch, children, launcher)
     assert builds.serves_first(config.models["tiny"])
     builds.tick(1.0, lambda name: ["eager"])
     build = builds.build_of("tiny")
     assert build is not None and build.state is BuildState.BUILDING and len(launched) == 1
-    on_jit = wm.encode(wm.Progress(StartPhase.BUILDING.value, "jit", 1, 2, 0.0, ""))[0]
+    on_jit = wm.Progress(StartPhase.BUILDING.value, "jit", 1, 2, 0.0, "")
     for turn in (2.0, 3.0):
         builds.take(build, on_jit, turn)
+        assert reaper.reap(turn) == 1
         builds.tick(turn, lambda name: ["eager"])
     assert [e["killed_by_supervisor"] for e in launched[-1]] == [True, False] and len(launched) == 3
-    builds.take(build, wm.encode(wm.Ready("b", 1, 0.0, 0.0, 1, [0], "eager", [], []))[0], 4.0)
+    builds.take(build, wm.Ready("b", 1, 0.0, 0.0, 1, [0], "eager", [], []), 4.0)
+    reaper.reap(4.0)
     builds.tick(4.0, lambda name: ["eager"])
     assert build.state is BuildState.DONE and build.picked == "eager" and switched == []
     assert not builds.serves_first(config.models["tiny"])
-    build.state, build.launched, codes[2] = BuildState.BUILDING, Launched(_Ended(9, 0), None, "b"), 0
+    build.state, codes[2] = BuildState.BUILDING, 0
+    process = _Ended(9, 0)
+    build.child.adopt(process, None, "b", (0,), 5.0)
+    reaper.watch(process, lambda code, now: build.child.reaped(process, code))
     build.picked = "jit"
+    reaper.reap(5.0)
     builds.tick(5.0, lambda name: ["eager"])
     assert switched == ["background build done: switching to jit"]

@@ -65,7 +65,7 @@ class Arbiter:
         if (reader := self.status_server) is not None:
             self.loop.register(reader.socket, CONTROL, lambda flags: reader.handle(self.control_command))
         # The OIP gateway (config `oip`): a child process that is a client of the broker's ipc endpoint.
-        self.gateway = GatewayProcess(runtime_dir, parts.endpoints.ipc_endpoint)
+        self.gateway = GatewayProcess(runtime_dir, parts.endpoints.ipc_endpoint, self.pool.children)
         self.signals: collections.deque[int] = collections.deque()
         self.exit_code = 0
         self.next_housekeeping = 0.0

@@ -137,7 +137,8 @@ def assemble(
     # Every accepted request's final reply passes the streams' stage on its way to the replies (one way).
     streams = Streams(replies.queues, replies.finish)
     broker = Broker(endpoints, loop, links, serving, anomalies, replies, streams)
-    pool = WorkerPool(serving, plan(config), links, broker, launcher)
+    # One reaper for every child of the daemon, the strangers it adopts as a subreaper included.
+    pool = WorkerPool(serving, plan(config), links, broker, launcher, HOME)
     monitors = build_monitors()
     wire_audit(broker, pool, monitors)
     fallback = FallbackControl(serving, pool)

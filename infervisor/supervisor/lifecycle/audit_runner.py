@@ -28,6 +28,7 @@ from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.audit_process import AuditProcess, AuditState
+from infervisor.supervisor.workers.children import Children
 from infervisor.supervisor.workers.slot import SlotState, WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -67,8 +68,12 @@ class ModelAuditRun:
 class AuditRunner:
     """Samples served answers within each model's budget, keeps each model's audit process, collects verdicts."""
 
-    def __init__(self, config: Callable[[], Config], members: Callable[[str], Sequence[WorkerSlot] | None]) -> None:
+    def __init__(
+        self, config: Callable[[], Config], members: Callable[[str], Sequence[WorkerSlot] | None], children: Children
+    ) -> None:
         self.config = config
+        #: Where an audit process's end is noticed and its link read.
+        self.children = children
         #: The model's worker slots: which profiles it serves, and the cores its audit process shares.
         self.members = members
         self.runs: dict[str, ModelAuditRun] = {}
@@ -95,7 +100,7 @@ class AuditRunner:
             return
         run = self.runs.get(model.name)
         if run is None:
-            run = self.runs[model.name] = ModelAuditRun(AuditProcess(model.name))
+            run = self.runs[model.name] = ModelAuditRun(AuditProcess(model.name, self.children))
         samples = run.samples
         if run.process.state is not AuditState.READY and samples.count():
             return  # one sample waits for the process to (re)start: nothing more is held, and nothing is dropped
@@ -161,7 +166,7 @@ class AuditRunner:
                 run.samples.forget(dropped=False)
                 run.process.stop()
                 continue
-            if checking or run.process.launched is None:
+            if checking or not run.process.running:
                 self.keep_process(run, config, model, serving, now)
             self.collect(name, run)
             self.send_waiting(run, now)
@@ -194,8 +199,8 @@ class AuditRunner:
         oldest = min((s.sent_at for s in samples.sent.values() if s.sent_at is not None), default=None)
         if reap_runner(process, now, waiting=samples.count(), oldest_sent_at=oldest, watch=True) is not None:
             samples.forget(dropped=True)
-        due = process.state is AuditState.OFF or now >= process.next_start
-        if process.launched is None and samples.waiting and due:
+        due = process.state is AuditState.OFF or now >= process.child.next_start
+        if not process.running and samples.waiting and due:
             cpus = [cpu for slot in serving for cpu in slot.assignment.cpus]
             failed = process.start(config, model, cpus or sorted(os.sched_getaffinity(0)), now)
             if failed is not None:
@@ -221,8 +226,8 @@ class AuditRunner:
             changes=run.changes,
             state=process.state,
             pid=process.pid,
-            restarts=process.restarts,
-            last_exit=process.last_exit,
+            restarts=process.child.ends,
+            last_exit=process.child.last_exit,
             error=process.error,
         )
 

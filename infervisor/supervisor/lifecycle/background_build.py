@@ -36,19 +36,19 @@ from infervisor.common.profiles import PROFILES, TIMED_AT_NOTE
 from infervisor.common.verdicts import SHADOW_PASSED_NOTE, lossy
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import OUTCOME_PHASES, StartPhase
-from infervisor.protocol.errors import ProtocolError
-from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.cache_dir import resolve_cache_dir
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.lifecycle.build_gate import BuildGate
 from infervisor.supervisor.lifecycle.exit_decision import BuildExitFacts, Then, decide_build_exit
 from infervisor.supervisor.lifecycle.input_recorder import InputRecorder
-from infervisor.supervisor.lifecycle.shadow import ShadowOutcome, ShadowRun
+from infervisor.supervisor.lifecycle.shadow import ShadowOutcome, ShadowRun, spec_key_in
 from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
+from infervisor.supervisor.workers.child_record import ChildRecord
+from infervisor.supervisor.workers.children import Children
 from infervisor.supervisor.workers.launcher import ExitRecord, Launched, launch_worker
-from infervisor.supervisor.workers.process_tree import end_group_if_exited, kill_group
+from infervisor.supervisor.workers.retry_policy import ChildKind
 from infervisor.supervisor.workers.slot import WorkerSlot, describe_exit
 
 log = structlog.get_logger("supervisor")
@@ -94,9 +94,9 @@ class ModelBuild:
     state: BuildState = BuildState.WAITING
     started_at: float | None = None
     ended_at: float | None = None
-    launched: Launched | None = None
-    #: The builder processes started for this build (each native crash costs one).
-    attempts: int = 0
+    #: Its builder process now, its link, and the builders started for this build (each native crash costs one).
+    child: ChildRecord = field(init=False)
+    #: How each earlier builder of this build ended, as the next one is told (LaunchSpec.recent_exits).
     exits: list[ExitRecord] = field(default_factory=list)
     phase: str = ""
     profile: str = ""
@@ -119,6 +119,14 @@ class ModelBuild:
     #: Stops the running builder while requests are in flight (config build_yield); the last one's, once it ended.
     gate: BuildGate | None = None
 
+    def __post_init__(self) -> None:
+        self.child = ChildRecord(ChildKind.BUILDER, self.model)
+
+    @property
+    def running(self) -> bool:
+        """A builder process is held (alive, or ended and not settled yet)."""
+        return self.child.process is not None
+
     def report(self, now: float) -> dict[str, object]:
         """The status document's `build` object of the model."""
         elapsed = (self.ended_at or now) - self.started_at if self.started_at is not None else None
@@ -126,8 +134,8 @@ class ModelBuild:
             "state": self.state.value,
             "summary": self.line(now),
             "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
-            "attempts": self.attempts,
-            "pid": self.launched.process.pid if self.launched is not None else None,
+            "attempts": self.child.starts,
+            "pid": self.child.pid,
             "picked": self.picked or None,
             "timed_at": self.timed_at or None,
             "error": self.error or None,
@@ -179,6 +187,7 @@ class BackgroundBuilds:
         config: Callable[[], Config],
         members: Callable[[str], Sequence[WorkerSlot] | None],
         switch: Callable[[str, str], None],
+        children: Children,
         launcher: Callable[..., Launched] = launch_worker,
     ) -> None:
         self.config = config
@@ -187,6 +196,8 @@ class BackgroundBuilds:
         #: Roll the model's workers over to what its builder picked (model, reason).
         self.switch = switch
         self.launcher = launcher
+        #: Where a builder's end is noticed (`settle` judges it at the next tick) and its link read.
+        self.children = children
         self.builds: dict[str, ModelBuild] = {}
         #: Per model, the refusals recorded in the cache (common/verdicts.py), read every _VERDICTS_EVERY_S for status.
         self.refusals: dict[str, dict[str, object]] = {}
@@ -217,9 +228,8 @@ class BackgroundBuilds:
         for name, model in config.models.items():
             if needs_builder(model) and name not in self.builds:
                 self.builds[name] = ModelBuild(name)
-        running = [b for b in self.builds.values() if b.launched is not None]
+        running = [b for b in self.builds.values() if b.running]
         for build in running:
-            self.read(build, now)
             self.settle(build, config.models[build.model], now, ready)
         for build in [b for b in self.builds.values() if b.state is BuildState.SHADOW]:
             self.follow_shadow(build, config, config.models[build.model], now)
@@ -227,10 +237,11 @@ class BackgroundBuilds:
         if now - self.verdicts_read_at >= _VERDICTS_EVERY_S:
             self.verdicts_read_at = now
             self.refusals = self.recorded_refusals(config)
-        if any(b.launched is not None for b in self.builds.values()):
+        if any(b.running for b in self.builds.values()):
             return
         for build in self.builds.values():
-            if build.state in (BuildState.WAITING, BuildState.BUILDING) and ready(build.model) is not None:
+            due = now >= build.child.next_start
+            if build.state in (BuildState.WAITING, BuildState.BUILDING) and due and ready(build.model) is not None:
                 self.start(build, config, config.models[build.model], now)
                 return
 
@@ -241,23 +252,25 @@ class BackgroundBuilds:
         capped = dataclasses.replace(model, max_memory_mb=builder_memory_mb(config, model))
         self.recorder.flush(model.name)  # what was served so far is on disk for the builder's gate and timing
         try:
-            build.launched = self.launcher(capped, assignment, config, build.exits, build_only=True, background=True)
+            launched = self.launcher(capped, assignment, config, build.exits, build_only=True, background=True)
         except OSError as exc:  # the box is short of pids or memory: tried again next turn
             log.error("builder_spawn_failed", model=model.name, error=str(exc))
             return
-        build.attempts += 1
-        build.gate = BuildGate(build.launched.process.pid, config.build_min_share)
+        child = build.child
+        owner = lambda message, frames: self.take(build, message, time.monotonic())  # noqa: E731
+        self.children.adopt(child, launched.process, launched.link, (launched.worker_id, cpus, now), owner)
+        build.gate = BuildGate(launched.process.pid, config.build_min_share)
         if build.started_at is None:
             build.started_at = now
         build.state, build.phase, build.phase_at = BuildState.BUILDING, "", now
-        log.info("builder_started", model=model.name, pid=build.launched.process.pid, attempt=build.attempts,
+        log.info("builder_started", model=model.name, pid=launched.process.pid, attempt=child.starts,
                  cpus=list(cpus), threads=threads)  # fmt: skip
 
     def gate(self, now: float, busy: bool) -> None:
         """Stop the running builder while serving is `busy`, continue it when not (or when the floor says so)."""
         config = self.config()
         for build in self.builds.values():
-            if build.launched is not None and build.gate is not None:
+            if build.running and build.gate is not None:
                 build.gate.reconcile(now, busy, build.phase, config.build_yield, config.build_min_share)
 
     def cores_of(self, name: str) -> tuple[tuple[int, ...], int]:
@@ -269,27 +282,8 @@ class BackgroundBuilds:
         threads = slots[0].assignment.threads if slots else 1
         return tuple(cpus), threads
 
-    def read(self, build: ModelBuild, now: float) -> None:
-        """Take in whatever the builder said since the last turn (PROGRESS, and its READY: the pick)."""
-        launched = build.launched
-        if launched is None or launched.link is None:
-            return
-        try:
-            while launched.link.wait_readable(0.0):
-                messages = launched.link.receive()
-                if not messages:
-                    break
-                for frames in messages:
-                    self.take(build, frames[0], now)
-        except (LinkClosed, ProtocolError):
-            launched.link.close()
-            launched.link = None
-
-    def take(self, build: ModelBuild, header: object, now: float) -> None:
-        try:
-            message = wm.decode(header)  # type: ignore[arg-type]
-        except ProtocolError:
-            return
+    def take(self, build: ModelBuild, message: wm.WorkerMessage, now: float) -> None:
+        """One message of the builder's link, as the event loop read it: its PROGRESS, and its READY (the pick)."""
         if isinstance(message, wm.Ready):
             build.picked = message.profile
             build.notes = list(message.build_notes)
@@ -315,24 +309,18 @@ class BackgroundBuilds:
     ) -> None:
         """A builder that ended: its end judged by lifecycle/exit_decision.py `decide_build_exit` (switch to its pick,
         start another at the next tick after a crash, or stop with the reason) and the verdict applied."""
-        launched = build.launched
-        if launched is None:
-            return
-        # Its compilers go with it (kill -9 included): its process group is killed before it is reaped.
-        end_group_if_exited(launched.process.pid)
-        code = launched.process.poll()
+        child = build.child
+        code, pid = child.exit_code, child.pid
         if code is None:
-            return
-        self.read(build, now)
-        if launched.link is not None:
-            launched.link.close()
-        build.launched = None
+            return  # running; the reaper (which killed what was left of its process group) has not seen it end
+        self.children.links.drain(child)  # its READY (the pick), when it exited right after saying it
         if build.gate is not None:
             build.gate.close(now)
         how = describe_exit(code)
         kills_before = build.kills.get(build.profile, 0)
-        facts = BuildExitFacts(code, how, build.attempts, len(model.profiles), build.phase, build.profile, kills_before)
+        facts = BuildExitFacts(code, how, child.starts, len(model.profiles), build.phase, build.profile, kills_before)
         verdict = decide_build_exit(facts)
+        child.ended(how, verdict.restart_in, 0 if verdict.then is Then.DONE else child.ends_in_row + 1, now)
         if verdict.then is Then.DONE:
             self.finish(build, now, ready)
             return
@@ -345,9 +333,7 @@ class BackgroundBuilds:
             log.warning("builder_interrupted", model=build.model, how=how)
             return
         build.kills[build.profile] = verdict.kills
-        build.exits.append(
-            {"pid": launched.process.pid, "how": how, "signal": -code, "killed_by_supervisor": verdict.interrupted}
-        )
+        build.exits.append({"pid": pid, "how": how, "signal": -code, "killed_by_supervisor": verdict.interrupted})
         log.warning("builder_crashed", model=build.model, profile=build.profile, how=how, again=True,
                     profile_refused=not verdict.interrupted)  # fmt: skip
 
@@ -365,7 +351,7 @@ class BackgroundBuilds:
         if model.shadow == "on" and lossy(build.picked) and not proven and not tried:
             open_dims = any(None in spec.shape[1:] for spec in model.inputs)
             build.state = BuildState.SHADOW
-            build.shadow = ShadowRun(build.model, build.picked, model.shadow_rows, open_dims, now)
+            build.shadow = ShadowRun(build.model, build.picked, model.shadow_rows, open_dims, now, self.children)
             log.info("shadow_started", model=build.model, profile=build.picked, rows_needed=model.shadow_rows)
             return
         if build.picked and served and all(p == build.picked for p in served):
@@ -382,16 +368,18 @@ class BackgroundBuilds:
         if outcome is ShadowOutcome.RUNNING:
             return
         if outcome is not ShadowOutcome.FAILED:
-            self.record(config, build.model, shadow, refused=outcome is ShadowOutcome.REFUSED)
+            # A candidate the shadow's own start refused on recorded served inputs never said READY: its verdict is
+            # kept under the spec key the builder's READY named, the same model, specs and tolerance.
+            key = shadow.spec_key or spec_key_in(build.notes)
+            self.record(config, build.model, shadow, key, refused=outcome is ShadowOutcome.REFUSED)
         if outcome is ShadowOutcome.REFUSED:
             self.builds[build.model] = ModelBuild(build.model, shadow=shadow)
             return
         build.state = BuildState.DONE
         self.switch(build.model, f"{shadow.line()}: switching")
 
-    def record(self, config: Config, name: str, shadow: ShadowRun, refused: bool) -> None:
+    def record(self, config: Config, name: str, shadow: ShadowRun, key: str | None, refused: bool) -> None:
         """Keep the shadow's verdict beside the pick in the cache, under the spec key it ran on."""
-        key = shadow.spec_key
         if key is None:
             log.error("shadow_verdict_not_recorded", model=name, profile=shadow.candidate, why="no spec key")
             return
@@ -428,7 +416,7 @@ class BackgroundBuilds:
         build = self.builds.pop(name, None)
         if build is not None and build.shadow is not None:
             build.shadow.stop()
-        if build is not None and build.launched is not None:
+        if build is not None and build.running:
             self.end(build, reason)
 
     def restart(self, name: str, reason: str) -> None:
@@ -436,16 +424,10 @@ class BackgroundBuilds:
         self.forget(name, reason)
 
     def end(self, build: ModelBuild, reason: str) -> None:
-        launched = build.launched
-        if launched is None:
+        if not build.running:
             return
-        log.info("builder_stopped", model=build.model, pid=launched.process.pid, reason=reason)
-        launched.process.kill()
-        kill_group(launched.process.pid)  # its compilers too, while its unreaped pid still names the group
-        launched.process.wait()
-        if launched.link is not None:
-            launched.link.close()
-        build.launched = None
+        log.info("builder_stopped", model=build.model, pid=build.child.pid, reason=reason)
+        build.child.close()  # killed with its compilers, waited for: not an end to judge
         if build.gate is not None:
             build.gate.close(time.monotonic())
 

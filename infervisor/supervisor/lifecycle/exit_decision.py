@@ -204,6 +204,8 @@ class BuildExitVerdict:
     #: Passed on to the next builder as an interruption (the profile is built again), else as that profile's
     #: native crash (the next builder refuses it, worker/profiles/attempts.py).
     interrupted: bool = False
+    #: Seconds before the next builder starts (RESTART_NOW: the builder's row of retry_policy.py).
+    restart_in: float = 0.0
 
 
 def decide_build_exit(facts: BuildExitFacts) -> BuildExitVerdict:
@@ -219,12 +221,14 @@ def decide_build_exit(facts: BuildExitFacts) -> BuildExitVerdict:
     if code > 0 or facts.attempts > facts.chain + 1:
         why = f"the builder ended with {how} while {facts.phase or 'starting'} {facts.profile}".rstrip()
         return BuildExitVerdict(Then.FAIL, why)
+    restart_in = retry_in(ChildKind.BUILDER, facts.attempts)
     if not facts.profile:
-        return BuildExitVerdict(Then.RESTART_NOW, f"{how} before it reached a profile: nothing to blame")
+        why = f"{how} before it reached a profile: nothing to blame"
+        return BuildExitVerdict(Then.RESTART_NOW, why, restart_in=restart_in)
     kills = facts.kills_before + 1
     interrupted = -code == signal.SIGKILL and kills == 1
     then = "built again" if interrupted else "refused by the next builder"
-    return BuildExitVerdict(Then.RESTART_NOW, f"{how} on {facts.profile}: {then}", kills, interrupted)
+    return BuildExitVerdict(Then.RESTART_NOW, f"{how} on {facts.profile}: {then}", kills, interrupted, restart_in)
 
 
 # ---- an audit or shadow process, the OIP gateway -------------------------------------------------

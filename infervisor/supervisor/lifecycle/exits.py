@@ -1,8 +1,9 @@
-"""Reaping children's exits: each ended process's last words read, its exit judged by lifecycle/exit_decision.py,
-the verdict applied.
+"""Settling children's exits: each ended process's last words read, its exit judged by lifecycle/exit_decision.py,
+the verdict applied. The end itself is noticed by the one reaper (workers/reaper.py), polled once per pool tick.
 
-A serving worker's (`ExitReaper`): the verdict's one order about the dead worker's requests goes to the broker
-(`worker_lost`), only once the slot no longer serves, so none of them is routed back to it. An audit or shadow
+A serving worker's (`ExitReaper`, told by the reaper at once): the verdict's one order about the dead worker's
+requests goes to the broker (`worker_lost`), only once the slot no longer serves, so none of them is routed back
+to it. An audit or shadow
 process's (`reap_runner`, at its owner's tick: lifecycle/audit_runner.py, lifecycle/shadow.py) and the OIP
 gateway's (`keep_gateway`, at the arbiter's housekeeping) through `decide_child_exit`. A background builder's
 end is judged by `decide_build_exit` in lifecycle/background_build.py `settle`, beside the build it ends.
@@ -29,7 +30,7 @@ from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.serving_config import ServingConfig
 from infervisor.supervisor.workers.audit_process import AuditProcess
 from infervisor.supervisor.workers.gateway_process import GatewayProcess
-from infervisor.supervisor.workers.launcher import ExitRecord
+from infervisor.supervisor.workers.launcher import ExitRecord, WorkerProcess
 from infervisor.supervisor.workers.retry_policy import ChildKind
 from infervisor.supervisor.workers.slot import LIVE_STATES, RestartReason, SlotState, WorkerSlot, describe_exit
 from infervisor.supervisor.workers.worker_links import WorkerLinks
@@ -61,14 +62,10 @@ class ExitReaper:
         #: Workers that exited LOAD_FAILED, per model (`infervisor_worker_load_failures_total`).
         self.load_failures: collections.Counter[str] = collections.Counter()
 
-    def reap(self, now: float) -> None:
-        """Collect exited workers: settle their state, then re-dispatch what they held."""
-        for slot in self.roster.all_slots():
-            if slot.proc.process is None or slot.state not in LIVE_STATES:
-                continue
-            code = slot.exit_code()
-            if code is not None:
-                self.on_exit(slot, code, now)
+    def reaped(self, slot: WorkerSlot, process: WorkerProcess, code: int, now: float) -> None:
+        """The reaper saw the slot's `process` end: settled, unless the slot holds another process by now."""
+        if slot.proc.process is process and slot.state in LIVE_STATES:
+            self.on_exit(slot, code, now)
 
     def on_exit(self, slot: WorkerSlot, code: int, now: float) -> None:
         """Handle one worker exit: deliver what it wrote, settle the slot, then re-dispatch what it held."""
@@ -151,13 +148,13 @@ def reap_runner(
     `decide_child_exit`; the verdict applied (ended, killed first if it lives, counted, its next start set)."""
     how = failed_start or process.exited()
     stopped = stalled = None
-    if how is None and watch and process.launched is not None:
+    if how is None and watch and process.running:
         stopped, stalled = process.stillness(waiting, now)
     facts = ChildExitFacts(
         kind=process.kind,
         how=how,
-        ends_in_row=process.failures_in_row,
-        ends=process.restarts,
+        ends_in_row=process.child.ends_in_row,
+        ends=process.child.ends,
         waiting=waiting,
         oldest_sent_s=now - oldest_sent_at if oldest_sent_at is not None else None,
         stopped_s=stopped,
@@ -182,7 +179,8 @@ def keep_gateway(gateway: GatewayProcess, now: float, config: Config) -> None:
 
 def back_off_gateway(gateway: GatewayProcess, now: float, how: str, ran_s: float | None) -> None:
     """Apply the verdict on one end of the gateway: wait before its next start."""
-    facts = ChildExitFacts(ChildKind.GATEWAY, how, gateway.failures_in_row, gateway.restarts, ran_s=ran_s)
+    child = gateway.child
+    facts = ChildExitFacts(ChildKind.GATEWAY, how, child.ends_in_row, child.ends, ran_s=ran_s)
     verdict = decide_child_exit(facts)
     if verdict is not None:
-        gateway.ended(now, verdict.restart_in, verdict.ends_in_row)
+        gateway.ended(now, how, verdict.restart_in, verdict.ends_in_row)

@@ -34,7 +34,11 @@ from infervisor.supervisor.routing.broker import Broker
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.config_diff import ConfigDiff, builds_differ, worker_keys_changed
 from infervisor.supervisor.settings.serving_config import ServingConfig
+from infervisor.supervisor.workers.child_home import ChildHome
+from infervisor.supervisor.workers.child_links import ChildLinks
+from infervisor.supervisor.workers.children import Children
 from infervisor.supervisor.workers.launcher import Launcher, launch_worker
+from infervisor.supervisor.workers.reaper import Reaper
 from infervisor.supervisor.workers.slot import RestartReason, SlotState, WorkerSlot
 from infervisor.supervisor.workers.worker_links import WorkerLinks
 
@@ -53,6 +57,7 @@ class WorkerPool:
         links: WorkerLinks,
         broker: Broker,
         launcher: Launcher = launch_worker,
+        home: ChildHome | None = None,
     ) -> None:
         self.serving = serving
         self.links = links
@@ -67,14 +72,20 @@ class WorkerPool:
         self.rollout = Rollout(self.restarts)
         self.steps = RolloutSteps(self.roster, serving, self.rollout, links, broker, self.spawn, self.retire)
         self.stop = StopSequence(self.roster, serving, self.rollout, links, broker)
-        #: Exits reaped and judged (exits.py); its `recent_exits` tell a new worker how the model's last ones ended.
+        #: Notices every child's end, of every kind, once per tick (workers/reaper.py; with the daemon's `home`, the
+        #: strangers it adopted as a subreaper too); reads the builders', audits' and shadows' links on the loop.
+        self.reaper = Reaper(home)
+        self.children = Children(self.reaper, ChildLinks(links.loop, links.anomalies))
+        #: Worker exits judged (exits.py); its `recent_exits` tell a new worker how the model's last ones ended.
         self.exits = ExitReaper(self.roster, serving, links, broker, self.restarts)
         #: Kills the stuck and sends heartbeats (watchdog.py).
         self.watchdog = Watchdog(self.roster, serving, links, broker)
         #: Each model's background build; its workers serve first until it is done (background_build.py).
-        self.builds = BackgroundBuilds(lambda: serving.current, self.roster.members_of, self.switch_to_pick)
+        self.builds = BackgroundBuilds(
+            lambda: serving.current, self.roster.members_of, self.switch_to_pick, self.children
+        )
         #: Each model's live audit: its sampler and its audit process (audit_runner.py); the audit monitor judges.
-        self.audits = AuditRunner(lambda: serving.current, self.roster.members_of)
+        self.audits = AuditRunner(lambda: serving.current, self.roster.members_of, self.children)
         broker.route_to(self.roster.members_of)
 
     # ---- the reconcile step ------------------------------------------------------------------
@@ -85,8 +96,9 @@ class WorkerPool:
             self.spawn(slot)
 
     def tick(self, now: float) -> None:
-        """One reconcile step: reap exits, kill the stuck, heartbeat, then stop or roll out, manage, build and audit."""
-        self.exits.reap(now)
+        """One reconcile step: reap every child's exit, kill the stuck, heartbeat, then stop or roll out, manage, build
+        and audit (the builders', audits' and gateway's ends reaped here are judged at their owners' turns)."""
+        self.reaper.reap(now)
         self.watchdog.murder(now)
         self.watchdog.heartbeat(now)
         if self.stop.stopping:
@@ -119,6 +131,7 @@ class WorkerPool:
             slot.respawn_at = time.monotonic() + BACKOFF_MAX_S
             return
         slot.adopt_process(launched, config.heartbeat_interval_ms / 1000.0, config.heartbeat_liveness, time.monotonic())
+        self.reaper.watch(launched.process, lambda code, now: self.exits.reaped(slot, launched.process, code, now))
         slot.transition(SlotState.STARTING, f"spawned pid {launched.process.pid} on cpus {list(slot.assignment.cpus)}")
         self.links.attach(slot)
 

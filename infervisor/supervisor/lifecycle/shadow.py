@@ -33,6 +33,7 @@ from infervisor.supervisor.routing.pending import PendingRequest
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
 from infervisor.supervisor.workers.audit_process import AuditProcess, AuditState
+from infervisor.supervisor.workers.children import Children
 from infervisor.supervisor.workers.slot import WorkerSlot
 
 log = structlog.get_logger("supervisor")
@@ -65,6 +66,12 @@ class _Held:
     sent_at: float | None = None
 
 
+def spec_key_in(notes: list[str]) -> str | None:
+    """The spec key a worker's READY notes name (what its verdicts are recorded under), if any."""
+    keys = [n.removeprefix(SPEC_KEY_NOTE) for n in notes if n.startswith(SPEC_KEY_NOTE)]
+    return keys[0] if keys else None
+
+
 @dataclass
 class ShadowRun:
     """One model's candidate in shadow: its process, its samples and what they showed."""
@@ -75,6 +82,8 @@ class ShadowRun:
     #: Whether an input has an open dim besides the batch: then SHAPE_GROUPS shapes are needed too.
     open_dims: bool
     started_at: float
+    #: Where the shadow process's end is noticed and its link read.
+    children: Children = field(repr=False)
     process: AuditProcess = field(init=False)
     outcome: ShadowOutcome = ShadowOutcome.RUNNING
     rows: int = 0
@@ -95,13 +104,12 @@ class ShadowRun:
     ended_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.process = AuditProcess(self.model, self.candidate)
+        self.process = AuditProcess(self.model, self.children, self.candidate)
 
     @property
     def spec_key(self) -> str | None:
         """The spec key the shadow process loaded the candidate under (its READY note), once it is up."""
-        keys = [n.removeprefix(SPEC_KEY_NOTE) for n in self.process.notes if n.startswith(SPEC_KEY_NOTE)]
-        return keys[0] if keys else None
+        return spec_key_in(self.process.notes)
 
     # ---- the broker's side ----------------------------------------------------------------------
 
@@ -146,8 +154,8 @@ class ShadowRun:
             self.sent.clear()
         if verdict is not None and verdict.then is Then.FAIL:
             return self.given_up(verdict)
-        due = process.state is AuditState.OFF or now >= process.next_start
-        if process.launched is None and self.waiting and due:
+        due = process.state is AuditState.OFF or now >= process.child.next_start
+        if not process.running and self.waiting and due:
             failed = process.start(config, model, cpus or sorted(os.sched_getaffinity(0)), now)
             verdict = reap_runner(process, now, failed_start=failed) if failed is not None else None
             if verdict is not None and verdict.then is Then.FAIL:

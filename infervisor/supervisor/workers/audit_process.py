@@ -2,7 +2,8 @@
 
 The process (`python -P -m infervisor.worker.audit`, worker/audit.py) runs at the lowest CPU priority on the
 model's cores and the supervisor's, with one thread and its own memory cap. Everything here is non-blocking: a
-send that does not fit waits in the link's outbox, a dead process is noticed by its exit code, and how long it has
+send that does not fit waits in the link's outbox, a dead process is noticed by the one reaper (reaper.py), its
+process, link and ends are its `ChildRecord` (child_record.py), and how long it has
 been stopped or gained no CPU time while samples wait for it is read from the kernel. Whether it hangs or is
 stuck, and how long it waits before its next start, is lifecycle/exit_decision.py's (`decide_child_exit`), applied
 by lifecycle/exits.py `reap_runner` through `ended`.
@@ -22,12 +23,12 @@ import structlog
 from infervisor.common.profiles import REFERENCE_PROFILE
 from infervisor.protocol import worker_messages as wm
 from infervisor.protocol.constants import StartPhase
-from infervisor.protocol.errors import ProtocolError
-from infervisor.protocol.worker_link import LinkClosed
 from infervisor.supervisor.host.planner import Assignment
 from infervisor.supervisor.settings.config import Config
 from infervisor.supervisor.settings.model_entry import ModelConfig
-from infervisor.supervisor.workers.launcher import AUDIT_ENTRY, Launched, launch_worker
+from infervisor.supervisor.workers.child_record import ChildRecord
+from infervisor.supervisor.workers.children import Children
+from infervisor.supervisor.workers.launcher import AUDIT_ENTRY, launch_worker
 from infervisor.supervisor.workers.process_tree import own_child
 from infervisor.supervisor.workers.retry_policy import ChildKind
 from infervisor.supervisor.workers.slot import describe_exit
@@ -49,18 +50,18 @@ class AuditState(enum.Enum):
 class AuditProcess:
     """The audit process of one model, with its restarts; the samples it holds are the watch's."""
 
-    def __init__(self, model: str, profile: str = REFERENCE_PROFILE) -> None:
+    def __init__(self, model: str, children: Children, profile: str = REFERENCE_PROFILE) -> None:
         self.model = model
         #: What the process runs: eager fp32 (the audit), or a lossy candidate (the shadow, lifecycle/shadow.py).
         self.profile = profile
+        #: Its process, link and ends across restarts; the supervisor's `children` notice its end and read its link.
+        self.child = ChildRecord(ChildKind.AUDIT if profile == REFERENCE_PROFILE else ChildKind.SHADOW, model)
+        self.children = children
+        #: Results read from its link since its owner last took them.
+        self.results: list[wm.AuditResult] = []
         #: The build notes of its READY (the shadow's: the spec key its verdict is recorded under).
         self.notes: list[str] = []
         self.state = AuditState.OFF
-        self.launched: Launched | None = None
-        self.restarts = 0
-        self.failures_in_row = 0
-        self.next_start = 0.0
-        self.last_exit: str | None = None
         self.error: str | None = None
         #: Why its start's gate rejected the profile (a shadow's candidate off on the recorded served inputs).
         self.rejected: str | None = None
@@ -72,12 +73,17 @@ class AuditProcess:
 
     @property
     def pid(self) -> int | None:
-        return self.launched.process.pid if self.launched is not None else None
+        return self.child.pid
 
     @property
     def kind(self) -> ChildKind:
         """An audit process (eager fp32) or a shadow (a lossy candidate): their limits and back-off differ."""
-        return ChildKind.AUDIT if self.profile == REFERENCE_PROFILE else ChildKind.SHADOW
+        return self.child.kind
+
+    @property
+    def running(self) -> bool:
+        """A process is held (alive, or ended and not judged yet)."""
+        return self.child.process is not None
 
     def start(self, config: Config, model: ModelConfig, cpus: Sequence[int], now: float) -> str | None:
         """Spawn the process for `model` (its profile only, one thread) on `cpus`; on OSError, why it did not start
@@ -92,69 +98,55 @@ class AuditProcess:
         assignment = Assignment(model.name, 0, tuple(sorted(set(cpus) | os.sched_getaffinity(0))), 0, 1, True)
         try:
             ready_only = self.profile != REFERENCE_PROFILE
-            self.launched = launch_worker(loaded, assignment, config, entry=AUDIT_ENTRY, ready_only=ready_only)
+            launched = launch_worker(loaded, assignment, config, entry=AUDIT_ENTRY, ready_only=ready_only)
         except OSError as exc:
             return f"could not start: {exc}"
+        started = (launched.worker_id, assignment.cpus, now)
+        self.children.adopt(self.child, launched.process, launched.link, started, self.take)
         self.state = AuditState.STARTING
-        self.tree_root, self.progress_at, self.stopped_at = own_child(self.launched.process.pid), now, None
+        self.tree_root, self.progress_at, self.stopped_at = own_child(launched.process.pid), now, None
         self.cpu_s = 0.0
-        log.info("audit_started", model=self.model, pid=self.launched.process.pid, profile=self.profile)
+        log.info("audit_started", model=self.model, pid=launched.process.pid, profile=self.profile)
         return None
 
     def send(self, seq: int, inputs: Sequence[Any], answer: Sequence[Any]) -> bool:
-        """Queue one sample on the link (never blocks); False when the process is gone."""
-        launched = self.launched
-        if launched is None or launched.link is None or self.state is not AuditState.READY:
+        """Queue one sample on the link (never blocks: the event loop writes what waits); False when it is gone."""
+        if self.state is not AuditState.READY:
             return False
-        try:
-            launched.link.send(wm.encode(wm.Audit(seq, len(inputs)), [*inputs, *answer]))
-            launched.link.flush()
-        except LinkClosed:
-            return False
-        return True
+        return self.children.links.send(self.child, wm.encode(wm.Audit(seq, len(inputs)), [*inputs, *answer]))
+
+    def take(self, message: wm.WorkerMessage, frames: list[memoryview]) -> None:
+        """One message of its link, as the event loop read it: READY, LOAD_ERROR, the gate's rejection, a result."""
+        if isinstance(message, wm.Ready):
+            self.state, self.child.ends_in_row = AuditState.READY, 0
+            self.notes = list(message.build_notes)
+        elif isinstance(message, wm.LoadError):
+            self.error = f"{self.profile} did not load: {message.error}"
+        elif isinstance(message, wm.Progress) and message.profile == self.profile:
+            if message.phase == StartPhase.REJECTED.value:
+                self.rejected = " ".join(message.detail.split())
+        elif isinstance(message, wm.AuditResult):
+            self.results.append(message)
 
     def receive(self) -> list[wm.AuditResult]:
-        """The results readable now (READY and LOAD_ERROR are taken in on the way)."""
-        launched = self.launched
-        if launched is None or launched.link is None:
-            return []
-        results: list[wm.AuditResult] = []
-        try:
-            launched.link.flush()
-            while launched.link.wait_readable(0.0):
-                messages = launched.link.receive()
-                if not messages:
-                    break
-                for frames in messages:
-                    message = wm.decode(frames[0])
-                    if isinstance(message, wm.Ready):
-                        self.state, self.failures_in_row = AuditState.READY, 0
-                        self.notes = list(message.build_notes)
-                    elif isinstance(message, wm.LoadError):
-                        self.error = f"{self.profile} did not load: {message.error}"
-                    elif isinstance(message, wm.Progress) and message.profile == self.profile:
-                        if message.phase == StartPhase.REJECTED.value:
-                            self.rejected = " ".join(message.detail.split())
-                    elif isinstance(message, wm.AuditResult):
-                        results.append(message)
-        except (LinkClosed, ProtocolError):
-            launched.link.close()
-            launched.link = None
+        """The results read since the last call, in order."""
+        results, self.results = self.results, []
         return results
 
     def exited(self) -> str | None:
-        """How the process ended (crash, kill -9, load failure, a broken link), else None while it lives."""
-        launched = self.launched
-        if launched is None:
+        """How the process ended (crash, kill -9, load failure), as the reaper found it, else None while it lives.
+
+        A link that broke while the process lives gets it killed: it cannot be talked to, and its end is then
+        reaped like any other."""
+        child = self.child
+        if child.process is None:
             return None
-        code = launched.process.poll()
-        if code is None and launched.link is not None:
+        if child.exit_code is None:
+            if child.link is None:
+                child.process.kill()
             return None
-        if code is None:  # the link broke while the process lives: end it, it cannot be talked to
-            launched.process.kill()
-            code = launched.process.wait()
-        self.receive()  # what it said before it exited (its LOAD_ERROR, the gate's rejection) is read, not lost
-        return describe_exit(code)
+        self.children.links.drain(child)  # what it said before it exited (its LOAD_ERROR, the gate's rejection)
+        return describe_exit(child.exit_code)
 
     def stillness(self, waiting: int, now: float) -> tuple[float | None, float | None]:
         """While `waiting` samples wait for it: how long it has been seen stopped (None: it is not) and how long it
@@ -178,26 +170,13 @@ class AuditProcess:
     def ended(self, how: str, restart_in: float, ends_in_row: int, now: float) -> None:
         """The process is gone, killed or never started (lifecycle/exits.py `reap_runner` judged it): ended if it
         lives, counted, and started again after `restart_in`."""
-        self.close()
-        self.restarts += 1
-        self.failures_in_row = ends_in_row
-        self.last_exit = how
-        self.state, self.next_start = AuditState.BACKOFF, now + restart_in
+        self.child.ended(how, restart_in, ends_in_row, now)
+        self.state = AuditState.BACKOFF
         log.warning("audit_process_ended", model=self.model, how=how, error=self.error, restart_in_s=restart_in)
 
     def stop(self) -> None:
         """Not needed any more (budget 0, eager serves, the model left, the daemon stops): ended without a count."""
-        if self.launched is not None:
-            log.info("audit_stopped", model=self.model, pid=self.launched.process.pid)
-        self.close()
-        self.state, self.failures_in_row = AuditState.OFF, 0
-
-    def close(self) -> None:
-        launched, self.launched = self.launched, None
-        if launched is None:
-            return
-        if launched.process.poll() is None:
-            launched.process.kill()
-        launched.process.wait()
-        if launched.link is not None:
-            launched.link.close()
+        if self.child.process is not None:
+            log.info("audit_stopped", model=self.model, pid=self.child.pid)
+        self.child.close()
+        self.state, self.child.ends_in_row = AuditState.OFF, 0

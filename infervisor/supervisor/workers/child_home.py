@@ -4,7 +4,8 @@ fresh interpreter), which ones are ours, and the reaping of what the supervisor 
 Every kind of child (serving worker, background builder, audit process) is started here by `launcher.py`. While
 `infervisor serve` runs, the supervisor is a child subreaper and keeps one warm template
 (infervisor/worker/template.py) that imported torch and ran nothing; a child is a fork of it, re-parented to the
-supervisor, so it is our child like an exec'd one: the same `poll`/`kill`/`wait`, reaped by its owner. A template
+supervisor, so it is our child like an exec'd one: the same `poll`/`kill`/`wait`, its end noticed by the daemon's
+one reaper (reaper.py), which also calls `reap_strangers`. A template
 that died, hangs or is stale (torch or this package changed on disk, the environment changed) is replaced; until
 one is warm, and wherever none is wanted (`warm_template: false`, `infervisor build`), children are exec'd as
 before, and status says which and why.
@@ -44,8 +45,6 @@ _FIRST_READY_S = 60.0
 #: What every child's environment holds unless the daemon's says otherwise: third-party progress bars (NNCF's)
 #: would land between the daemon's JSON log lines.
 CHILD_ENV_DEFAULTS = {"TQDM_DISABLE": "1"}
-#: How often adopted children nobody holds are looked for.
-_REAP_INTERVAL_S = 1.0
 #: The environment variables each child sets for itself; a change of any other one makes the template stale.
 _PER_CHILD_ENV = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"})
 #: Thread pools that start when their library loads (OpenBLAS, under numpy) would make the template's fork copy a
@@ -145,7 +144,6 @@ class ChildHome:
         self.execed = 0
         self.templates_started = 0
         self.strangers_reaped = 0
-        self.next_reap = 0.0
         #: The children handed out and not yet collected, by pid: a zombie child not in here is a stranger.
         self.children: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
@@ -234,16 +232,14 @@ class ChildHome:
         template.process.wait()
 
     def tick(self, now: float) -> None:
-        """Housekeeping: notice a dead template, start one when due, take a READY, reap adopted strangers."""
+        """Housekeeping: notice a dead template, start one when due, take a READY (the adopted strangers are reaped by
+        the daemon's one reaper, workers/reaper.py)."""
         template = self.template
         if template is not None and template.process.poll() is not None:
             self.down(f"the template exited ({describe(template.process.returncode)})")
         if self.state is TemplateState.DOWN and now >= self.restart_at:
             self.start_template()
         self.await_ready(0)
-        if now >= self.next_reap:
-            self.next_reap = now + _REAP_INTERVAL_S
-            self.reap_strangers()
 
     def close(self) -> None:
         """At the daemon's stop: the template goes; children are exec'd from here on."""

@@ -1,7 +1,8 @@
 """The Open Inference Protocol gateway as the daemon holds it: started, reaped, restarted with back-off, stopped.
 
-How long it waits before its next start is lifecycle/exit_decision.py's (`decide_child_exit`), applied each
-housekeeping turn by lifecycle/exits.py `keep_gateway` through `exited`, `tick` and `ended`.
+Its process and its ends are a `ChildRecord` (child_record.py), its end is noticed by the one reaper
+(reaper.py); how long it waits before its next start is lifecycle/exit_decision.py's (`decide_child_exit`),
+applied each housekeeping turn by lifecycle/exits.py `keep_gateway` through `exited`, `tick` and `ended`.
 
 The gateway (`python -P -m infervisor.gateway`, infervisor/gateway/) is a client of the broker on the ipc
 endpoint, in its own process so HTTP and gRPC never share the broker's loop. It asks the kernel to kill it when
@@ -14,9 +15,9 @@ import dataclasses
 import enum
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ import structlog
 
 from infervisor.supervisor.settings.config import Config, OipConfig
 from infervisor.supervisor.workers.child_home import HOME
+from infervisor.supervisor.workers.child_record import ChildRecord
+from infervisor.supervisor.workers.children import Children
+from infervisor.supervisor.workers.retry_policy import ChildKind
 from infervisor.supervisor.workers.slot import describe_exit
 
 log = structlog.get_logger("supervisor")
@@ -45,33 +49,27 @@ class GatewayState(enum.Enum):
 class GatewayProcess:
     """The one gateway process and its restarts."""
 
-    def __init__(self, runtime_dir: Path, endpoint: str) -> None:
+    def __init__(self, runtime_dir: Path, endpoint: str, children: Children) -> None:
         self.runtime_dir = runtime_dir
         self.endpoint = endpoint
-        self.process: subprocess.Popen[bytes] | None = None
+        self.children = children
+        self.child = ChildRecord(ChildKind.GATEWAY, "oip")
         self.state = GatewayState.OFF
         self.oip: OipConfig | None = None
-        self.started_at = 0.0
-        self.next_start = 0.0
-        self.failures_in_row = 0
-        self.restarts = 0
-        self.last_exit: str | None = None
 
     def exited(self, now: float) -> tuple[str, float] | None:
-        """How an ended gateway ended and how long it ran (reaped and counted), else None."""
-        if self.process is None or self.process.poll() is None:
+        """How an ended gateway ended (as the reaper found it) and how long it ran, else None."""
+        child = self.child
+        if child.exit_code is None or child.process is None:
             return None
-        pid, code = self.process.pid, self.process.returncode
-        self.process = None
-        self.last_exit = describe_exit(code)
-        log.warning("gateway_exited", pid=pid, exit=self.last_exit)
-        self.restarts += 1
-        return self.last_exit, now - self.started_at
+        how = describe_exit(child.exit_code)
+        log.warning("gateway_exited", pid=child.pid, exit=how)
+        return how, now - child.started_at
 
     def tick(self, now: float, config: Config) -> str | None:
         """Start one when config wants it and its back-off has passed; why it did not start, if it failed to."""
         self.oip = config.oip
-        if self.oip is None or self.process is not None or now < self.next_start:
+        if self.oip is None or self.child.process is not None or now < self.child.next_start:
             return None
         return self.start(now, config)
 
@@ -93,45 +91,36 @@ class GatewayProcess:
         }
         try:
             # A fresh interpreter, not a fork of the warm template: the gateway never imports torch.
-            self.process = HOME.exec_fresh(
-                [sys.executable, "-P", "-m", "infervisor.gateway", json.dumps(launch)], "gateway"
-            )
+            process = HOME.exec_fresh([sys.executable, "-P", "-m", "infervisor.gateway", json.dumps(launch)], "gateway")
         except OSError as exc:
             log.error("gateway_spawn_failed", error=str(exc))
             return f"could not start: {exc}"
-        self.state, self.started_at = GatewayState.RUNNING, now
-        log.info("gateway_started", pid=self.process.pid, http=oip.http, grpc=oip.grpc)
+        self.children.adopt(self.child, process, None, ("gateway", (), now), None)  # no link: a broker client
+        self.state = GatewayState.RUNNING
+        log.info("gateway_started", pid=process.pid, http=oip.http, grpc=oip.grpc)
         return None
 
-    def ended(self, now: float, restart_in: float, ends_in_row: int) -> None:
-        """Wait `restart_in` before the next start (the exit decision's back-off for this end in a row)."""
-        self.failures_in_row = ends_in_row
-        self.state, self.next_start = GatewayState.BACKOFF, now + restart_in
+    def ended(self, now: float, how: str, restart_in: float, ends_in_row: int) -> None:
+        """Counted, and `restart_in` waited before the next start (the exit decision's back-off for this end)."""
+        self.child.ended(how, restart_in, ends_in_row, now)
+        self.state = GatewayState.BACKOFF
 
     def stop(self) -> None:
         """SIGTERM, a short grace to close the listeners, then SIGKILL; reaped before returning."""
-        process, self.process = self.process, None
+        process = self.child.process
         self.state = GatewayState.OFF
         if process is None:
             return
-        process.terminate()
-        try:
-            process.wait(_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass  # SIGKILL next
+        self.child.close()
 
     def status(self) -> dict[str, Any] | None:
         """Status `endpoints.oip`: None without `oip`; else where it listens and how the process stands."""
         if self.oip is None:
             return None
-        return {
-            **dataclasses.asdict(self.oip),
-            "state": self.state.value,
-            "pid": self.process.pid if self.process is not None else None,
-            "restarts": self.restarts,
-            "last_exit": self.last_exit,
-            "next_start_in_s": (
-                round(max(0.0, self.next_start - time.monotonic()), 3) if self.state is GatewayState.BACKOFF else None
-            ),
-        }
+        return {**dataclasses.asdict(self.oip), "state": self.state.value, **self.child.report()}

@@ -1,9 +1,9 @@
 """How long each kind of child waits to be started again after ending unasked: one table, one function.
 
-Workers, audit and shadow processes, the OIP gateway and the warm template each doubled their own wait; here each
-kind is one row, so changing a kind's wait is one line. What else an exit means (a worker's state, requests and
-`max_restarts`, a builder's restart at once and the profile it gives up, an audit or shadow process's hang and
-stuck limits, when a shadow is given up, when a gateway's run starts its count afresh) is
+Workers, builders, audit and shadow processes, the OIP gateway and the warm template each doubled their own
+wait; here each kind is one row, so changing a kind's wait is one line. What else an exit means (a worker's
+state, requests and `max_restarts`, a builder's restart at once and the profile it gives up, an audit or shadow
+process's hang and stuck limits, when a shadow is given up, when a gateway's run starts its count afresh) is
 lifecycle/exit_decision.py's, which reads these waits through `retry_in`.
 """
 
@@ -17,6 +17,7 @@ class ChildKind(enum.Enum):
     """The kinds of child process the supervisor starts again after they end."""
 
     WORKER = "worker"
+    BUILDER = "builder"
     AUDIT = "audit"
     SHADOW = "shadow"
     GATEWAY = "gateway"
@@ -33,11 +34,14 @@ class RetryPolicy:
 
 #: Each kind's policy. A worker's first crash while serving respawns at once, and so does the end of one that answered
 #: a request (exit_decision.py): these waits start from the second end of one that answered none, or from the first
-#: of one that never got ready. An audit or shadow process runs at idle priority
+#: of one that never got ready. A background builder that crashed on a profile starts again at once: the profile it
+#: crashed on is what is given up (exit_decision.py), and the build's attempts are capped by its chain. An audit or
+#: shadow process runs at idle priority
 #: beside serving, so a broken one is retried slowly; the template's start imports torch (seconds of CPU), so a
 #: template that keeps failing must not cost the box that every few seconds.
 POLICIES: dict[ChildKind, RetryPolicy] = {
     ChildKind.WORKER: RetryPolicy(1.0, 30.0),
+    ChildKind.BUILDER: RetryPolicy(0.0, 0.0),
     ChildKind.AUDIT: RetryPolicy(1.0, 300.0),
     ChildKind.SHADOW: RetryPolicy(1.0, 300.0),
     ChildKind.GATEWAY: RetryPolicy(1.0, 30.0),

@@ -1,5 +1,7 @@
 """The one demultiplexer of worker links: each message is decoded once and handed straight to its owner.
 
+A background builder's, audit's or shadow's link holds messages for one owner only (`deliver_to_owner`).
+
 Replies go to the broker (which answers the client); READY, PROGRESS, LOAD_ERROR and a drained
 worker go to the pool (which alone changes a slot's state); canary results to whoever judges them
 (the canary monitor, through the callable it is built with); profiler reports are kept on the slot
@@ -24,6 +26,9 @@ log = structlog.get_logger("supervisor")
 
 #: Judges a worker's answer to a golden-input check (and acts on the verdict).
 CanaryJudge = Callable[[WorkerSlot, wm.CanaryResult], None]
+#: The owner of another kind of child (background builder, audit or shadow process): each decoded message, with its
+#: data frames (views into the link's buffer, valid during the call).
+ChildOwner = Callable[[wm.WorkerMessage, list[memoryview]], None]
 
 
 class ReplyTaker(Protocol):
@@ -121,3 +126,19 @@ class WorkerInbox:
             keep_profile(slot, message)
         elif isinstance(message, wm.LoadError):
             self.pool.worker_load_error(slot, message)
+
+
+def deliver_to_owner(name: str, messages: list[list[memoryview]], owner: ChildOwner, anomalies: Anomalies) -> None:
+    """Decode each whole message of a builder's, audit's or shadow's link once and hand it to the child's owner;
+    malformed headers are counted and dropped, and a bug on one message costs that message, not the daemon."""
+    for frames in messages:
+        try:
+            message = wm.decode(frames[0])
+        except ProtocolError as exc:
+            anomalies.count("worker_message_malformed", f"{name}: {exc.message}")
+            continue
+        try:
+            owner(message, frames[1:])
+        except Exception:  # noqa: BLE001 - contained like a serving worker's message (WorkerInbox.deliver)
+            log.exception("worker_message_crashed", child=name)
+            anomalies.count("internal_error")
