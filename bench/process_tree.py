@@ -8,7 +8,8 @@ serves and no build is running, sends `--requests` batch-1 requests to every mod
 every process of the daemon's tree (workers, audit processes, the template, the supervisor) once no audit process is
 still starting (an exec'd one at idle priority is still importing torch after the requests), then kills a serving
 worker with SIGKILL `--kills` times and times how long until its slot serves again (a new process past READY)
-and a request of the model is answered.
+and a request of the model is answered; "minus load" is that time less the new worker's own model load (its READY's
+`load_ms`), the part a warm template can shorten.
 
 Run it on a warm cache (one start of the config before, or `infervisor build`) so that both arms load the same
 packages; a cold cache makes the first arm build them.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -102,9 +104,10 @@ def _kind(title: str) -> str:
     return "other"
 
 
-def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> float:
+def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> tuple[float, float]:
     """kill -9 one serving worker of `model`; seconds until its slot serves again (a new process, READY) and a
-    request of the model is answered."""
+    request of the model is answered, and the new worker's own load time in them (its READY's `load_ms`, in the
+    slot's reason): what the template cannot shorten."""
     victim = _status(runtime_dir)["models"][model]["workers"][0]
     killed = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
@@ -113,7 +116,9 @@ def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> fl
         if slot["pid"] != victim["pid"] and slot["state"] == "serving":
             with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
                 client.infer(model, arrays, timeout=60)
-            return time.monotonic() - killed
+            back = time.monotonic() - killed
+            load = re.search(r"\(load (\d+) ms", slot["reason"])
+            return back, int(load.group(1)) / 1000.0 if load else float("nan")
         time.sleep(0.01)
     raise SystemExit(f"{model}: slot {victim['slot']} not serving again within 120 s of the kill")
 
@@ -133,12 +138,14 @@ def one_start(config: dict[str, Any], folder: Path, template: bool, requests: in
         memory = tree_memory(process.pid)
         model = next(iter(config["models"]))
         arrays = random_inputs(config["models"][model]["inputs"], 1)
-        respawns = []
+        respawns, loads = [], []
         for _ in range(kills):
-            respawns.append(respawn_seconds(runtime_dir, model, arrays))
+            back, load = respawn_seconds(runtime_dir, model, arrays)
+            respawns.append(back)
+            loads.append(load)
             _settled(runtime_dir, 600)
         profiles = sorted({w["profile"] for m in status["models"].values() for w in m["workers"]})
-        return {"template": template, "memory": memory, "respawn_s": respawns, "profiles": profiles,
+        return {"template": template, "memory": memory, "respawn_s": respawns, "load_s": loads, "profiles": profiles,
                 "how": _status(runtime_dir)["template"]}  # fmt: skip
     finally:
         stop_daemon(process)
@@ -151,7 +158,8 @@ def _sum(rows: list[dict[str, Any]], kind: str | None, field: str) -> float:
 def summary(results: list[dict[str, Any]]) -> str:
     """One line per arm: medians over rounds of each figure; then the ratios on/off."""
     lines = [f"{'template':<9} {'served':<18} {'worker PSS':>10} {'worker priv':>11} {'audit PSS':>9} "
-             f"{'tpl PSS':>7} {'tree PSS':>8} {'respawn p50 s':>13} {'respawn max s':>13}"]  # fmt: skip
+             f"{'tpl PSS':>7} {'tree PSS':>8} {'respawn p50 s':>13} {'respawn max s':>13} "
+             f"{'minus load p50 s':>16}"]  # fmt: skip
     figures: dict[bool, dict[str, float]] = {}
     for arm in (True, False):
         runs = [r for r in results if r["template"] is arm]
@@ -167,6 +175,7 @@ def summary(results: list[dict[str, Any]]) -> str:
             return statistics.median(values)
 
         respawns = [s for r in runs for s in r["respawn_s"]]
+        beyond = [s - load for r in runs for s, load in zip(r["respawn_s"], r["load_s"], strict=True)]
         figures[arm] = {
             "worker_pss": median_of("worker", "pss"),
             "tree_pss": median_of(None, "pss"),
@@ -176,12 +185,15 @@ def summary(results: list[dict[str, Any]]) -> str:
             f"{'on' if arm else 'off':<9} {','.join(runs[0]['profiles']):<18} {median_of('worker', 'pss'):>10.0f} "
             f"{median_of('worker', 'private'):>11.0f} {median_of('audit', 'pss'):>9.0f} "
             f"{median_of('template', 'pss'):>7.0f} {median_of(None, 'pss'):>8.0f} "
-            f"{figures[arm]['respawn']:>13.2f} {max(respawns, default=float('nan')):>13.2f}"
+            f"{figures[arm]['respawn']:>13.2f} {max(respawns, default=float('nan')):>13.2f} "
+            f"{statistics.median(beyond) if beyond else float('nan'):>16.2f}"
         )
     if len(figures) == 2:
         on, off = figures[True], figures[False]
-        lines.append(f"on/off: worker PSS x{on['worker_pss'] / off['worker_pss']:.2f}, whole tree PSS "
-                     f"x{on['tree_pss'] / off['tree_pss']:.2f}, respawn x{on['respawn'] / off['respawn']:.2f}")
+        lines.append(
+            f"on/off: worker PSS x{on['worker_pss'] / off['worker_pss']:.2f}, whole tree PSS "
+            f"x{on['tree_pss'] / off['tree_pss']:.2f}, respawn x{on['respawn'] / off['respawn']:.2f}"
+        )
     lines.append("(MB per worker / audit process; template, tree: totals; tree = supervisor + every child)")
     return "\n".join(lines)
 
