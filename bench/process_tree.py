@@ -5,14 +5,16 @@
 Each round starts the daemon twice on the same config and cache, `warm_template` on then off (the order swapped
 every other round, so a box that slows mid-run weighs on both arms alike). Each start waits until every worker
 serves and no build is running, sends `--requests` batch-1 requests to every model, reads /proc/PID/smaps_rollup of
-every process of the daemon's tree (workers, audit processes, the template, the supervisor) once no audit process is
-still starting (an exec'd one at idle priority is still importing torch after the requests), then kills a serving
+every process of the daemon's tree (workers, audit processes, the template, the supervisor) 25 s after no audit
+process is still starting (an exec'd one at idle priority is still importing torch after the requests; the template
+pages out what only it holds once forks pause), then kills a serving
 worker with SIGKILL `--kills` times and times how long until its slot serves again (a new process past READY)
 and a request of the model is answered; "minus load" is that time less the new worker's own model load (its READY's
 `load_ms`), the part a warm template can shorten.
 
 Run it on a warm cache (one start of the config before, or `infervisor build`) so that both arms load the same
-packages; a cold cache makes the first arm build them.
+packages; a cold cache makes the first arm build them. Each model runs with `shadow: "off"`: both arms serve the
+pick at once, whatever passes the cache has recorded.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from infervisor.protocol.control_client import control_request  # noqa: E402
 from infervisor.supervisor.toolkit.inputs import random_inputs  # noqa: E402
 
 MB = 2**20
+#: Seconds after the last child started before the tree is read: past the template's own quiet time before it
+#: pages out the import pages no child maps.
+IDLE_S = 25.0
 #: A background build in these states will still replace the workers.
 BUSY_BUILDS = ("waiting", "building")
 
@@ -126,7 +131,10 @@ def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> tu
 def one_start(config: dict[str, Any], folder: Path, template: bool, requests: int, kills: int) -> dict[str, Any]:
     """Start the daemon with the template on or off, measure its tree and its respawns, stop it."""
     runtime_dir = folder / f"run-{'on' if template else 'off'}-{time.monotonic_ns()}"
-    process = start_daemon({**config, "warm_template": template}, runtime_dir)
+    # The tree measured is the one that serves the pick: with the shadow on, a lossy pick serves only once a pass is
+    # recorded in the cache, so which profile the workers hold would depend on the cache's history, not the arm.
+    models = {name: {**entry, "shadow": "off"} for name, entry in config["models"].items()}
+    process = start_daemon({**config, "models": models, "warm_template": template}, runtime_dir)
     try:
         status = _settled(runtime_dir, 1800)
         with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
@@ -135,6 +143,8 @@ def one_start(config: dict[str, Any], folder: Path, template: bool, requests: in
                 for _ in range(requests):
                     client.infer(name, arrays, timeout=120)
         _audits_started(runtime_dir, 600)
+        # The tree at idle: the template pages out what only it holds once forks pause (worker/template.py).
+        time.sleep(IDLE_S)
         memory = tree_memory(process.pid)
         model = next(iter(config["models"]))
         arrays = random_inputs(config["models"][model]["inputs"], 1)

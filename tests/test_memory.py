@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 import torch
 import zmq
 
@@ -153,3 +155,65 @@ def test_the_weights_of_a_package_whose_unpacked_library_was_removed_are_still_r
         assert bytes(mapped[:: mmap.PAGESIZE]) == before  # read again from the unlinked file
     finally:
         mapped.close()
+
+
+_PAGE_OUT_CHILD = """
+import mmap, sys
+from pathlib import Path
+from infervisor.worker.memory import page_out_unshared_library_pages
+
+def mapped(path):
+    with open(path, "rb") as file:
+        return mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+
+def resident(path):
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if not line[0].isupper():
+            inside = line.endswith(path)
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+    return rss
+
+own, shared = mapped(sys.argv[1]), mapped(sys.argv[2])
+before = bytes(own[:: mmap.PAGESIZE]), bytes(shared[:: mmap.PAGESIZE])
+resident_before = resident(sys.argv[1]), resident(sys.argv[2])
+advised = page_out_unshared_library_pages()
+print(advised, *resident_before, resident(sys.argv[1]), resident(sys.argv[2]),
+      (bytes(own[:: mmap.PAGESIZE]), bytes(shared[:: mmap.PAGESIZE])) == before)
+"""
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the filesystem `path` is on (the longest mount point that holds it, from /proc/self/mounts)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, point, fs_type, *_ = line.split()
+        if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, kind = point, fs_type
+    return kind
+
+
+def test_the_template_pages_out_library_pages_only_it_maps_and_keeps_those_a_child_maps(tmp_path: Path) -> None:
+    """MADV_PAGEOUT drops a read-only file mapping's pages no other process maps, keeps shared ones, loses no byte."""
+    if tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2]) < (5, 4):
+        pytest.skip("MADV_PAGEOUT came with Linux 5.4")
+    if _filesystem(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("a tmpfs file's pages are memory, not a file the kernel can read back")
+    own, shared = tmp_path / "own.so", tmp_path / "shared.so"
+    for path in (own, shared):
+        path.write_bytes(os.urandom(8 << 20))
+    with shared.open("rb") as file:
+        ours = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    try:
+        bytes(ours[:: mmap.PAGESIZE])  # this process maps every page of `shared` as well: the child's are not its own
+        out = subprocess.run([sys.executable, "-c", _PAGE_OUT_CHILD, str(own), str(shared)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, check=True).stdout.split()  # fmt: skip
+    finally:
+        ours.close()
+    advised, own_before, shared_before, own_after, shared_after = (int(v) for v in out[:5])
+    assert advised >= 16 << 20, "both read-only file mappings advised"
+    assert own_before == shared_before == 8 << 20
+    assert own_after <= own_before // 8, "the pages only the process mapped went back to the kernel"
+    assert shared_after == shared_before, "the pages another process maps stayed"
+    assert out[5] == "True", "every byte read back the same"

@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import runpy
+import select
 import socket
 import sys
 import threading
@@ -25,10 +26,14 @@ from typing import Any
 
 from infervisor.protocol import template_link as tl
 from infervisor.protocol.constants import WorkerExitCode
+from infervisor.worker.memory import page_out_unshared_library_pages
 from infervisor.worker.pinning import ParentGone, die_with_parent
 
 #: How long a new child waits for the middle process's exit to hand it to the supervisor.
 _REPARENT_WAIT_S = 5.0
+#: Quiet after the last fork before the template pages out: by then each new child has mapped the library pages
+#: its start reads, so the advice (which skips pages another process maps) leaves them alone.
+_PAGE_OUT_AFTER_S = 20.0
 
 
 def main(argv: list[str]) -> int:
@@ -89,8 +94,16 @@ def imported_roots() -> list[str]:
 
 
 def serve_forks(link: socket.socket, supervisor_pid: int) -> int:
-    """Answer FORK requests one at a time; 0 when the supervisor closes the link."""
+    """Answer FORK requests one at a time, paging out what only the template holds once forks pause; 0 when the
+    supervisor closes the link."""
+    page_out_at: float | None = time.monotonic() + _PAGE_OUT_AFTER_S
     while True:
+        wait = None if page_out_at is None else max(0.0, page_out_at - time.monotonic())
+        if not select.select([link], [], [], wait)[0]:
+            page_out_unshared_library_pages()
+            page_out_at = None
+            continue
+        page_out_at = time.monotonic() + _PAGE_OUT_AFTER_S
         try:
             message, fds = tl.receive_message(link)
         except tl.TemplateLinkError:
