@@ -31,13 +31,18 @@ def builtin_entry(model: str, **extra: Any) -> dict[str, Any]:
 def start_daemon(
     config: dict[str, Any], runtime_dir: Path, env: dict[str, str] | None = None, root: Path = ROOT
 ) -> subprocess.Popen[bytes]:
-    """Write the config beside the runtime dir, start the daemon of checkout `root` (log beside it too), wait for it."""
+    """Write the config beside the runtime dir, start the daemon of checkout `root` (log beside it too), wait for it.
+
+    Another checkout runs on its own `.venv` where it has one: its workers import its package, not this one's.
+    """
     runtime_dir.parent.mkdir(parents=True, exist_ok=True)
     path = runtime_dir.parent / f"{runtime_dir.name}-config.json"
     path.write_text(json.dumps(config))
     log = (runtime_dir.parent / f"{runtime_dir.name}-daemon.log").open("wb")
+    own_python = root / ".venv" / "bin" / "python"
+    python = str(own_python) if root != ROOT and own_python.exists() else sys.executable
     process = subprocess.Popen(
-        [sys.executable, "-m", "infervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
+        [python, "-m", "infervisor", "serve", "--config", str(path), "--runtime-dir", str(runtime_dir)],
         cwd=root,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -1,20 +1,25 @@
 """What the warm template saves: each child's memory and a killed worker's way back, template on against off.
 
     python bench/process_tree.py [--config configs/default.json] [--rounds 2] [--requests 50] [--kills 3]
+                                 [--idle-s 25] [--baseline DIR --baseline-config FILE]
 
-Each round starts the daemon twice on the same config and cache, `warm_template` on then off (the order swapped
-every other round, so a box that slows mid-run weighs on both arms alike). Each start waits until every worker
-serves and no build is running, sends `--requests` batch-1 requests to every model, reads /proc/PID/smaps_rollup of
-every process of the daemon's tree (workers, audit processes, the template, the supervisor) 25 s after no audit
-process is still starting (an exec'd one at idle priority is still importing torch after the requests; the template
-pages out what only it holds once forks pause), then kills a serving
-worker with SIGKILL `--kills` times and times how long until its slot serves again (a new process past READY)
-and a request of the model is answered; "minus load" is that time less the new worker's own model load (its READY's
-`load_ms`), the part a warm template can shorten.
+Each round starts the daemon on the same config and cache with `warm_template` on and off (the order reversed
+every other round, so a box that slows mid-run weighs on the arms alike). With `--baseline`, a third arm, "today",
+starts the daemon of another checkout (a git worktree of the commit before a change, set up with its own
+`./dev setup all`) on FILE: the same models in the form that checkout reads, with its own cache_dir (the formats
+differ).
 
-Run it on a warm cache (one start of the config before, or `infervisor build`) so that both arms load the same
-packages; a cold cache makes the first arm build them. Each model runs with `shadow: "off"`: both arms serve the
-pick at once, whatever passes the cache has recorded.
+Each start waits until every worker serves and no build is running, sends `--requests` batch-1 requests to every
+model, waits until no audit process is still starting (an exec'd one at idle priority is still importing torch
+after the requests) and `--idle-s` more (the template pages out what only it holds once forks pause), reads
+/proc/PID/smaps_rollup of every process of the daemon's tree (workers, audit processes, the template, the
+supervisor), then kills a serving worker with SIGKILL `--kills` times and times how long until its slot serves again
+(a new process past READY) and a request of the model is answered; "minus load" is that time less the new worker's
+own model load (its READY's `load_ms`), the part a warm template can shorten.
+
+Run it on a warm cache (one start of the config before, or `infervisor build`) so that every arm loads the same
+packages; a cold cache makes the first arm build them. This tree's arms run each model with `shadow: "off"`: they
+serve the pick at once, whatever passes the cache has recorded.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ MB = 2**20
 #: Seconds after the last child started before the tree is read: past the template's own quiet time before it
 #: pages out the import pages no child maps.
 IDLE_S = 25.0
+#: The arms in the order a round starts them (the next round reversed).
+ARMS = ("on", "off", "today")
 #: A background build in these states will still replace the workers.
 BUSY_BUILDS = ("waiting", "building")
 
@@ -74,7 +81,7 @@ def _audits_started(runtime_dir: Path, timeout: float) -> None:
     """Wait until no model's audit process is starting: a half-imported one would be measured at half its size."""
     deadline = time.monotonic() + timeout
     while True:
-        audits = [m["audit"]["process"] for m in _status(runtime_dir)["models"].values() if m.get("audit")]
+        audits = [(m.get("audit") or {}).get("process") or {} for m in _status(runtime_dir)["models"].values()]
         if not any(a.get("state") == "starting" for a in audits):
             return
         if time.monotonic() > deadline:
@@ -128,13 +135,17 @@ def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> tu
     raise SystemExit(f"{model}: slot {victim['slot']} not serving again within 120 s of the kill")
 
 
-def one_start(config: dict[str, Any], folder: Path, template: bool, requests: int, kills: int) -> dict[str, Any]:
-    """Start the daemon with the template on or off, measure its tree and its respawns, stop it."""
-    runtime_dir = folder / f"run-{'on' if template else 'off'}-{time.monotonic_ns()}"
-    # The tree measured is the one that serves the pick: with the shadow on, a lossy pick serves only once a pass is
-    # recorded in the cache, so which profile the workers hold would depend on the cache's history, not the arm.
-    models = {name: {**entry, "shadow": "off"} for name, entry in config["models"].items()}
-    process = start_daemon({**config, "models": models, "warm_template": template}, runtime_dir)
+def one_start(config: dict[str, Any], folder: Path, arm: str, requests: int, kills: int,
+              root: Path = ROOT, idle_s: float = IDLE_S) -> dict[str, Any]:  # fmt: skip
+    """Start the daemon of checkout `root` for one arm (`on`, `off`: this tree's `warm_template`; `today`: another
+    checkout's daemon on its own config), measure its tree and its respawns, stop it."""
+    runtime_dir = folder / f"run-{arm}-{time.monotonic_ns()}"
+    if arm != "today":
+        # The tree measured is the one that serves the pick: with the shadow on, a lossy pick serves only once a pass
+        # is recorded in the cache, so which profile the workers hold would depend on the cache's history.
+        models = {name: {**entry, "shadow": "off"} for name, entry in config["models"].items()}
+        config = {**config, "models": models, "warm_template": arm == "on"}
+    process = start_daemon(config, runtime_dir, root=root)
     try:
         status = _settled(runtime_dir, 1800)
         with Client(f"ipc://{runtime_dir / CLIENT_SOCKET_NAME}") as client:
@@ -144,7 +155,7 @@ def one_start(config: dict[str, Any], folder: Path, template: bool, requests: in
                     client.infer(name, arrays, timeout=120)
         _audits_started(runtime_dir, 600)
         # The tree at idle: the template pages out what only it holds once forks pause (worker/template.py).
-        time.sleep(IDLE_S)
+        time.sleep(idle_s)
         memory = tree_memory(process.pid)
         model = next(iter(config["models"]))
         arrays = random_inputs(config["models"][model]["inputs"], 1)
@@ -155,8 +166,8 @@ def one_start(config: dict[str, Any], folder: Path, template: bool, requests: in
             loads.append(load)
             _settled(runtime_dir, 600)
         profiles = sorted({w["profile"] for m in status["models"].values() for w in m["workers"]})
-        return {"template": template, "memory": memory, "respawn_s": respawns, "load_s": loads, "profiles": profiles,
-                "how": _status(runtime_dir)["template"]}  # fmt: skip
+        return {"arm": arm, "memory": memory, "respawn_s": respawns, "load_s": loads, "profiles": profiles,
+                "how": _status(runtime_dir).get("template")}  # fmt: skip
     finally:
         stop_daemon(process)
 
@@ -170,9 +181,9 @@ def summary(results: list[dict[str, Any]]) -> str:
     lines = [f"{'template':<9} {'served':<18} {'worker PSS':>10} {'worker priv':>11} {'audit PSS':>9} "
              f"{'tpl PSS':>7} {'tree PSS':>8} {'respawn p50 s':>13} {'respawn max s':>13} "
              f"{'minus load p50 s':>16}"]  # fmt: skip
-    figures: dict[bool, dict[str, float]] = {}
-    for arm in (True, False):
-        runs = [r for r in results if r["template"] is arm]
+    figures: dict[str, dict[str, float]] = {}
+    for arm in ARMS:
+        runs = [r for r in results if r["arm"] == arm]
         if not runs:
             continue
 
@@ -192,43 +203,58 @@ def summary(results: list[dict[str, Any]]) -> str:
             "respawn": statistics.median(respawns) if respawns else float("nan"),
         }
         lines.append(
-            f"{'on' if arm else 'off':<9} {','.join(runs[0]['profiles']):<18} {median_of('worker', 'pss'):>10.0f} "
+            f"{arm:<9} {','.join(runs[0]['profiles']):<18} {median_of('worker', 'pss'):>10.0f} "
             f"{median_of('worker', 'private'):>11.0f} {median_of('audit', 'pss'):>9.0f} "
             f"{median_of('template', 'pss'):>7.0f} {median_of(None, 'pss'):>8.0f} "
             f"{figures[arm]['respawn']:>13.2f} {max(respawns, default=float('nan')):>13.2f} "
             f"{statistics.median(beyond) if beyond else float('nan'):>16.2f}"
         )
-    if len(figures) == 2:
-        on, off = figures[True], figures[False]
-        lines.append(
-            f"on/off: worker PSS x{on['worker_pss'] / off['worker_pss']:.2f}, whole tree PSS "
-            f"x{on['tree_pss'] / off['tree_pss']:.2f}, respawn x{on['respawn'] / off['respawn']:.2f}"
-        )
+    for base in ("off", "today"):
+        if "on" in figures and base in figures:
+            on, off = figures["on"], figures[base]
+            lines.append(
+                f"on/{base}: worker PSS x{on['worker_pss'] / off['worker_pss']:.2f}, whole tree PSS "
+                f"x{on['tree_pss'] / off['tree_pss']:.2f}, respawn x{on['respawn'] / off['respawn']:.2f}"
+            )
     lines.append("(MB per worker / audit process; template, tree: totals; tree = supervisor + every child)")
     return "\n".join(lines)
 
 
+def _read_config(path: str, cache_dir: str | None) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads(Path(path).read_text())
+    config["log_level"] = "warning"
+    if cache_dir:
+        config["cache_dir"] = cache_dir
+    return config
+
+
 def main() -> int:
-    """Alternate template on/off starts of one config; print the table (and write JSON)."""
+    """Alternate the arms' starts of one config; print the table (and write JSON)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.json"))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds after the requests before the read")
     parser.add_argument("--cache-dir", help="the packages' cache (default: the config's)")
     parser.add_argument("--json", help="also write the measurements here")
+    parser.add_argument("--baseline", help="a checkout of today's daemon (e.g. a git worktree), run as a third arm")
+    parser.add_argument("--baseline-config", help="the same models in the form --baseline's daemon reads")
     args = parser.parse_args()
-    config = json.loads(Path(args.config).read_text())
-    config["log_level"] = "warning"
-    if args.cache_dir:
-        config["cache_dir"] = args.cache_dir
+    if (args.baseline is None) != (args.baseline_config is None):
+        parser.error("--baseline and --baseline-config go together")
+    configs = {"on": _read_config(args.config, args.cache_dir), "off": _read_config(args.config, args.cache_dir)}
+    roots = {"on": ROOT, "off": ROOT}
+    if args.baseline:
+        configs["today"], roots["today"] = _read_config(args.baseline_config, None), Path(args.baseline).resolve()
+    arms = [arm for arm in ARMS if arm in configs]
     folder = Path(tempfile.mkdtemp(prefix="infervisor-tree-"))
     results = []
     for round_ in range(args.rounds):
-        for template in (True, False) if round_ % 2 == 0 else (False, True):
-            results.append(one_start(config, folder, template, args.requests, args.kills))
-            print(f"round {round_ + 1} template {'on' if template else 'off'}: respawn "
-                  f"{[round(s, 2) for s in results[-1]['respawn_s']]} s", file=sys.stderr)  # fmt: skip
+        for arm in arms if round_ % 2 == 0 else arms[::-1]:
+            results.append(one_start(configs[arm], folder, arm, args.requests, args.kills, roots[arm], args.idle_s))
+            print(f"round {round_ + 1} {arm}: respawn {[round(s, 2) for s in results[-1]['respawn_s']]} s",
+                  file=sys.stderr)  # fmt: skip
     print(summary(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

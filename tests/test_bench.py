@@ -179,3 +179,33 @@ def test_the_audit_bench_reads_a_drift_both_arms_share_as_no_cost() -> None:
                                     "audited_rows_per_s": 1.0}  # fmt: skip
     costly = ratios(windows(1.1))
     assert (costly["p99_on_over_off"], costly["req_s_on_over_off"]) == (1.1, round(1 / 1.1, 3))
+
+
+def test_the_process_tree_bench_measures_each_arm_and_a_killed_workers_way_back(tmp_path: Path) -> None:
+    """bench/process_tree.py on tiny, one round of template on, off and a baseline checkout (this one): every arm's
+    tree read from the kernel, a kill -9 timed back to an answer, and the ratios on/off and on/today."""
+    from bench.daemon import builtin_entry
+
+    config = tmp_path / "tiny.json"
+    entry = builtin_entry("tiny", workers=1, cores_per_worker=1, profiles=["eager"])
+    config.write_text(json.dumps({"cache_dir": str(tmp_path / "cache"), "models": {"tiny": entry}}))
+    out = tmp_path / "tree.json"
+    done = subprocess.run(
+        [sys.executable, "bench/process_tree.py", "--config", str(config), "--rounds", "1", "--kills", "1",
+         "--requests", "5", "--idle-s", "0", "--baseline", str(ROOT), "--baseline-config", str(config),
+         "--json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    runs = {run["arm"]: run for run in json.loads(out.read_text())}
+    assert set(runs) == {"on", "off", "today"}
+    for arm, run in runs.items():
+        kinds = sorted(row["kind"] for row in run["memory"])
+        forked = ["supervisor", "template", "worker"]
+        assert kinds == (forked if arm != "off" else ["supervisor", "worker"]), (arm, kinds)
+        assert all(row["pss"] > 1 << 20 for row in run["memory"]), run["memory"]
+        assert len(run["respawn_s"]) == 1 and 0 < run["respawn_s"][0] < 120, run["respawn_s"]
+    assert runs["off"]["how"]["state"] == "off" and runs["on"]["how"]["state"] == "warm"
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:4]] == ["on", "off", "today"]
+    assert lines[4].startswith("on/off: worker PSS x") and lines[5].startswith("on/today: worker PSS x")
