@@ -4,7 +4,7 @@
                                  [--idle-s 25] [--baseline DIR --baseline-config FILE]
 
 Each round starts the daemon on the same config and cache with `warm_template` on and off (the order reversed
-every other round, so a box that slows mid-run weighs on the arms alike). With `--baseline`, a third arm, "today",
+every other round, so a box that slows mid-run weighs on the arms alike). With `--baseline`, a third arm, "baseline",
 starts the daemon of another checkout (a git worktree of the commit before a change, set up with its own
 `./dev setup all`) on FILE: the same models in the form that checkout reads, with its own cache_dir (the formats
 differ).
@@ -52,7 +52,7 @@ MB = 2**20
 #: pages out the import pages no child maps.
 IDLE_S = 25.0
 #: The arms in the order a round starts them (the next round reversed).
-ARMS = ("on", "off", "today")
+ARMS = ("on", "off", "baseline")
 #: A background build in these states will still replace the workers.
 BUSY_BUILDS = ("waiting", "building")
 
@@ -137,10 +137,10 @@ def respawn_seconds(runtime_dir: Path, model: str, arrays: dict[str, Any]) -> tu
 
 def one_start(config: dict[str, Any], folder: Path, arm: str, requests: int, kills: int,
               root: Path = ROOT, idle_s: float = IDLE_S) -> dict[str, Any]:  # fmt: skip
-    """Start the daemon of checkout `root` for one arm (`on`, `off`: this tree's `warm_template`; `today`: another
+    """Start the daemon of checkout `root` for one arm (`on`, `off`: this tree's `warm_template`; `baseline`: another
     checkout's daemon on its own config), measure its tree and its respawns, stop it."""
     runtime_dir = folder / f"run-{arm}-{time.monotonic_ns()}"
-    if arm != "today":
+    if arm != "baseline":
         # The tree measured is the one that serves the pick: with the shadow on, a lossy pick serves only once a pass
         # is recorded in the cache, so which profile the workers hold would depend on the cache's history.
         models = {name: {**entry, "shadow": "off"} for name, entry in config["models"].items()}
@@ -209,7 +209,7 @@ def summary(results: list[dict[str, Any]]) -> str:
             f"{figures[arm]['respawn']:>13.2f} {max(respawns, default=float('nan')):>13.2f} "
             f"{statistics.median(beyond) if beyond else float('nan'):>16.2f}"
         )
-    for base in ("off", "today"):
+    for base in ("off", "baseline"):
         if "on" in figures and base in figures:
             on, off = figures["on"], figures[base]
             lines.append(
@@ -238,7 +238,7 @@ def main() -> int:
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds after the requests before the read")
     parser.add_argument("--cache-dir", help="the packages' cache (default: the config's)")
     parser.add_argument("--json", help="also write the measurements here")
-    parser.add_argument("--baseline", help="a checkout of today's daemon (e.g. a git worktree), run as a third arm")
+    parser.add_argument("--baseline", help="another checkout of the daemon (an older commit's worktree): a third arm")
     parser.add_argument("--baseline-config", help="the same models in the form --baseline's daemon reads")
     args = parser.parse_args()
     if (args.baseline is None) != (args.baseline_config is None):
@@ -246,7 +246,7 @@ def main() -> int:
     configs = {"on": _read_config(args.config, args.cache_dir), "off": _read_config(args.config, args.cache_dir)}
     roots = {"on": ROOT, "off": ROOT}
     if args.baseline:
-        configs["today"], roots["today"] = _read_config(args.baseline_config, None), Path(args.baseline).resolve()
+        configs["baseline"], roots["baseline"] = _read_config(args.baseline_config, None), Path(args.baseline).resolve()
     arms = [arm for arm in ARMS if arm in configs]
     folder = Path(tempfile.mkdtemp(prefix="infervisor-tree-"))
     results = []

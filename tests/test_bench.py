@@ -183,7 +183,7 @@ def test_the_audit_bench_reads_a_drift_both_arms_share_as_no_cost() -> None:
 
 def test_the_process_tree_bench_measures_each_arm_and_a_killed_workers_way_back(tmp_path: Path) -> None:
     """bench/process_tree.py on tiny, one round of template on, off and a baseline checkout (this one): every arm's
-    tree read from the kernel, a kill -9 timed back to an answer, and the ratios on/off and on/today."""
+    tree read from the kernel, a kill -9 timed back to an answer, and the ratios on/off and on/baseline."""
     from bench.daemon import builtin_entry
 
     config = tmp_path / "tiny.json"
@@ -198,7 +198,7 @@ def test_the_process_tree_bench_measures_each_arm_and_a_killed_workers_way_back(
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     runs = {run["arm"]: run for run in json.loads(out.read_text())}
-    assert set(runs) == {"on", "off", "today"}
+    assert set(runs) == {"on", "off", "baseline"}
     for arm, run in runs.items():
         kinds = sorted(row["kind"] for row in run["memory"])
         forked = ["supervisor", "template", "worker"]
@@ -207,5 +207,5 @@ def test_the_process_tree_bench_measures_each_arm_and_a_killed_workers_way_back(
         assert len(run["respawn_s"]) == 1 and 0 < run["respawn_s"][0] < 120, run["respawn_s"]
     assert runs["off"]["how"]["state"] == "off" and runs["on"]["how"]["state"] == "warm"
     lines = done.stdout.splitlines()
-    assert [line.split()[0] for line in lines[1:4]] == ["on", "off", "today"]
-    assert lines[4].startswith("on/off: worker PSS x") and lines[5].startswith("on/today: worker PSS x")
+    assert [line.split()[0] for line in lines[1:4]] == ["on", "off", "baseline"]
+    assert lines[4].startswith("on/off: worker PSS x") and lines[5].startswith("on/baseline: worker PSS x")

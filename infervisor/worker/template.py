@@ -1,7 +1,8 @@
 """The warm template: `python -P -m infervisor.worker.template LINK_FD SUPERVISOR_PID`, one per daemon.
 
 It imports torch and the worker's code once, runs no torch op, starts no thread and loads no model, freezes what it
-imported out of the garbage collector's reach, and then only forks: each child the supervisor asks for (a serving
+imported out of the garbage collector's reach, and then only forks (once forks pause, it hands the kernel the library
+pages its imports touched that no child maps): each child the supervisor asks for (a serving
 worker, a builder, an audit process) is a copy of this process that runs its module's `__main__` exactly as
 `python -P -m MODULE LAUNCH_JSON` would, sharing the imported pages instead of importing them again (gunicorn's
 `--preload`, Python's forkserver). Each child is forked twice so that it is re-parented to the supervisor, a child
