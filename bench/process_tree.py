@@ -178,7 +178,7 @@ def _sum(rows: list[dict[str, Any]], kind: str | None, field: str) -> float:
 
 def summary(results: list[dict[str, Any]]) -> str:
     """One line per arm: medians over rounds of each figure; then the ratios on/off."""
-    lines = [f"{'template':<9} {'served':<18} {'worker PSS':>10} {'worker priv':>11} {'audit PSS':>9} "
+    lines = [f"{'arm':<9} {'served':<18} {'worker PSS':>10} {'worker priv':>11} {'audit PSS':>9} "
              f"{'tpl PSS':>7} {'tree PSS':>8} {'respawn p50 s':>13} {'respawn max s':>13} "
              f"{'minus load p50 s':>16}"]  # fmt: skip
     figures: dict[str, dict[str, float]] = {}
@@ -211,10 +211,10 @@ def summary(results: list[dict[str, Any]]) -> str:
         )
     for base in ("off", "baseline"):
         if "on" in figures and base in figures:
-            on, off = figures["on"], figures[base]
+            on, other = figures["on"], figures[base]
             lines.append(
-                f"on/{base}: worker PSS x{on['worker_pss'] / off['worker_pss']:.2f}, whole tree PSS "
-                f"x{on['tree_pss'] / off['tree_pss']:.2f}, respawn x{on['respawn'] / off['respawn']:.2f}"
+                f"on/{base}: worker PSS x{on['worker_pss'] / other['worker_pss']:.2f}, whole tree PSS "
+                f"x{on['tree_pss'] / other['tree_pss']:.2f}, respawn x{on['respawn'] / other['respawn']:.2f}"
             )
     lines.append("(MB per worker / audit process; template, tree: totals; tree = supervisor + every child)")
     return "\n".join(lines)
@@ -243,7 +243,8 @@ def main() -> int:
     args = parser.parse_args()
     if (args.baseline is None) != (args.baseline_config is None):
         parser.error("--baseline and --baseline-config go together")
-    configs = {"on": _read_config(args.config, args.cache_dir), "off": _read_config(args.config, args.cache_dir)}
+    config = _read_config(args.config, args.cache_dir)  # one_start derives each arm's own copy
+    configs = {"on": config, "off": config}
     roots = {"on": ROOT, "off": ROOT}
     if args.baseline:
         configs["baseline"], roots["baseline"] = _read_config(args.baseline_config, None), Path(args.baseline).resolve()
